@@ -1,0 +1,49 @@
+"""Shared test helpers: every test launches the series' own commands as a user would.
+
+Everything runs on CPU with the gloo backend. Child processes get one intra-op thread each:
+the CI machine has two cores and the tests start several processes at once.
+"""
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+# torchrun installed next to the interpreter running the tests (the venv's own).
+TORCHRUN = str(Path(PYTHON).with_name("torchrun"))
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """Environment for a launched command: CPU only, one thread, unbuffered output."""
+    env = dict(os.environ)
+    env.update(
+        CUDA_VISIBLE_DEVICES="",  # prove the CPU path even where a GPU exists
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        # gloo: restarted worker groups need a fresh store (see 03's README).
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+    )
+    env.update(extra)
+    return env
+
+
+def run(cmd: list[str], cwd: Path = REPO, timeout: float = 240, check: bool = True,
+        **env: str) -> subprocess.CompletedProcess:
+    """Run a command, capture text output, and fail with its output when `check` and rc != 0."""
+    proc = subprocess.run(cmd, cwd=cwd, env=child_env(**env), capture_output=True, text=True,
+                          timeout=timeout)
+    if check and proc.returncode != 0:
+        pytest.fail(f"{cmd} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
+                    f"\n--- stderr\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def free_port() -> int:
+    """A TCP port that is free right now on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
