@@ -10,7 +10,7 @@ def pick_device(local_rank: int = 0) -> torch.device:
     """The device this process trains on: its own GPU when there are GPUs, else the CPU."""
     if torch.cuda.is_available():
         # One process per GPU: the local rank (rank within this machine) indexes the GPU.
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
+        return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
 
