@@ -1,0 +1,34 @@
+"""Pick the device and the matching collective backend in one place.
+
+A GPU machine gets `cuda:<local_rank>` and NCCL; anything else gets the CPU and gloo, so every
+step of the series also runs (slowly, but correctly) on a laptop or a CI machine.
+"""
+import socket
+
+import torch
+
+
+def pick_device(local_rank: int = 0, requested: str = "auto") -> torch.device:
+    """The device this process trains on: its own GPU when there are GPUs, else the CPU.
+
+    `requested` is "auto", "cpu" or "cuda"; asking for CUDA on a machine without it is an error
+    rather than a silent fall back to the CPU.
+    """
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was requested but no CUDA GPU is available")
+    if requested != "cpu" and torch.cuda.is_available():
+        # One process per GPU: the local rank (rank within this machine) indexes the GPU.
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def backend_for(device: torch.device) -> str:
+    """NCCL only talks to CUDA tensors; gloo handles CPU tensors."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def free_port() -> int:
+    """Ask the OS for an unused TCP port, so two jobs on one machine never clash."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
