@@ -1,0 +1,185 @@
+"""Step 04: the same job on several machines ("nodes"), joined by a rendezvous.
+
+    # on every node (set HOST to the first node's address; snapshot.pt on shared storage):
+    torchrun --nnodes=2 --nproc_per_node=4 --rdzv-id=456 --rdzv-backend=c10d \
+        --rdzv-endpoint=HOST:29603 04_multinode/train.py 50 10
+    bash 04_multinode/run_two_nodes.sh   # two "nodes" on this one machine
+"""
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.distributed import all_reduce, destroy_process_group, init_process_group
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
+
+from datautils import MyTrainDataset
+from devices import backend_for, pick_device
+from faults import inject_fault
+from snapshot import SnapshotError, atomic_save, load_snapshot, rng_state, set_rng_state
+
+
+def ddp_setup(requested: str) -> torch.device:
+    # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT for every worker.
+    # LOCAL_RANK numbers the processes of one node (it picks the GPU); RANK is unique job-wide.
+    device = pick_device(int(os.environ["LOCAL_RANK"]), requested)
+    if device.type == "cuda":
+        # Before init_process_group: NCCL binds each process to the current GPU.
+        torch.cuda.set_device(device)
+    init_process_group(backend=backend_for(device))
+    return device
+
+
+class Trainer:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        train_data: DataLoader,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        save_every: int,
+        snapshot_path: str,
+    ) -> None:
+        self.device = device
+        self.rank = torch.distributed.get_rank()  # the global rank, as RANK
+        node, local_rank = os.environ["GROUP_RANK"], os.environ["LOCAL_RANK"]
+        self.tag = f"node {node} | local {local_rank} | global {self.rank}"
+        # DDP broadcasts rank 0's weights at construction and all-reduces gradients in backward.
+        # device_ids only for a GPU: on the CPU DDP must get none.
+        device_ids = [device.index] if device.type == "cuda" else None
+        self.model = DDP(model.to(device), device_ids=device_ids)
+        self.train_data = train_data
+        self.optimizer = optimizer
+        self.save_every = save_every
+        self.snapshot_path = snapshot_path
+        self.epochs_run = 0  # the next epoch to run
+        # Every rank must see the same snapshot, so it lives on storage all nodes share.
+        found = torch.tensor(int(os.path.exists(snapshot_path)), device=device)
+        all_reduce(found)
+        if 0 < found.item() < torch.distributed.get_world_size():
+            raise SnapshotError(f"{snapshot_path} exists for {found.item()} of "
+                                f"{torch.distributed.get_world_size()} ranks: use shared storage")
+        if found.item():  # every rank loads the same file: weights stay equal
+            self._load_snapshot(snapshot_path)
+
+    def _load_snapshot(self, snapshot_path: str) -> None:
+        # map_location: tensors saved from cuda:0 land on this rank's own device.
+        keys = ("MODEL_STATE", "OPTIMIZER_STATE", "EPOCHS_RUN", "RNG_STATES")
+        snapshot = load_snapshot(snapshot_path, self.device, keys)
+        self.model.module.load_state_dict(snapshot["MODEL_STATE"])
+        self.optimizer.load_state_dict(snapshot["OPTIMIZER_STATE"])
+        self.epochs_run = snapshot["EPOCHS_RUN"]
+        if len(snapshot["RNG_STATES"]) == torch.distributed.get_world_size():
+            set_rng_state(snapshot["RNG_STATES"][self.rank])  # each rank resumes its own RNG
+        print(f"[{self.tag}] Resuming training from snapshot at epoch {self.epochs_run}")
+
+    def _run_batch(self, source: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        self.optimizer.zero_grad()
+        output = self.model(source)
+        loss = F.mse_loss(output, targets)
+        loss.backward()
+        self.optimizer.step()
+        return loss.detach()
+
+    def _run_epoch(self, epoch: int) -> None:
+        b_sz = len(next(iter(self.train_data))[0])
+        # A new shuffle each epoch: the sampler seeds its permutation with (seed + epoch).
+        self.train_data.sampler.set_epoch(epoch)
+        # Sum losses on the device; one host sync per epoch instead of one per batch.
+        loss_sum = torch.zeros((), device=self.device)
+        for step, (source, targets) in enumerate(self.train_data):
+            if step == len(self.train_data) // 2:
+                inject_fault(epoch)
+            source, targets = source.to(self.device), targets.to(self.device)
+            loss_sum += self._run_batch(source, targets)
+        # Each rank saw a different shard: average over all ranks before logging.
+        all_reduce(loss_sum)
+        loss = loss_sum.item() / (len(self.train_data) * torch.distributed.get_world_size())
+        if self.rank == 0:
+            print(f"[{self.tag} | {self.device}] Epoch {epoch} | Batchsize: {b_sz} | "
+                  f"Steps: {len(self.train_data)} | Loss: {loss:.4f}")
+
+    def _save_snapshot(self, epoch: int) -> None:
+        # Every rank's RNG state goes into the one file rank 0 writes, so each rank resumes its own.
+        rng_states = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(rng_states, rng_state())
+        if self.rank != 0:  # only global rank 0 writes: one writer even when nodes share storage
+            return
+        snapshot = {
+            "MODEL_STATE": self.model.module.state_dict(),  # .module: loads without DDP
+            "OPTIMIZER_STATE": self.optimizer.state_dict(),
+            "EPOCHS_RUN": epoch + 1,  # the next epoch to run: resume must not redo this one
+            "RNG_STATES": rng_states,
+        }
+        atomic_save(snapshot, self.snapshot_path)
+        print(f"Epoch {epoch} | Training snapshot saved at {self.snapshot_path}")
+
+    def train(self, max_epochs: int) -> None:
+        for epoch in range(self.epochs_run, max_epochs):
+            self._run_epoch(epoch)
+            if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
+                self._save_snapshot(epoch)
+
+
+def load_train_objs() -> tuple[Dataset, torch.nn.Module, torch.optim.Optimizer]:
+    train_set = MyTrainDataset(2048)
+    model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    return train_set, model, optimizer
+
+
+def prepare_dataloader(dataset: Dataset, batch_size: int) -> DataLoader:
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        pin_memory=torch.cuda.is_available(),  # page-locked memory speeds host->GPU copies
+        shuffle=False,  # the sampler shuffles
+        sampler=DistributedSampler(dataset),  # each rank gets its own 1/world_size of the data
+        generator=torch.Generator(),  # iterators draw from it, not from the global RNG
+    )
+
+
+def main(args: argparse.Namespace) -> None:
+    torch.manual_seed(0)  # the same initial weights on every run
+    device = ddp_setup(args.device)
+    dataset, model, optimizer = load_train_objs()
+    train_data = prepare_dataloader(dataset, args.batch_size)
+    trainer = Trainer(model, train_data, optimizer, device, args.save_every, args.snapshot_path)
+    trainer.train(args.total_epochs)
+    del trainer  # release DDP before its process group: destroying it first can hang at exit
+    destroy_process_group()
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="simple distributed training job")
+    parser.error = lambda message: sys.exit(f"error: {message}")  # one line, no usage block
+    parser.add_argument("total_epochs", nargs="?", default=50, type=positive_int,
+                        help="total epochs to train the model (default: 50)")
+    parser.add_argument("save_every", nargs="?", default=10, type=positive_int,
+                        help="how often to save a snapshot, in epochs (default: 10)")
+    parser.add_argument("--batch_size", default=32, type=positive_int,
+                        help="input batch size on each device (default: 32)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="auto: a GPU when there is one, else the CPU")
+    parser.add_argument("--snapshot_path", default="snapshot.pt")
+    if "LOCAL_RANK" not in os.environ:
+        parser.error("launch with torchrun: see the commands at the top of 04_multinode/train.py")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    args = parse_args()
+    try:
+        main(args)
+    except (ValueError, SnapshotError) as e:
+        sys.exit(f"error: {e}")
