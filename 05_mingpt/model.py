@@ -1,0 +1,271 @@
+"""A minGPT-style GPT: token + position embeddings, a stack of transformer blocks, a tied LM head.
+
+This file is plain PyTorch with no distributed code: the trainer wraps the model (DDP, or FSDP
+per entry of `self.blocks`) after it is built. The layout and parameter names follow GPT-2
+(`c_attn`, `c_fc`, `c_proj`, `ln_1`, ...), so GPT-2 weights map onto it one to one (their Conv1D
+weights are stored transposed).
+
+    from model import GPT, GPTConfig
+    model = GPT(GPTConfig(model_type="gpt-mini", vocab_size=65, block_size=128))
+"""
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# Named model sizes. gpt2* are the four OpenAI GPT-2 models; the small ones train on a CPU.
+PRESETS: dict[str, dict[str, int]] = {
+    "gpt-nano": dict(n_layer=3, n_head=3, n_embd=48),
+    "gpt-micro": dict(n_layer=4, n_head=4, n_embd=128),
+    "gpt-mini": dict(n_layer=6, n_head=6, n_embd=192),
+    "gopher-44m": dict(n_layer=8, n_head=16, n_embd=512),
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768),  # 124M parameters
+    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),  # 350M
+    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),  # 774M
+    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),  # 1558M
+}
+SIZE_KEYS = ("n_layer", "n_head", "n_embd")
+
+
+@dataclass
+class GPTConfig:
+    model_type: str | None = "gpt-nano"  # a preset name, or None to use n_layer/n_head/n_embd
+    n_layer: int | None = None
+    n_head: int | None = None
+    n_embd: int | None = None
+    vocab_size: int | None = None  # set from the dataset
+    block_size: int | None = None  # longest context the model sees; set from the dataset
+    dropout: float = 0.1  # embedding, attention and residual dropout
+    bias: bool = True  # biases in Linear and LayerNorm layers, as in GPT-2
+
+
+def _is_positive_int(value: object) -> bool:
+    # bool is a subclass of int: `n_layer=True` is a mistake, not 1.
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def resolve_config(cfg: GPTConfig) -> GPTConfig:
+    """Return a copy with the preset's sizes filled in; ValueError (one line) if it is invalid.
+
+    A preset fixes n_layer/n_head/n_embd; giving different sizes as well is an error rather than
+    a silent override, so a config always says what it trains. Resolving twice is harmless.
+    """
+    sizes = {key: getattr(cfg, key) for key in SIZE_KEYS}
+    if cfg.model_type is not None:
+        if cfg.model_type not in PRESETS:
+            raise ValueError(f"unknown model_type {cfg.model_type!r}; allowed: "
+                             f"{', '.join(PRESETS)}, or null with n_layer/n_head/n_embd set")
+        preset = PRESETS[cfg.model_type]
+        for key, value in sizes.items():
+            if value is not None and value != preset[key]:
+                raise ValueError(f"model_type={cfg.model_type} sets {key}={preset[key]}, got "
+                                 f"{key}={value}; set model_type=null to choose sizes yourself")
+        sizes = dict(preset)
+    missing = [key for key, value in sizes.items() if value is None]
+    if missing:
+        raise ValueError(f"model_type is null, so {', '.join(missing)} must be set "
+                         f"(or pick a model_type: {', '.join(PRESETS)})")
+    for key in (*SIZE_KEYS, "vocab_size", "block_size"):
+        value = sizes.get(key, getattr(cfg, key))
+        if value is None:
+            raise ValueError(f"{key} is not set (it comes from the dataset)")
+        if not _is_positive_int(value):
+            raise ValueError(f"{key} must be a positive integer, got {value!r}")
+    if sizes["n_embd"] % sizes["n_head"] != 0:
+        raise ValueError(f"n_embd ({sizes['n_embd']}) must be divisible by "
+                         f"n_head ({sizes['n_head']})")
+    if isinstance(cfg.dropout, bool) or not isinstance(cfg.dropout, int | float) \
+            or not 0.0 <= cfg.dropout < 1.0:
+        raise ValueError(f"dropout must be in [0, 1), got {cfg.dropout!r}")
+    return replace(cfg, **sizes)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention where position t only attends to positions <= t."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+        # One matmul computes queries, keys and values for all heads at once.
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()  # batch, sequence length, n_embd
+        q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
+        # Split channels into heads and move heads next to batch: attention runs per head.
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        # is_causal=True masks the future inside the kernel (flash / memory-efficient on GPU).
+        # A hand-made float mask is easy to get wrong: a 0/1 float mask is *added* to the scores
+        # and masks nothing. Dropout on the attention weights only while training.
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward: widen 4x, GELU, project back."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        # GPT-2 was trained with the tanh approximation of GELU; keep it for weight parity.
+        self.gelu = nn.GELU(approximate="tanh")
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))  # (B, T, C)
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))  # (B, T, C)
+        return x + self.mlp(self.ln_2(x))  # (B, T, C)
+
+
+class GPT(nn.Module):
+    """GPT language model: idx (B, T) token ids -> logits (B, T, vocab_size) for the next token."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        config = resolve_config(config)
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)  # token embedding
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)  # learned position embedding
+        self.drop = nn.Dropout(config.dropout)
+        # A ModuleList of identical blocks: the unit FSDP shards and activation checkpointing wraps.
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # Weight tying: the output layer reuses the token embedding (one tensor, fewer parameters,
+        # and the same vector both reads and writes a token).
+        self.wte.weight = self.lm_head.weight
+        self.apply(self._init_weights)
+        # GPT-2: each block adds two residual projections to the stream; scale them down so the
+        # variance of the residual stream does not grow with depth.
+        for name, param in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        # GPT-2 init: N(0, 0.02) weights, zero biases (LayerNorm keeps its ones/zeros default).
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits (B, T, vocab_size), and the mean cross-entropy when targets are given.
+
+        Targets equal to -1 are ignored (padding).
+        """
+        B, T = idx.size()
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        pos = torch.arange(T, dtype=torch.long, device=idx.device)  # (T,)
+        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C) + (T, C) broadcasts over batch
+        for block in self.blocks:
+            x = block(x)  # (B, T, C)
+        logits = self.lm_head(self.ln_f(x))  # (B, T, vocab_size)
+        loss = None
+        if targets is not None:
+            # Flatten batch and time: cross_entropy wants (N, vocab) scores and (N,) labels.
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1),
+                                   ignore_index=-1)
+        return logits, loss
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, do_sample: bool = True) -> torch.Tensor:
+        """Append max_new_tokens tokens to idx (B, T), one at a time; returns (B, T + new).
+
+        Call model.eval() first (dropout off). temperature < 1 sharpens the distribution,
+        top_k keeps only the k most likely tokens, do_sample=False always takes the most likely.
+        """
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
+        for _ in range(max_new_tokens):
+            # The model has position embeddings for block_size positions only: keep the tail.
+            idx_cond = idx[:, -self.config.block_size:]  # (B, <= block_size)
+            logits, _ = self(idx_cond)
+            logits = logits[:, -1, :] / temperature  # (B, vocab_size): only the last position
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]  # (B, 1)
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            if do_sample:
+                probs = F.softmax(logits, dim=-1)  # (B, vocab_size)
+                idx_next = torch.multinomial(probs, num_samples=1)  # (B, 1)
+            else:
+                idx_next = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+            idx = torch.cat((idx, idx_next), dim=1)  # (B, T + 1)
+        return idx
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Number of parameters (the tied embedding / lm_head weight counts once).
+
+        non_embedding=True leaves out the position embedding. The token embedding stays: tied to
+        lm_head it is also the output matmul, which costs compute like any other weight.
+        """
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.wpe.weight.numel()
+        return n
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token (forward + backward), PaLM paper appendix B.
+
+        6 FLOPs per weight per token (2 forward, 4 backward) plus attention's score and
+        weighted-sum matmuls over a full context: 12 * n_layer * n_embd * block_size.
+        """
+        cfg = self.config
+        return 6.0 * self.num_params(non_embedding=True) + 12.0 * cfg.n_layer * cfg.n_embd \
+            * cfg.block_size
+
+    def optim_groups(self, weight_decay: float) -> list[dict]:
+        """AdamW parameter groups: weight decay on Linear weights only.
+
+        Biases, LayerNorm and Embedding weights are not decayed (the tied wte/lm_head weight is
+        an embedding, so it is not decayed either). Parameters are grouped by identity, found
+        through the modules that own them, so this still works after DDP/FSDP wrapping or
+        activation checkpointing has changed parameter names.
+        """
+        decay: set[int] = set()
+        no_decay: set[int] = set()
+        for module in self.modules():
+            for name, param in module.named_parameters(recurse=False):
+                if isinstance(module, nn.Linear) and name == "weight":
+                    decay.add(id(param))
+                else:
+                    no_decay.add(id(param))
+        decay -= no_decay  # a weight shared by a Linear and an Embedding counts as embedding
+        params = list(self.parameters())  # unique parameters, in a fixed order
+        return [
+            {"params": [p for p in params if id(p) in decay], "weight_decay": weight_decay},
+            {"params": [p for p in params if id(p) not in decay], "weight_decay": 0.0},
+        ]
