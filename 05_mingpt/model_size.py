@@ -50,6 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--preset", default=None,
                         help=f"show one preset only: {', '.join(PRESETS)}")
     args = parser.parse_args(argv)
+    # Checked here rather than with `choices=` so the message lists the presets on one line.
     if args.preset is not None and args.preset not in PRESETS:
         parser.error(f"unknown preset {args.preset!r}; allowed: {', '.join(PRESETS)}")
     return args
@@ -58,6 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_on_meta(preset: str, vocab_size: int, block_size: int) -> GPT:
     """The real GPT module for a preset, with meta tensors (shapes only, no memory)."""
     config = GPTConfig(model_type=preset, vocab_size=vocab_size, block_size=block_size)
+    # Every tensor created inside this block lands on `meta`; init calls (normal_) are no-ops.
     with torch.device("meta"):
         return GPT(config)
 
@@ -81,6 +83,7 @@ def human_bytes(n: float) -> str:
 
 def size_row(preset: str, vocab_size: int, block_size: int) -> dict[str, object]:
     """One table row: shape of the preset, parameter counts, FLOPs/token and sizes in bytes."""
+    # Count from the module itself, not a formula: the table cannot drift from model.py.
     model = build_on_meta(preset, vocab_size, block_size)
     cfg, n_params = model.config, model.num_params()
     return {
@@ -97,7 +100,7 @@ def size_row(preset: str, vocab_size: int, block_size: int) -> dict[str, object]
 
 def print_table(rows: list[dict[str, object]]) -> None:
     """Print rows as aligned columns: text left, numbers right."""
-    headers = list(rows[0])
+    headers = list(rows[0])  # dicts keep insertion order: columns as size_row lists them
     widths = [max(len(h), *(len(str(row[h])) for row in rows)) for h in headers]
 
     def line(cells: list[object]) -> str:
@@ -118,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:  # an invalid model config: one line, no traceback
         print(f"error: {err}", file=sys.stderr)
         return 1
+    # vocab_size and block_size change the embedding tables, so print what the counts assume.
     print(f"vocab_size={args.vocab_size}  block_size={args.block_size}")
     print_table(rows)
     print("L/H/C: layers / heads / embedding width; params: tied wte/lm_head counted once")
