@@ -155,6 +155,7 @@ if __name__ == "__main__":
         else:  # started by python: spawn one process per rank, on a free rendezvous port
             os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "localhost", str(free_port())
             world_size = args.nproc or torch.cuda.device_count() or 2
+            pick_device(0, args.device)  # a bad --device fails here, not in every child
             mp.spawn(main, args=(world_size, args), nprocs=world_size)
     except ValueError as e:
         sys.exit(f"error: {e}")
