@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc_per_node=4 03_torchrun_fault_tolerance/train.py 50 10
     # survive a crash: torchrun restarts the workers, they resume from the last snapshot
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1  # restarts need a fresh store (see README)
     FAULT_AT_EPOCH=12 torchrun --standalone --nproc_per_node=4 --max-restarts=3 \
         03_torchrun_fault_tolerance/train.py 50 10
 """

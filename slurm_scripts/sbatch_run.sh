@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Launch a step of the series on a Slurm cluster: one torchrun agent per node, started by srun,
+# meeting at a c10d rendezvous on the first node of the allocation.
+#
+#   sbatch slurm_scripts/sbatch_run.sh                       # step 04, 50 epochs, save every 10
+#   sbatch slurm_scripts/sbatch_run.sh 100 20                # arguments go to train.py
+#   STEP=mingpt sbatch slurm_scripts/sbatch_run.sh           # 05_mingpt (hydra overrides as args)
+#
+# Node and GPU counts are set here, once: the #SBATCH lines below. Edit the partition/account
+# lines for your cluster. Submit from the repository root (Slurm starts the job in that folder).
+#SBATCH --job-name=ddp-series
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1          # one torchrun agent per node; it starts the GPU processes
+#SBATCH --gpus-per-node=4
+#SBATCH --cpus-per-task=16
+#SBATCH --time=01:00:00
+#SBATCH --output=slurm-%j.out
+##SBATCH --partition=gpu            # uncomment and edit for your cluster
+##SBATCH --account=my-account
+
+set -euo pipefail
+
+# The head node's address: every agent meets there. Port from the job id avoids clashes.
+head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+head_node_ip=$(srun --nodes=1 --ntasks=1 -w "$head_node" hostname --ip-address | awk '{print $1}')
+port=$((29500 + SLURM_JOB_ID % 1000))
+gpus_per_node=${SLURM_GPUS_ON_NODE:-4}
+
+case "${STEP:-multinode}" in
+  multinode) script=04_multinode/train.py ;;
+  mingpt)    script=05_mingpt/main.py ;;
+  *) echo "error: STEP must be multinode or mingpt, got '$STEP'" >&2; exit 2 ;;
+esac
+
+echo "head node: $head_node ($head_node_ip:$port), nodes: $SLURM_NNODES, GPUs/node: $gpus_per_node"
+# Snapshots are written relative to this folder: it must be on storage every node shares.
+srun torchrun \
+  --nnodes="$SLURM_NNODES" \
+  --nproc_per_node="$gpus_per_node" \
+  --rdzv-id="$SLURM_JOB_ID" \
+  --rdzv-backend=c10d \
+  --rdzv-endpoint="$head_node_ip:$port" \
+  --max-restarts=3 \
+  "$script" "$@"

@@ -1,0 +1,106 @@
+"""The docs and the tree are tested like code: copies agree, diffs are small, links resolve."""
+import difflib
+import filecmp
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import PYTHON, REPO
+
+STEPS = ["01_single_gpu", "02_multigpu", "03_torchrun_fault_tolerance", "04_multinode"]
+# Helpers copied into every step that uses them, so each step folder reads on its own.
+# The first folder listed holds the master copy.
+COPIED_HELPERS = {
+    "datautils.py": STEPS,
+    "devices.py": [*STEPS, "05_mingpt"],
+    "snapshot.py": STEPS,
+    "faults.py": ["03_torchrun_fault_tolerance", "04_multinode"],
+}
+# Changed lines (added + removed, blank lines not counted) of train.py against the previous
+# step. Step 03 teaches two ideas (torchrun, snapshots), so it gets two steps' worth.
+DIFF_BUDGET = {"02_multigpu": 80, "03_torchrun_fault_tolerance": 120, "04_multinode": 60}
+MARKDOWN = sorted(p for p in REPO.rglob("*.md") if ".venv" not in p.parts
+                  and ".pytest_cache" not in p.parts)
+
+
+def changed_lines(a: Path, b: Path) -> int:
+    diff = difflib.unified_diff(a.read_text().splitlines(), b.read_text().splitlines(), n=0)
+    return sum(1 for line in diff if line[:1] in "+-" and line[:3] not in ("+++", "---")
+               and line[1:].strip())
+
+
+@pytest.mark.parametrize("helper", sorted(COPIED_HELPERS))
+def test_copied_helpers_are_identical(helper):
+    master, *copies = (REPO / d / helper for d in COPIED_HELPERS[helper])
+    for copy in copies:
+        assert filecmp.cmp(master, copy, shallow=False), (
+            f"{copy.relative_to(REPO)} differs from {master.relative_to(REPO)}; "
+            f"fix with: cp {master.relative_to(REPO)} {copy.relative_to(REPO)}")
+
+
+@pytest.mark.parametrize("step", list(DIFF_BUDGET))
+def test_step_diff_stays_small_and_readme_table_is_current(step):
+    previous = STEPS[STEPS.index(step) - 1]
+    n = changed_lines(REPO / previous / "train.py", REPO / step / "train.py")
+    assert n <= DIFF_BUDGET[step], f"{step}/train.py changes {n} lines (budget {DIFF_BUDGET[step]})"
+    row = next(line for line in (REPO / "README.md").read_text().splitlines()
+               if line.startswith(f"| [{step}]"))
+    assert row.rstrip(" |").endswith(f"| {n}"), f"README table says otherwise for {step}: {row}"
+
+
+def diff_fences(md: Path) -> list[list[str]]:
+    return [m.group(1).splitlines() for m in
+            re.finditer(r"```diff\n(.*?)```", md.read_text(), flags=re.S)]
+
+
+@pytest.mark.parametrize("md", [p for p in MARKDOWN if diff_fences(p)],
+                         ids=lambda p: str(p.relative_to(REPO)))
+def test_readme_diff_fences_match_the_code(md):
+    for fence in diff_fences(md):
+        assert fence[0].startswith("--- ") and fence[1].startswith("+++ "), (
+            f"{md}: a diff fence must start with '--- old' and '+++ new' file lines")
+        old = (md.parent / fence[0][4:].split()[0]).read_text().splitlines()
+        new = (md.parent / fence[1][4:].split()[0]).read_text().splitlines()
+        for line in fence[2:]:
+            if line.startswith("@@") or line.strip() in ("", "...") :
+                continue
+            sign, text = line[0], line[1:]
+            where = {"+": [new], "-": [old], " ": [new, old]}[sign]
+            assert any(text in f for f in where), f"{md.name}: stale diff line {line!r}"
+
+
+@pytest.mark.parametrize("md", MARKDOWN, ids=lambda p: str(p.relative_to(REPO)))
+def test_relative_links_resolve(md):
+    for target in re.findall(r"\]\(([^)\s]+)\)", md.read_text()):
+        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+            continue
+        path = (md.parent / target.split("#")[0]).resolve()
+        assert path.exists(), f"{md.relative_to(REPO)} links to missing {target}"
+
+
+SHELL_SCRIPTS = sorted(p for p in REPO.rglob("*.sh") if ".venv" not in p.parts) + [
+    REPO / ".ci/run"]
+
+
+@pytest.mark.parametrize("script", SHELL_SCRIPTS, ids=lambda p: str(p.relative_to(REPO)))
+def test_shell_scripts_parse(script):
+    proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_paths_in_slurm_scripts_exist():
+    scripts = sorted((REPO / "slurm_scripts").glob("*.sh"))
+    assert scripts
+    for script in scripts:
+        named = re.findall(r"\b((?:0[1-5]_[a-z_]+|slurm_scripts)/[\w./-]+)", script.read_text())
+        assert named, f"{script.name} names no file of the series"
+        for rel in named:
+            assert (REPO / rel).exists(), f"{script.name} names missing {rel}"
+
+
+def test_ruff_is_clean():
+    proc = subprocess.run([PYTHON, "-m", "ruff", "check", "."], cwd=REPO, capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
