@@ -1,0 +1,90 @@
+"""Character-level language modelling data: any UTF-8 text file becomes next-character samples.
+
+    train, val, meta = build_datasets(cfg.data_config, block_size=64, seed=0)
+    x, y = train[0]  # (block_size,) token ids each; y is x shifted left by one character
+
+The text is read with fsspec, so `data_config.path` may be a local path (relative paths are
+relative to this folder, wherever the command is started) or any URL fsspec knows (s3://...).
+"""
+from pathlib import Path
+
+import fsspec
+import torch
+from omegaconf import DictConfig
+from torch.utils.data import Dataset
+
+HERE = Path(__file__).resolve().parent
+
+
+class CharDataset(Dataset):
+    """Every position of a token sequence starts one (block_size,) sample."""
+
+    def __init__(self, tokens: torch.Tensor, block_size: int) -> None:
+        self.tokens = tokens  # (N,) int64 token ids
+        self.block_size = block_size
+
+    def __len__(self) -> int:
+        # The last sample needs block_size + 1 tokens: block_size inputs, and one more target.
+        return len(self.tokens) - self.block_size
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        chunk = self.tokens[index : index + self.block_size + 1]  # (block_size + 1,)
+        return chunk[:-1], chunk[1:]  # inputs, and the next character at every position
+
+
+def resolve_path(path: str) -> str:
+    """A URL as is; a relative local path relative to this folder, not to the hydra run dir."""
+    if "://" in path or Path(path).is_absolute():
+        return path
+    return str(HERE / path)
+
+
+def read_text(path: str) -> str:
+    """The whole file as text; ValueError with one clear line for every way it can be unusable."""
+    try:
+        with fsspec.open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise ValueError(f"data file not found: {path} (set data_config.path)") from None
+    except (OSError, ValueError) as e:  # permissions, a directory, an unknown URL protocol ...
+        raise ValueError(f"cannot read data file {path}: {e}") from None
+    if not raw:
+        raise ValueError(f"data file {path} is empty")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"data file {path} is not UTF-8 text (byte {e.start}: "
+                         f"{raw[e.start:e.start + 1]!r})") from None
+
+
+def build_datasets(data_cfg: DictConfig, block_size: int, seed: int
+                   ) -> tuple[CharDataset, CharDataset, dict]:
+    """(train, val, meta) from `data_cfg.path`; the same split and vocabulary on every rank.
+
+    The split is positional: the first `train_fraction` of the text trains, the rest validates.
+    It needs no randomness (`seed` is unused), and no validation character is ever trained on,
+    unlike a random split of overlapping windows, where nearly every validation window shares
+    all but one character with some training window.
+    """
+    del seed  # same interface as the image data, whose palette sampling is seeded
+    path = resolve_path(str(data_cfg.path))
+    fraction = float(data_cfg.train_fraction)
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"data_config.train_fraction must be between 0 and 1, got {fraction}")
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"gpt_config.block_size must be a positive integer, got {block_size!r}")
+    text = read_text(path)
+    # The vocabulary: every distinct character, sorted, so the ids do not depend on file order.
+    chars = sorted(set(text))
+    stoi = {ch: i for i, ch in enumerate(chars)}
+    tokens = torch.tensor([stoi[ch] for ch in text], dtype=torch.long)  # (N,)
+    n_train = int(len(tokens) * fraction)
+    train_tokens, val_tokens = tokens[:n_train], tokens[n_train:]
+    shortest = min(len(train_tokens), len(val_tokens))
+    if block_size >= shortest:
+        raise ValueError(f"gpt_config.block_size ({block_size}) must be smaller than each split of "
+                         f"{path} (train {len(train_tokens)}, val {len(val_tokens)} characters); "
+                         "use a longer text or a smaller block_size")
+    meta = {"kind": "char", "vocab_size": len(chars), "block_size": block_size, "itos": chars,
+            "path": path}
+    return CharDataset(train_tokens, block_size), CharDataset(val_tokens, block_size), meta

@@ -1,0 +1,143 @@
+"""Train a GPT with DDP or FSDP on one CPU, one GPU, or many nodes; configured by hydra.
+
+    python main.py                                          # one process (CPU or one GPU)
+    torchrun --standalone --nproc_per_node=4 main.py        # 4 processes: 4 GPUs, or 4 on a CPU
+    python main.py trainer_config.distributed_method=fsdp trainer_config.precision=bf16
+    python launch.py                                        # torchrun, one process per GPU
+
+Every key of gpt2_train_cfg.yaml can be overridden as `section.key=value`. Each run writes
+into runs/<run_name>/ (config, TensorBoard logs, snapshot); a relaunch with the same run_name
+resumes from its snapshot.
+"""
+import importlib
+import os
+import platform
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import hydra
+import omegaconf
+import torch
+import torch.distributed as dist
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from config import check_command_line, validate
+from devices import backend_for, pick_device
+from model import GPT, GPTConfig
+from parallelize import parallelize, unwrap
+from sample import generate_text
+from trainer import Trainer, print0
+
+HERE = Path(__file__).resolve().parent
+CONFIG_NAME = "gpt2_train_cfg"
+# data_config.name -> the module whose build_datasets() reads that data.
+DATA_MODULES = {"char": "char_dataset", "cifar10": "image_dataset"}
+
+
+def ddp_setup() -> torch.device:
+    """Join the process group: torchrun's when launched by it, else a group of one."""
+    device = pick_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if device.type == "cuda":
+        # Before init_process_group: NCCL binds each process to the current GPU.
+        torch.cuda.set_device(device)
+    if "RANK" in os.environ:  # torchrun set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+        dist.init_process_group(backend_for(device))
+    else:
+        # `python main.py`: a one-process group (an in-memory store, no port), so DDP and
+        # FSDP run exactly the code they run under torchrun.
+        dist.init_process_group(backend_for(device), store=dist.HashStore(), rank=0,
+                                world_size=1)
+    return device
+
+
+def print_versions(device: torch.device) -> None:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+    print0(f"torch {torch.__version__} | python {platform.python_version()} | hydra "
+           f"{hydra.__version__} | omegaconf {omegaconf.__version__}")
+    print0(f"device {device} ({name or 'cpu'}) | backend {dist.get_backend()} | world size "
+           f"{dist.get_world_size()}")
+
+
+def load_train_objs(cfg: DictConfig, device: torch.device) -> tuple:
+    """Data, model (wrapped for DDP/FSDP) and optimizer; ValueError for bad data or config."""
+    data = importlib.import_module(DATA_MODULES[cfg.data_config.name])
+    train_set, val_set, meta = data.build_datasets(cfg.data_config, cfg.gpt_config.block_size,
+                                                   cfg.trainer_config.seed)
+    # The vocabulary (and block size) come from the data, the rest from gpt_config.
+    gpt_config = GPTConfig(**{**OmegaConf.to_container(cfg.gpt_config, resolve=True),
+                              "vocab_size": meta["vocab_size"],
+                              "block_size": meta["block_size"]})
+    # The same seed on every rank: FSDP shards each rank's own copy of the initial weights,
+    # so all copies must be equal (DDP would broadcast rank 0's, FSDP does not).
+    torch.manual_seed(cfg.trainer_config.seed)
+    model = GPT(gpt_config).to(device)
+    print0(f"model: {model.num_params():,} parameters ({model.config.n_layer} layers, "
+           f"{model.config.n_head} heads, {model.config.n_embd} wide, vocab "
+           f"{model.config.vocab_size}, block {model.config.block_size})")
+    snapshot_meta = {"model_config": asdict(model.config), "data_meta": meta}
+    flops_per_token = model.flops_per_token()
+    t = cfg.trainer_config
+    model = parallelize(model, device, t.distributed_method, t.precision, t.cpu_offload,
+                        t.activation_checkpointing, t.compile)
+    # Built after wrapping: FSDP has replaced every parameter with its sharded version.
+    o = cfg.optimizer_config
+    optimizer = torch.optim.AdamW(unwrap(model).optim_groups(o.weight_decay), lr=o.lr,
+                                  betas=tuple(o.betas))
+    # From here on each rank draws its own dropout masks (a resume restores these streams).
+    torch.manual_seed(cfg.trainer_config.seed + dist.get_rank())
+    return model, optimizer, train_set, val_set, meta, snapshot_meta, flops_per_token
+
+
+def fail(error: Exception) -> None:
+    """One `error:` line (from rank 0: every rank hits the same config/data error) and exit 2."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"error: {error}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+@hydra.main(version_base=None, config_path=".", config_name=CONFIG_NAME)
+def run(cfg: DictConfig) -> None:
+    try:
+        validate(cfg)
+    except ValueError as e:
+        fail(e)
+    device = ddp_setup()
+    try:
+        print_versions(device)
+        print0(OmegaConf.to_yaml(cfg, resolve=True).rstrip())
+        try:
+            model, optimizer, train_set, val_set, meta, snapshot_meta, flops = \
+                load_train_objs(cfg, device)
+            trainer = Trainer(cfg.trainer_config, model, optimizer, train_set, val_set, device,
+                              HydraConfig.get().runtime.output_dir, snapshot_meta, flops)
+        except ValueError as e:  # bad data, model config, or an unusable snapshot
+            fail(e)
+        val_loss = trainer.train()
+        print0(f"final val loss {val_loss:.4f} (run dir {HydraConfig.get().runtime.output_dir})")
+        if meta["kind"] == "char" and cfg.trainer_config.sample_tokens:
+            # Every rank generates (FSDP needs all of them for each forward); rank 0 prints.
+            prompt = "\n" if "\n" in meta["itos"] else meta["itos"][0]
+            text = generate_text(unwrap(model), meta, prompt, cfg.trainer_config.sample_tokens,
+                                 temperature=0.8, top_k=10, device=device)
+            print0(f"sample:\n{text.strip()}")
+    finally:
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    # hydra reports composition errors (unknown key, bad syntax) on several lines; check the
+    # command line first, so any mistake is one `error:` line and nothing is created.
+    try:
+        check_command_line(sys.argv[1:], str(HERE), CONFIG_NAME)
+    except ValueError as e:
+        fail(e)
+    if os.environ.get("RANK", "0") != "0":
+        # Only global rank 0 writes files: the others do not save hydra's copy of the config.
+        sys.argv.append("hydra.output_subdir=null")
+    run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""Generate text from a trained snapshot (either layout: a ddp file or an fsdp directory).
+
+    python sample.py --prompt "ROMEO:" --num-tokens 300 --temperature 0.8 --top-k 20
+    python sample.py --snapshot runs/<run_name>/snapshot --prompt "O God, O God!"
+    python sample.py --snapshot s3://bucket/run1/snapshot   # AWS_* variables as for training
+
+Without --snapshot it uses the newest runs/*/snapshot under the current directory. The
+vocabulary comes from the snapshot itself, so the text file is not needed.
+"""
+import argparse
+import glob
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+import snapshot
+from devices import pick_device
+from model import GPT, GPTConfig
+
+
+def encode(text: str, meta: dict) -> list[int]:
+    stoi = {ch: i for i, ch in enumerate(meta["itos"])}
+    unknown = sorted(set(text) - set(stoi))
+    if unknown:
+        raise ValueError(f"the prompt has characters the model never saw: {''.join(unknown)!r}")
+    return [stoi[ch] for ch in text]
+
+
+def generate_text(model: torch.nn.Module, meta: dict, prompt: str, num_tokens: int,
+                  temperature: float = 1.0, top_k: int | None = None, seed: int = 0,
+                  device: torch.device | None = None) -> str:
+    """The prompt and `num_tokens` generated characters, decoded with the snapshot's vocabulary.
+
+    With FSDP every rank must call this (each forward gathers the sharded weights); the same
+    seed on every rank makes them all generate the same text.
+    """
+    device = device or pick_device(0)
+    idx = torch.tensor([encode(prompt, meta)], dtype=torch.long, device=device)  # (1, T)
+    was_training = model.training
+    model.eval()  # no dropout while generating
+    # Sample from our own seed without disturbing the training RNG streams.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        out = model.generate(idx, num_tokens, temperature=temperature, top_k=top_k)  # (1, T+n)
+    model.train(was_training)
+    return "".join(meta["itos"][i] for i in out[0].tolist())
+
+
+def load_model(path: str, device: torch.device) -> tuple[GPT, dict]:
+    """Rebuild the model from the config stored in the snapshot, and load its weights."""
+    kind = snapshot.snapshot_kind(path)
+    if kind is None:
+        raise ValueError(f"no snapshot at {path}")
+    state = snapshot.load_train_state(path, kind, device)
+    meta = state["data_meta"]
+    if meta.get("kind") != "char":
+        raise ValueError(f"{path} was trained on {meta.get('kind')} data; sample.py writes text "
+                         "(see notebooks/ for images)")
+    model = GPT(GPTConfig(**state["model_config"])).to(device)
+    if kind == "ddp":
+        model.load_state_dict(state["model"])
+    else:  # no process group here: DCP gathers every shard into this one process
+        snapshot.load_sharded_weights(path, model)
+    print(f"loaded {path} ({kind}, step {state['step']}, {model.num_params():,} parameters)",
+          file=sys.stderr)
+    return model, meta
+
+
+def newest_snapshot() -> str:
+    found = glob.glob(os.path.join("runs", "*", "snapshot"))
+    if not found:
+        raise ValueError("no runs/*/snapshot here; train first (python main.py) or pass "
+                         "--snapshot PATH")
+    return max(found, key=os.path.getmtime)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--snapshot", help="snapshot path or URL (default: newest runs/*/snapshot)")
+    parser.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    parser.add_argument("--num-tokens", type=int, default=500, help="characters to generate")
+    parser.add_argument("--temperature", type=float, default=1.0, help="< 1: more conservative")
+    parser.add_argument("--top-k", type=int, default=None, help="sample from the k likeliest")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.num_tokens < 0:
+        parser.error(f"--num-tokens must be >= 0, got {args.num_tokens}")
+    if not args.temperature > 0:
+        parser.error(f"--temperature must be > 0, got {args.temperature}")
+    if args.top_k is not None and args.top_k < 1:
+        parser.error(f"--top-k must be >= 1, got {args.top_k}")
+    return args
+
+
+def main(argv: list[str]) -> None:
+    args = parse_args(argv)
+    device = pick_device(0)
+    try:
+        path = args.snapshot or newest_snapshot()
+        if "://" not in path:
+            path = str(Path(path))
+        model, meta = load_model(path, device)
+        text = generate_text(model, meta, args.prompt, args.num_tokens, args.temperature,
+                             args.top_k, args.seed, device)
+    except ValueError as e:  # includes snapshot.SnapshotError
+        sys.exit(f"error: {e}")
+    print(text)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,201 @@
+"""Snapshots: complete, atomic, loadable with `weights_only=True`, on local disk or S3.
+
+Two layouts, one per distributed method:
+- ddp: every rank holds the whole model, so global rank 0 writes ONE file at `snapshot_path`
+  (model, optimizer, schedule, scaler, step, data position, every rank's RNG, configs).
+- fsdp: no rank holds the whole model. `torch.distributed.checkpoint` (DCP) has every rank write
+  its own shards in parallel into `snapshot_path/step_XXXXXXXX/`; rank 0 adds `train_state.pt`
+  (everything but model and optimizer) and then `snapshot_path/latest`, which names the newest
+  complete step directory. DCP reshards on load, so a different number of ranks can resume.
+
+Paths go through fsspec, so `s3://bucket/key` works wherever a local path does (s3fs reads
+the endpoint and credentials from the usual AWS_* environment variables).
+"""
+import io
+import os
+import random
+
+import fsspec
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from fsspec.implementations.local import LocalFileSystem
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+TRAIN_STATE = "train_state.pt"
+LATEST = "latest"
+# Model config keys that may differ between a snapshot and the run loading it.
+NOT_ARCHITECTURE = ("model_type", "dropout")
+
+
+class SnapshotError(ValueError):
+    """A snapshot exists but cannot be used; the message says which one and why."""
+
+
+def _fs(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    return fsspec.core.url_to_fs(url)
+
+
+def write_bytes_atomic(url: str, data: bytes) -> None:
+    """Readers see the old content or the new one, never a half-written file."""
+    fs, path = _fs(url)
+    if isinstance(fs, LocalFileSystem):
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        tmp = f"{path}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())  # the bytes are on disk before the rename makes them visible
+        os.replace(tmp, path)  # atomic within one filesystem
+    else:
+        # An object store has no atomic rename (fsspec's mv is copy + delete), but a PUT is
+        # atomic: the object appears complete or not at all.
+        with fs.open(path, "wb") as f:
+            f.write(data)
+
+
+def save_file(url: str, obj: dict) -> None:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    write_bytes_atomic(url, buffer.getvalue())
+
+
+def load_file(url: str, device: torch.device) -> dict:
+    """A snapshot dict; weights_only=True refuses pickled code, map_location picks our device."""
+    try:
+        with fsspec.open(url, "rb") as f:
+            data = f.read()
+        state = torch.load(io.BytesIO(data), map_location=device, weights_only=True)
+    except Exception as e:  # truncated, corrupt, not a torch file, unreadable
+        reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise SnapshotError(f"cannot load snapshot {url}: {reason}; it is corrupt or not a "
+                            "snapshot: move it away or set trainer_config.snapshot_path") from None
+    if not isinstance(state, dict) or "step" not in state:
+        raise SnapshotError(f"{url} is not a training snapshot of this trainer; move it away or "
+                            "set trainer_config.snapshot_path")
+    return state
+
+
+def snapshot_kind(url: str) -> str | None:
+    """"ddp" for a snapshot file, "fsdp" for a DCP snapshot directory, None when there is none."""
+    fs, path = _fs(url)
+    if fs.isfile(path):
+        return "ddp"
+    if fs.isdir(path):
+        if not fs.exists(f"{path}/{LATEST}"):
+            raise SnapshotError(f"{url} is a directory without a '{LATEST}' file, so not an fsdp "
+                                "snapshot; move it away or set trainer_config.snapshot_path")
+        return "fsdp"
+    return None
+
+
+def rng_state(device: torch.device) -> dict:
+    """This process's RNG states as tensors and plain types (so weights_only can load them)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached),
+        "python": random.getstate(),
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"].cpu())
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.cpu().numpy().astype(np.uint32), pos, has_gauss, cached))
+    random.setstate(state["python"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
+
+
+def check_compatible(state: dict, model_config: dict, data_meta: dict, url: str) -> None:
+    """SnapshotError unless the snapshot's model and vocabulary match this run's."""
+    saved = state["model_config"]
+    for key, value in model_config.items():
+        if key not in NOT_ARCHITECTURE and saved.get(key) != value:
+            raise SnapshotError(f"snapshot {url} holds a different model ({key}={saved.get(key)} "
+                                f"there, {value} here); set trainer_config.snapshot_path to a new "
+                                "path or use the snapshot's gpt_config")
+    saved_meta = state["data_meta"]
+    for key in ("kind", "vocab_size", "itos"):
+        if saved_meta.get(key) != data_meta.get(key):
+            raise SnapshotError(f"snapshot {url} was trained on different data ({key} differs); "
+                                "set trainer_config.snapshot_path to a new path")
+
+
+def _writer(url: str) -> FileSystemWriter:
+    # Local disk: DCP's own writer. Anything else (s3://): the same writer over fsspec.
+    return FileSystemWriter(url) if "://" not in url else FsspecWriter(url)
+
+
+def _reader(url: str) -> FileSystemReader:
+    return FileSystemReader(url) if "://" not in url else FsspecReader(url)
+
+
+def save_sharded(url: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 train_state: dict) -> None:
+    """FSDP: all ranks write their shards; rank 0 then commits by rewriting `latest`."""
+    name = f"step_{step:08d}"
+    # Sharded state dicts: each rank only holds (and writes) its own shards, no gather.
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=_writer(f"{url}/{name}"))
+    if dist.get_rank() == 0:
+        save_file(f"{url}/{name}/{TRAIN_STATE}", train_state)
+        write_bytes_atomic(f"{url}/{LATEST}", name.encode())  # the commit point
+        fs, path = _fs(url)
+        for old in fs.ls(path, detail=False):  # older steps are superseded now
+            if os.path.basename(old.rstrip("/")).startswith("step_") and not old.endswith(name):
+                fs.rm(old, recursive=True)
+    dist.barrier()  # nobody moves on (or exits) before the snapshot is committed
+
+
+def latest_sharded(url: str) -> str:
+    """The newest complete DCP checkpoint directory inside an fsdp snapshot."""
+    try:
+        with fsspec.open(f"{url}/{LATEST}", "rt") as f:
+            name = f.read().strip()
+    except OSError as e:
+        raise SnapshotError(f"cannot read {url}/{LATEST}: {e}") from None
+    if not name.startswith("step_"):
+        raise SnapshotError(f"{url}/{LATEST} names {name!r}, not a step directory; the snapshot "
+                            "is corrupt: move it away or set trainer_config.snapshot_path")
+    return f"{url}/{name}"
+
+
+def load_train_state(url: str, kind: str, device: torch.device) -> dict:
+    """Everything but the (sharded) weights; for ddp the one file, which has the weights too."""
+    if kind == "ddp":
+        return load_file(url, device)
+    return load_file(f"{latest_sharded(url)}/{TRAIN_STATE}", torch.device("cpu"))
+
+
+def load_sharded(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """FSDP: each rank reads the pieces of every saved shard that its own shards need."""
+    checkpoint = latest_sharded(url)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    try:
+        dcp.load(state, storage_reader=_reader(checkpoint))
+    except Exception as e:  # missing or truncated shard files, wrong metadata, ...
+        reason = str(e).strip().splitlines()[-1][:200] if str(e) else type(e).__name__
+        raise SnapshotError(f"cannot load sharded snapshot {checkpoint}: {reason}; move it away "
+                            "or set trainer_config.snapshot_path") from None
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+
+
+def load_sharded_weights(url: str, model: torch.nn.Module) -> None:
+    """Only the weights of an fsdp snapshot, into a plain model on one process (for sampling)."""
+    state = {"model": model.state_dict()}
+    try:  # without a process group, DCP reads every shard into this one process
+        dcp.load(state, storage_reader=_reader(latest_sharded(url)))
+    except Exception as e:
+        reason = str(e).strip().splitlines()[-1][:200] if str(e) else type(e).__name__
+        raise SnapshotError(f"cannot load sharded snapshot {url}: {reason}") from None
+    model.load_state_dict(state["model"])
