@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from model import GPTConfig, resolve_config
 
@@ -75,11 +75,12 @@ def validate(cfg: DictConfig) -> None:
         try:  # type check: '3' -> 3 is fine, 'abc' for an int is not; unknown keys are rejected
             typed = OmegaConf.merge(OmegaConf.structured(schema),
                                     OmegaConf.to_container(cfg[name], resolve=False))
-        except OmegaConfBaseException as e:
-            key = f"{name}.{e.full_key}" if getattr(e, "full_key", None) else name
+        except ConfigKeyError as e:  # `+trainer_config.foo=1` got past hydra
             allowed = ", ".join(f.name for f in fields(schema))
-            reason = str(e).splitlines()[0]
-            raise ValueError(f"{key}: {reason} (keys of {name}: {allowed})") from None
+            raise ValueError(f"unknown key {name}.{e.key}; allowed in {name}: {allowed}") from None
+        except OmegaConfBaseException as e:  # a value of the wrong type
+            key = f"{name}.{e.full_key}" if getattr(e, "full_key", None) else name
+            raise ValueError(f"{key}: {str(e).splitlines()[0]}") from None
         cfg[name] = typed
     t, o = cfg.trainer_config, cfg.optimizer_config
     for key in ("max_steps", "batch_size", "grad_accum_steps", "log_every", "eval_batches"):
@@ -119,7 +120,7 @@ def validate(cfg: DictConfig) -> None:
 
 
 def _one_line(error: Exception, defaults: DictConfig) -> str:
-    """hydra's multi-line composition error as one line, with the allowed keys when it can."""
+    """hydra's multi-line composition error as one line, with what is allowed where it can."""
     text = str(error)
     match = re.match(r"Could not override '([^']+)'", text)
     if match:
@@ -129,6 +130,11 @@ def _one_line(error: Exception, defaults: DictConfig) -> str:
         if isinstance(node, DictConfig):
             where = f"in {parent}" if parent else "at the top level"
             return f"unknown key {key}; allowed {where}: {', '.join(str(k) for k in node)}"
+    match = re.search(r"Could not find '([^']+)'\n+Available options in '([^']+)':\n((?:\t.*\n?)*)",
+                      text)
+    if match:  # a config group option that does not exist, e.g. data_config=nope
+        options = ", ".join(line.strip() for line in match.group(3).splitlines())
+        return f"no config {match.group(1)}.yaml; {match.group(2)} options: {options}"
     return " ".join(line.strip() for line in text.splitlines() if line.strip())
 
 

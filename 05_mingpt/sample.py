@@ -105,7 +105,8 @@ def main(argv: list[str]) -> None:
         text = generate_text(model, meta, args.prompt, args.num_tokens, args.temperature,
                              args.top_k, args.seed, device)
     except ValueError as e:  # includes snapshot.SnapshotError
-        sys.exit(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     print(text)
 
 

@@ -14,6 +14,7 @@ the endpoint and credentials from the usual AWS_* environment variables).
 import io
 import os
 import random
+import warnings
 
 import fsspec
 import numpy as np
@@ -23,6 +24,7 @@ import torch.distributed.checkpoint as dcp
 from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 TRAIN_STATE = "train_state.pt"
@@ -33,6 +35,14 @@ NOT_ARCHITECTURE = ("model_type", "dropout")
 
 class SnapshotError(ValueError):
     """A snapshot exists but cannot be used; the message says which one and why."""
+
+
+def _reason(error: BaseException) -> str:
+    """The root cause of a failed load, in one short line."""
+    if isinstance(error, CheckpointException):  # DCP collects every rank's exception
+        error = next(iter(error.failures.values()))[0]
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0][:160] if lines else ''}"
 
 
 def _fs(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -70,8 +80,7 @@ def load_file(url: str, device: torch.device) -> dict:
             data = f.read()
         state = torch.load(io.BytesIO(data), map_location=device, weights_only=True)
     except Exception as e:  # truncated, corrupt, not a torch file, unreadable
-        reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-        raise SnapshotError(f"cannot load snapshot {url}: {reason}; it is corrupt or not a "
+        raise SnapshotError(f"cannot load snapshot {url} ({_reason(e)}): it is corrupt or not a "
                             "snapshot: move it away or set trainer_config.snapshot_path") from None
     if not isinstance(state, dict) or "step" not in state:
         raise SnapshotError(f"{url} is not a training snapshot of this trainer; move it away or "
@@ -182,10 +191,10 @@ def load_sharded(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimi
     state = {"model": model_sd, "optim": optim_sd}
     try:
         dcp.load(state, storage_reader=_reader(checkpoint))
-    except Exception as e:  # missing or truncated shard files, wrong metadata, ...
-        reason = str(e).strip().splitlines()[-1][:200] if str(e) else type(e).__name__
-        raise SnapshotError(f"cannot load sharded snapshot {checkpoint}: {reason}; move it away "
-                            "or set trainer_config.snapshot_path") from None
+    # DCP raises CheckpointException, a BaseException, when any rank fails to read.
+    except (Exception, CheckpointException) as e:  # missing or truncated shards, bad metadata
+        raise SnapshotError(f"cannot load sharded snapshot {checkpoint} ({_reason(e)}): it is "
+                            "corrupt; move it away or set trainer_config.snapshot_path") from None
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
 
@@ -193,9 +202,11 @@ def load_sharded(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimi
 def load_sharded_weights(url: str, model: torch.nn.Module) -> None:
     """Only the weights of an fsdp snapshot, into a plain model on one process (for sampling)."""
     state = {"model": model.state_dict()}
-    try:  # without a process group, DCP reads every shard into this one process
-        dcp.load(state, storage_reader=_reader(latest_sharded(url)))
-    except Exception as e:
-        reason = str(e).strip().splitlines()[-1][:200] if str(e) else type(e).__name__
-        raise SnapshotError(f"cannot load sharded snapshot {url}: {reason}") from None
+    try:
+        with warnings.catch_warnings():  # no process group is the point here, not a mistake
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            # Without a process group, DCP reads every shard into this one process.
+            dcp.load(state, storage_reader=_reader(latest_sharded(url)), no_dist=True)
+    except (Exception, CheckpointException) as e:
+        raise SnapshotError(f"cannot load sharded snapshot {url} ({_reason(e)})") from None
     model.load_state_dict(state["model"])

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 from torch.optim.lr_scheduler import LambdaLR
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Subset
 from torch.utils.data.distributed import DistributedSampler
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
@@ -89,8 +89,14 @@ class Trainer:
         # its own slice of it (rank, rank + world_size, ...).
         self.train_sampler = DistributedSampler(train_set, shuffle=True, seed=cfg.seed,
                                                 drop_last=True)
-        self.val_sampler = DistributedSampler(val_set, shuffle=True, seed=cfg.seed,
-                                              drop_last=True)
+        # Validation: the same seeded choice of eval_batches * batch_size sequences for any
+        # world size (rounded down to a multiple of it), split evenly across the ranks, so val
+        # losses of runs on different numbers of processes compare.
+        n_val = min(len(val_set), cfg.eval_batches * cfg.batch_size)
+        n_val = max(1, n_val // self.world_size) * self.world_size
+        chosen = torch.randperm(len(val_set), generator=torch.Generator().manual_seed(cfg.seed))
+        self.val_subset = Subset(val_set, chosen[:n_val].tolist())
+        self.val_sampler = DistributedSampler(self.val_subset, shuffle=False)
         # Position in training: the next step to run, and where in which epoch its data starts.
         self.step, self.epoch, self.samples_in_epoch = 0, 0, 0
         # The train loss is summed on the device and synced once per log interval.
@@ -127,10 +133,10 @@ class Trainer:
         self.samples_in_epoch = state["samples_in_epoch"]
         if len(state["rng"]) == self.world_size:
             snapshot.set_rng_state(state["rng"][self.rank], self.device)  # our own streams
-        else:  # a different number of ranks: fresh (but still reproducible) streams
+        else:  # a different number of ranks: new (but still reproducible) dropout streams
             torch.manual_seed(self.cfg.seed + 1000 * self.step + self.rank)
-            print0(f"snapshot saved by {len(state['rng'])} ranks, now {self.world_size}: "
-                   "data order and dropout continue from new random streams")
+            print0(f"snapshot saved by {len(state['rng'])} ranks, now {self.world_size}: the "
+                   "data position carries over, dropout draws from new random streams")
         print0(f"resumed from {path} at step {self.step} (epoch {self.epoch})")
 
     def _save_snapshot(self) -> None:
@@ -255,14 +261,13 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean loss over `eval_batches` validation batches per rank (the same ones each time)."""
+        """Mean loss over the fixed validation sequences (the same ones every time)."""
         self.model.eval()  # dropout off
-        self.val_sampler.set_epoch(0)  # a fixed sample of the validation split
-        loader = DataLoader(self.val_set, batch_size=self.cfg.batch_size,
-                            sampler=self.val_sampler, drop_last=True,
+        loader = DataLoader(self.val_subset, batch_size=self.cfg.batch_size,
+                            sampler=self.val_sampler,
                             generator=torch.Generator().manual_seed(self.cfg.seed))
         totals = torch.zeros(2, device=self.device)  # loss sum over tokens, token count
-        for x, y in islice(loader, self.cfg.eval_batches):
+        for x, y in loader:  # every rank runs the same number of batches (FSDP needs that)
             x, y = x.to(self.device), y.to(self.device)
             with self._autocast():
                 _, loss = self.model(x, y)
@@ -287,10 +292,9 @@ class Trainer:
         cfg = self.cfg
         tokens = cfg.batch_size * cfg.grad_accum_steps * self.world_size
         print0(f"training steps {self.step}..{cfg.max_steps}: {tokens} sequences per step "
-               f"({self.world_size} ranks x {cfg.grad_accum_steps} micro-steps x "
-               f"{cfg.batch_size}), {len(self.train_set):,} training samples")
-        if self.step == 0 or self.step >= cfg.max_steps:  # a start value, or nothing left to do
-            self._log_eval()
+               f"(batch_size {cfg.batch_size} x grad_accum_steps {cfg.grad_accum_steps} x world "
+               f"size {self.world_size}), {len(self.train_set):,} training samples")
+        self._log_eval()  # where we start from: an untrained model, or the resumed one
         # A progress bar on rank 0 only, and only on a terminal (log files get the log lines).
         self.bar = tqdm(total=cfg.max_steps, initial=self.step, disable=True if self.rank
                         else None, dynamic_ncols=True, leave=False)

@@ -1,0 +1,64 @@
+"""Start main.py under torchrun on this machine: one process per GPU, or a few on a CPU.
+
+    python launch.py                                          # every GPU (or CPU processes)
+    python launch.py "trainer_config.distributed_method=fsdp" trainer_config.precision=bf16
+    python launch.py --nproc 2 --max-restarts 3 trainer_config.max_steps=2000
+
+Everything that is not a launch.py option is passed on to main.py as a hydra override. The
+process is replaced by `python -m torch.distributed.run` (torchrun), so signals and the exit
+code are torchrun's own.
+"""
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+
+
+def default_nproc() -> int:
+    """One process per GPU. Without one, a few CPU processes share the cores (at least two,
+    so the collectives really run between processes)."""
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return max(2, min(4, os.cpu_count() or 1))
+
+
+def torchrun_command(nproc: int, max_restarts: int, overrides: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}",
+            str(HERE / "main.py"), *overrides]
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="processes to start (default: GPUs, else 2 to 4 CPU processes)")
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="times torchrun restarts all workers after one fails (default 0)")
+    parser.add_argument("overrides", nargs="*", help="hydra overrides for main.py")
+    args = parser.parse_args(argv)
+    nproc = default_nproc() if args.nproc is None else args.nproc
+    if nproc < 1:
+        parser.error(f"--nproc must be >= 1, got {nproc}")
+    if args.max_restarts < 0:
+        parser.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if not torch.cuda.is_available():
+        # gloo: a restarted worker group must not reuse the first group's TCP store.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+        # Processes sharing the CPU: one thread each, instead of each using every core.
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    overrides = args.overrides
+    if not any(o.startswith("run_name=") for o in overrides):
+        # A readable run directory (plain torchrun --standalone names it by a random id).
+        overrides = [*overrides, f"run_name={time.strftime('%Y-%m-%d_%H-%M-%S')}"]
+    command = torchrun_command(nproc, args.max_restarts, overrides)
+    print(" ".join(command), flush=True)
+    os.execv(sys.executable, command)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,64 @@
+"""Shared pieces of the 05_mingpt trainer tests: a private copy of the folder, tiny overrides,
+and parsers for the trainer's log lines."""
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from conftest import REPO
+
+MINGPT = REPO / "05_mingpt"
+
+# A model and run small enough for a busy 2-core CI machine; every test adds its own keys.
+TINY = {
+    "gpt_config.model_type": "null",
+    "gpt_config.n_layer": "2",
+    "gpt_config.n_head": "2",
+    "gpt_config.n_embd": "32",
+    "gpt_config.block_size": "32",
+    "trainer_config.batch_size": "8",
+    "trainer_config.max_steps": "10",
+    "trainer_config.warmup_steps": "2",
+    "trainer_config.log_every": "5",
+    "trainer_config.eval_every": "0",
+    "trainer_config.eval_batches": "4",
+    "trainer_config.save_every": "4",
+    "trainer_config.sample_tokens": "20",
+}
+
+
+def tiny(*overrides: str) -> list[str]:
+    """The given overrides, then the TINY ones they do not set (hydra refuses a key twice)."""
+    given = {o.split("=", 1)[0] for o in overrides}
+    return [*overrides, *(f"{k}={v}" for k, v in TINY.items() if k not in given)]
+
+
+def copy_mingpt(dest: Path) -> Path:
+    """05_mingpt without earlier runs: commands run as written, the repo stays clean."""
+    return Path(shutil.copytree(MINGPT, dest / "05_mingpt", ignore=shutil.ignore_patterns(
+        "__pycache__", "runs", "outputs")))
+
+
+def val_losses(stdout: str) -> dict[int, float]:
+    return {int(s): float(v) for s, v in re.findall(r"^step (\d+) \| val loss ([0-9.]+)$",
+                                                    stdout, re.M)}
+
+
+def train_losses(stdout: str) -> dict[int, float]:
+    return {int(s): float(v) for s, v in re.findall(r"^step (\d+)/\d+ \| loss ([0-9.]+)",
+                                                    stdout, re.M)}
+
+
+def assert_learned(stdout: str, margin: float = 0.3) -> float:
+    """Validation loss fell from its start (about ln 65 = 4.17) by at least `margin`."""
+    val = val_losses(stdout)
+    assert 0 in val and len(val) >= 2, stdout[-2000:]
+    assert abs(val[0] - 4.17) < 0.1, val  # an untrained model guesses uniformly
+    final = val[max(val)]
+    assert final < val[0] - margin, val
+    return final
+
+
+def load_ddp_snapshot(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)

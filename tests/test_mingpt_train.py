@@ -1,0 +1,183 @@
+"""05_mingpt trains as its README says: every command as written (with tiny overrides), DDP and
+FSDP on several gloo processes, mixed precision, and exact resume after a killed worker.
+
+The slowest tests (several torchrun launches each) have `slowest` in their names.
+"""
+import re
+import signal
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from conftest import PYTHON, TORCHRUN, run
+from mingpt_helpers import (
+    assert_learned,
+    copy_mingpt,
+    load_ddp_snapshot,
+    tiny,
+    train_losses,
+    val_losses,
+)
+
+
+@pytest.fixture(scope="module")
+def mingpt(tmp_path_factory):
+    return copy_mingpt(tmp_path_factory.mktemp("mingpt"))
+
+
+@pytest.fixture(scope="module")
+def ddp_reference(mingpt):
+    """An uninterrupted 2-process DDP run with gradient accumulation (fp32)."""
+    proc = run([TORCHRUN, "--standalone", "--nproc_per_node=2", "main.py",
+                *tiny("run_name=ddp_a", "trainer_config.grad_accum_steps=2")], cwd=mingpt)
+    return proc, mingpt / "runs/ddp_a/snapshot"
+
+
+def scalar_tags(run_dir) -> set[str]:
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    return set(events.Tags()["scalars"])
+
+
+def test_python_main_py_then_sample_py(mingpt):
+    proc = run([PYTHON, "main.py", *tiny("run_name=single")], cwd=mingpt)
+    out = proc.stdout
+    assert_learned(out)
+    assert re.search(r"^torch 2\.\S+ \| python 3\.\S+ \| hydra 1\.", out, re.M)  # versions
+    assert "world size 1" in out and "trainer_config:\n  max_steps: 10" in out  # the config
+    assert re.search(r"^step 10/10 \| loss [0-9.]+ \| lr [0-9.e+-]+ \| [0-9,]+ tokens/s", out,
+                     re.M)
+    assert re.search(r"^sample:\n.{5,}", out, re.M)
+    run_dir = mingpt / "runs/single"
+    assert {"train/loss", "val/loss", "train/lr", "perf/tokens_per_s",
+            "memory/peak_mb_rank0"} <= scalar_tags(run_dir)
+    assert "perf/mfu" not in scalar_tags(run_dir)  # no peak FLOP/s for a CPU
+    snap = load_ddp_snapshot(run_dir / "snapshot")  # weights_only=True
+    assert snap["step"] == 10 and snap["world_size"] == 1
+    assert {"model", "optimizer", "scheduler", "scaler", "rng", "epoch", "samples_in_epoch",
+            "model_config", "data_meta"} <= set(snap)
+    assert snap["samples_in_epoch"] == 10 * 8
+    assert set(snap["rng"][0]) == {"torch", "numpy", "python"}
+    assert len(snap["data_meta"]["itos"]) == snap["model_config"]["vocab_size"] == 65
+    assert not list(run_dir.glob("*.tmp"))
+    # sample.py rebuilds the model and the vocabulary from the snapshot alone.
+    proc = run([PYTHON, "sample.py", "--snapshot", "runs/single/snapshot", "--prompt", "ROMEO:",
+                "--num-tokens", "40", "--temperature", "0.8", "--top-k", "5"], cwd=mingpt)
+    text = proc.stdout.rstrip("\n")
+    assert text.startswith("ROMEO:") and len(text) == len("ROMEO:") + 40
+    assert "(ddp, step 10, " in proc.stderr
+    again = run([PYTHON, "sample.py", "--prompt", "ROMEO:", "--num-tokens", "40",
+                 "--temperature", "0.8", "--top-k", "5"], cwd=mingpt)  # newest runs/*/snapshot
+    assert again.stdout == proc.stdout  # same seed, same text
+
+
+def test_batch_size_128_with_fp16(mingpt):
+    proc = run([PYTHON, "main.py", *tiny("trainer_config.batch_size=128", "run_name=fp16",
+                                         "trainer_config.precision=fp16")], cwd=mingpt)
+    assert "128 sequences per step (batch_size 128 x grad_accum_steps 1 x world size 1)" \
+        in proc.stdout
+    assert_learned(proc.stdout)
+    scaler = load_ddp_snapshot(mingpt / "runs/fp16/snapshot")["scaler"]
+    # GradScaler state was saved: the scale (2**16 at the start, halved on each overflow) and the
+    # count of overflow-free steps since the last change.
+    assert 0 < scaler["scale"] <= 2.0**16 and scaler["_growth_tracker"] >= 1
+
+
+def test_fsdp_single_process_bf16(mingpt):
+    proc = run([PYTHON, "main.py", *tiny("trainer_config.distributed_method=fsdp",
+                                         "run_name=fsdp1", "trainer_config.precision=bf16")],
+               cwd=mingpt)
+    assert_learned(proc.stdout)
+    snap = mingpt / "runs/fsdp1/snapshot"
+    # DCP layout: only the newest step directory survives, and `latest` names it.
+    assert (snap / "latest").read_text() == "step_00000010"
+    assert sorted(p.name for p in snap.iterdir()) == ["latest", "step_00000010"]
+    assert {".metadata", "__0_0.distcp", "train_state.pt"} <= {
+        p.name for p in (snap / "step_00000010").iterdir()}
+
+
+def test_fsdp_cpu_offload_with_fp16(mingpt):
+    proc = run([PYTHON, "main.py", *tiny("trainer_config.distributed_method=fsdp",
+                                         "trainer_config.cpu_offload=True", "run_name=offload",
+                                         "trainer_config.precision=fp16")], cwd=mingpt)
+    assert_learned(proc.stdout)
+
+
+def test_torchrun_four_processes_share_one_run_dir(mingpt):
+    before = set((mingpt / "runs").iterdir())
+    proc = run([TORCHRUN, "--standalone", "--nproc_per_node=4", "main.py", *tiny()], cwd=mingpt,
+               timeout=300)
+    assert "world size 4" in proc.stdout
+    assert_learned(proc.stdout)
+    # No run_name given: all four workers still picked the same directory (torchrun's run id).
+    new = set((mingpt / "runs").iterdir()) - before
+    assert len(new) == 1, new
+    run_dir = new.pop()
+    assert {f"memory/peak_mb_rank{r}" for r in range(4)} <= scalar_tags(run_dir)
+    assert load_ddp_snapshot(run_dir / "snapshot")["world_size"] == 4
+
+
+def test_launch_py_ddp_and_fsdp(mingpt):
+    for extra, name in (((), "launch_ddp"), (("trainer_config.distributed_method=fsdp",),
+                                              "launch_fsdp")):
+        proc = run([PYTHON, "launch.py", *tiny(*extra, f"run_name={name}")], cwd=mingpt)
+        assert "--nproc_per_node=2" in proc.stdout  # 2 CPU cores: 2 processes
+        assert "world size 2" in proc.stdout
+        assert_learned(proc.stdout)
+    assert (mingpt / "runs/launch_ddp/snapshot").is_file()
+    assert (mingpt / "runs/launch_fsdp/snapshot/latest").is_file()
+
+
+def test_ddp_killed_worker_resumes_bitwise_slowest(mingpt, ddp_reference):
+    reference, a_path = ddp_reference
+    assert_learned(reference.stdout)
+    proc = run([TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1", "main.py",
+                *tiny("run_name=ddp_b", "trainer_config.grad_accum_steps=2")], cwd=mingpt,
+               FAULT_AT_STEP="7")
+    assert "FAULT_AT_STEP=7: killing this worker" in proc.stdout
+    assert f"exitcode: -{int(signal.SIGKILL)}" in proc.stderr
+    # Steps 4 and 8 are snapshotted; the kill comes before step 8 ends, so 4 is the restart.
+    assert "resumed from" in proc.stdout and "at step 4 (epoch 0)" in proc.stdout
+    after = proc.stdout.split("resumed from")[-1]
+    assert sorted(train_losses(after)) == [5, 10]
+    a, b = load_ddp_snapshot(a_path), load_ddp_snapshot(mingpt / "runs/ddp_b/snapshot")
+    assert a["step"] == b["step"] == 10
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    for p, state in a["optimizer"]["state"].items():
+        for name, value in state.items():
+            assert torch.equal(value, b["optimizer"]["state"][p][name]), (p, name)
+    assert a["scheduler"] == b["scheduler"]
+    for r in range(2):
+        assert torch.equal(a["rng"][r]["torch"], b["rng"][r]["torch"])
+    assert val_losses(reference.stdout)[10] == val_losses(proc.stdout)[10]
+
+
+def test_fsdp_kill_resume_and_world_size_change_slowest(mingpt, ddp_reference):
+    args = tiny("run_name=fsdp_a", "trainer_config.distributed_method=fsdp",
+                "trainer_config.activation_checkpointing=true", "trainer_config.grad_accum_steps=2")
+    a = run([TORCHRUN, "--standalone", "--nproc_per_node=2", "main.py", *args], cwd=mingpt)
+    final_a = assert_learned(a.stdout)
+    # Same data, same initial weights, fp32: FSDP computes what DDP computes.
+    assert final_a == pytest.approx(val_losses(ddp_reference[0].stdout)[10], abs=1e-3)
+    b_args = [arg.replace("run_name=fsdp_a", "run_name=fsdp_b") for arg in args]
+    b = run([TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1", "main.py",
+             *b_args], cwd=mingpt, FAULT_AT_STEP="7")
+    assert "FAULT_AT_STEP=7: killing this worker" in b.stdout
+    assert "at step 4 (epoch 0)" in b.stdout
+    assert val_losses(b.stdout)[10] == pytest.approx(final_a, abs=1e-4)
+    # The 2-rank sharded snapshot resumes on 1 process: DCP reshards on load.
+    c = run([PYTHON, "main.py", *tiny("run_name=fsdp_c", "trainer_config.distributed_method=fsdp",
+                                      "trainer_config.max_steps=12",
+                                      "trainer_config.snapshot_path=runs/fsdp_b/snapshot")],
+            cwd=mingpt)
+    assert "snapshot saved by 2 ranks, now 1" in c.stdout
+    assert "at step 10 (epoch 0)" in c.stdout and sorted(val_losses(c.stdout)) == [10, 12]
+    assert val_losses(c.stdout)[10] == pytest.approx(final_a, abs=1e-4)  # the same weights
+    assert (mingpt / "runs/fsdp_b/snapshot/latest").read_text() == "step_00000012"
+    # sample.py reads the sharded snapshot into one process.
+    s = run([PYTHON, "sample.py", "--snapshot", "runs/fsdp_b/snapshot", "--prompt", "JULIET:",
+             "--num-tokens", "25"], cwd=mingpt)
+    assert s.stdout.startswith("JULIET:") and len(s.stdout.rstrip("\n")) == len("JULIET:") + 25
+    assert "(fsdp, step 12, " in s.stderr
