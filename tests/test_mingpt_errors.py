@@ -1,0 +1,173 @@
+"""05_mingpt refuses bad input with one `error:` line: config mistakes, unusable data files, and
+snapshots that are corrupt or belong to another model (which are never overwritten)."""
+import importlib
+import sys
+
+import fsspec
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from conftest import PYTHON, run
+from mingpt_helpers import MINGPT, copy_mingpt, tiny
+
+MODULES = ("config", "char_dataset", "model")
+
+
+@pytest.fixture(scope="module")
+def mingpt_modules():
+    """config and char_dataset imported from 05_mingpt (other steps have modules of the same
+    names, so the previous ones are put back afterwards)."""
+    saved = {name: sys.modules.pop(name) for name in MODULES if name in sys.modules}
+    sys.path.insert(0, str(MINGPT))
+    try:
+        yield {name: importlib.import_module(name) for name in MODULES}
+    finally:
+        sys.path.remove(str(MINGPT))
+        for name in MODULES:
+            sys.modules.pop(name, None)
+        sys.modules.update(saved)
+
+
+@pytest.fixture(scope="module")
+def mingpt(tmp_path_factory):
+    return copy_mingpt(tmp_path_factory.mktemp("mingpt_errors"))
+
+
+def one_error_line(proc, *fragments: str) -> str:
+    assert proc.returncode == 2, (proc.stdout[-2000:], proc.stderr[-2000:])
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("overrides, fragments", [
+    (["trainer_config.batch_size=-1"], ["trainer_config.batch_size must be a positive integer"]),
+    (["trainer_config.distributed_method=zero3"], ["one of ddp, fsdp", "'zero3'"]),
+    (["trainer_config.precision=fp8"], ["one of fp32, bf16, fp16"]),
+    (["gpt_config.model_type=null", "gpt_config.n_layer=2", "gpt_config.n_head=3",
+      "gpt_config.n_embd=32"], ["n_embd (32) must be divisible by n_head (3)"]),
+    (["gpt_config.model_type=gpt-huge"], ["unknown model_type 'gpt-huge'", "gpt-nano"]),
+    (["trainer_config.foo=1"], ["unknown key trainer_config.foo", "batch_size", "snapshot_path"]),
+    (["+trainer_config.foo=1"], ["unknown key trainer_config.foo", "batch_size"]),
+    (["bogus=1"], ["unknown key bogus", "trainer_config"]),
+    (["gpt_config.vocab_size=3"], ["unknown key gpt_config.vocab_size"]),
+    (["trainer_config.max_steps=many"], ["trainer_config.max_steps", "Integer"]),
+    (["trainer_config.cpu_offload=true"], ["cpu_offload", "distributed_method=fsdp"]),
+    (["optimizer_config.betas=[0.9]"], ["optimizer_config.betas must be two numbers"]),
+    (["optimizer_config.lr=0"], ["optimizer_config.lr must be > 0"]),
+    (["data_config=nope"], ["data_config/nope.yaml", "char"]),
+    (["trainer_config.batch_size=["], ["no viable alternative"]),
+])
+def test_config_mistakes_are_one_line(mingpt_modules, overrides, fragments):
+    config = mingpt_modules["config"]
+    with pytest.raises(ValueError) as info:
+        config.check_command_line(overrides, str(MINGPT), "gpt2_train_cfg")
+    message = str(info.value)
+    assert "\n" not in message
+    for fragment in fragments:
+        assert fragment in message, message
+
+
+def test_valid_overrides_pass(mingpt_modules):
+    mingpt_modules["config"].check_command_line(
+        tiny("trainer_config.distributed_method=fsdp", "trainer_config.precision=bf16",
+             "trainer_config.cpu_offload=True", "optimizer_config.betas=[0.8,0.99]"),
+        str(MINGPT), "gpt2_train_cfg")
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["trainer_config.batch_size=-1"], ["trainer_config.batch_size must be a positive integer"]),
+    (["trainer_config.foo=1"], ["unknown key trainer_config.foo"]),
+])
+def test_main_py_config_errors_create_nothing(mingpt, args, fragments):
+    runs = set(mingpt.glob("runs/*"))
+    proc = run([PYTHON, "main.py", *args], cwd=mingpt, check=False)
+    one_error_line(proc, *fragments)
+    assert set(mingpt.glob("runs/*")) == runs  # checked before hydra makes a run directory
+
+
+def test_char_dataset_split_and_vocab(mingpt_modules, tmp_path):
+    char_dataset = mingpt_modules["char_dataset"]
+    text = "hello world, hello GPT! " * 20
+    with fsspec.open("memory://mingpt/text.txt", "w") as f:  # any fsspec URL works
+        f.write(text)
+    cfg = OmegaConf.create({"path": "memory://mingpt/text.txt", "train_fraction": 0.9})
+    train, val, meta = char_dataset.build_datasets(cfg, block_size=8, seed=0)
+    assert meta["kind"] == "char" and meta["itos"] == sorted(set(text))
+    assert meta["vocab_size"] == len(meta["itos"]) and meta["block_size"] == 8
+    decode = "".join
+    n_train = int(len(text) * 0.9)
+    # The first 90% trains, the rest validates: no validation character is ever trained on.
+    assert len(train) == n_train - 8 and len(val) == len(text) - n_train - 8
+    x, y = train[3]
+    assert x.shape == y.shape == (8,) and x.dtype == torch.long
+    assert decode(meta["itos"][i] for i in x) == text[3:11]
+    assert torch.equal(x[1:], y[:-1])  # y is x shifted by one
+    xv, _ = val[0]
+    assert decode(meta["itos"][i] for i in xv) == text[n_train:n_train + 8]
+    # Deterministic: a second build (another rank) gets exactly the same split.
+    train2, val2, meta2 = char_dataset.build_datasets(cfg, block_size=8, seed=123)
+    assert meta2 == meta and torch.equal(train2.tokens, train.tokens)
+
+
+@pytest.mark.parametrize("content, block_size, fragment", [
+    (None, 8, "data file not found"),
+    (b"", 8, "is empty"),
+    (b"caf\xe9 latin-1", 8, "is not UTF-8 text"),
+    (b"short text", 8, "must be smaller than each split"),
+])
+def test_char_dataset_bad_files(mingpt_modules, tmp_path, content, block_size, fragment):
+    path = tmp_path / "input.txt"
+    if content is not None:
+        path.write_bytes(content)
+    cfg = OmegaConf.create({"path": str(path), "train_fraction": 0.9})
+    with pytest.raises(ValueError, match=fragment):
+        mingpt_modules["char_dataset"].build_datasets(cfg, block_size=block_size, seed=0)
+
+
+def test_main_py_missing_data_file(mingpt):
+    proc = run([PYTHON, "main.py", "data_config.path=no/such.txt", "run_name=nodata"],
+               cwd=mingpt, check=False)
+    one_error_line(proc, "data file not found", "no/such.txt")
+
+
+def test_corrupt_and_incompatible_snapshots_are_refused_and_kept(mingpt):
+    args = tiny("trainer_config.max_steps=2", "trainer_config.sample_tokens=0")
+    run([PYTHON, "main.py", *args, "run_name=ok", "trainer_config.snapshot_path=ddp.pt"],
+        cwd=mingpt)
+    run([PYTHON, "main.py", *args, "run_name=ok2", "trainer_config.distributed_method=fsdp",
+         "trainer_config.snapshot_path=fsdp_snap"], cwd=mingpt)
+    ddp, fsdp = mingpt / "ddp.pt", mingpt / "fsdp_snap"
+    good = ddp.read_bytes()
+    # Another model: refused before anything is loaded or written.
+    wider = [a.replace("n_embd=32", "n_embd=64") for a in args]
+    proc = run([PYTHON, "main.py", *wider, "run_name=e1", "trainer_config.snapshot_path=ddp.pt"],
+               cwd=mingpt, check=False)
+    one_error_line(proc, "holds a different model", "n_embd=32 there, 64 here")
+    assert ddp.read_bytes() == good
+    # A ddp snapshot where fsdp expects a directory of shards.
+    proc = run([PYTHON, "main.py", *args, "run_name=e2", "trainer_config.distributed_method=fsdp",
+                "trainer_config.snapshot_path=ddp.pt"], cwd=mingpt, check=False)
+    one_error_line(proc, "holds a ddp snapshot", "distributed_method=fsdp")
+    # A truncated file.
+    ddp.write_bytes(good[: len(good) // 2])
+    proc = run([PYTHON, "main.py", *args, "run_name=e3", "trainer_config.snapshot_path=ddp.pt"],
+               cwd=mingpt, check=False)
+    one_error_line(proc, "cannot load snapshot", "corrupt")
+    assert ddp.read_bytes() == good[: len(good) // 2]
+    # A sharded snapshot with a damaged shard file.
+    shard = fsdp / "step_00000002" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    proc = run([PYTHON, "main.py", *args, "run_name=e4", "trainer_config.distributed_method=fsdp",
+                "trainer_config.snapshot_path=fsdp_snap"], cwd=mingpt, check=False)
+    one_error_line(proc, "cannot load sharded snapshot", "corrupt")
+    assert len(shard.read_bytes()) == 100
+    # sample.py: the same checks, the same single line.
+    proc = run([PYTHON, "sample.py", "--snapshot", "ddp.pt"], cwd=mingpt, check=False)
+    one_error_line(proc, "cannot load snapshot")
+    proc = run([PYTHON, "sample.py", "--snapshot", "nothing/here"], cwd=mingpt, check=False)
+    one_error_line(proc, "no snapshot at nothing/here")
