@@ -8,6 +8,7 @@ key, bad syntax, missing config group option, invalid value) into one `ValueErro
 import re
 from dataclasses import dataclass, field, fields
 
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -17,6 +18,7 @@ from model import GPTConfig, resolve_config
 
 DISTRIBUTED_METHODS = ("ddp", "fsdp")
 PRECISIONS = ("fp32", "bf16", "fp16")
+DEVICES = ("auto", "cpu", "cuda")
 DATA_KINDS = ("char", "cifar10")
 
 
@@ -43,6 +45,7 @@ class TrainerConfig:
     seed: int = MISSING
     data_loader_workers: int = MISSING
     sample_tokens: int = MISSING
+    device: str = MISSING
 
 
 @dataclass
@@ -92,6 +95,9 @@ def validate(cfg: DictConfig) -> None:
            f"one of {', '.join(DISTRIBUTED_METHODS)}", t.distributed_method)
     _check(t.precision in PRECISIONS, "trainer_config.precision",
            f"one of {', '.join(PRECISIONS)}", t.precision)
+    _check(t.device in DEVICES, "trainer_config.device", f"one of {', '.join(DEVICES)}", t.device)
+    _check(t.device != "cuda" or torch.cuda.is_available(), "trainer_config.device",
+           "auto or cpu on a machine without a CUDA GPU", t.device)
     _check(not t.cpu_offload or t.distributed_method == "fsdp", "trainer_config.cpu_offload",
            "False unless distributed_method=fsdp (it offloads FSDP shards)", t.cpu_offload)
     _check(t.grad_clip >= 0, "trainer_config.grad_clip", ">= 0 (0 turns clipping off)",

@@ -19,12 +19,10 @@ import torch
 HERE = Path(__file__).resolve().parent
 
 
-def default_nproc() -> int:
-    """One process per GPU. Without one, a few CPU processes share the cores (at least two,
-    so the collectives really run between processes)."""
-    if torch.cuda.is_available():
-        return torch.cuda.device_count()
-    return max(2, min(4, os.cpu_count() or 1))
+def default_nproc(cpu: bool) -> int:
+    """One process per GPU; on a CPU a few processes (at least two, so the collectives really
+    run between processes, at most four, as they share the cores)."""
+    return max(2, min(4, os.cpu_count() or 1)) if cpu else torch.cuda.device_count()
 
 
 def torchrun_command(nproc: int, max_restarts: int, overrides: list[str]) -> list[str]:
@@ -41,12 +39,13 @@ def main(argv: list[str]) -> None:
                         help="times torchrun restarts all workers after one fails (default 0)")
     parser.add_argument("overrides", nargs="*", help="hydra overrides for main.py")
     args = parser.parse_args(argv)
-    nproc = default_nproc() if args.nproc is None else args.nproc
+    cpu = "trainer_config.device=cpu" in args.overrides or not torch.cuda.is_available()
+    nproc = default_nproc(cpu) if args.nproc is None else args.nproc
     if nproc < 1:
         parser.error(f"--nproc must be >= 1, got {nproc}")
     if args.max_restarts < 0:
         parser.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
-    if not torch.cuda.is_available():
+    if cpu:
         # gloo: a restarted worker group must not reuse the first group's TCP store.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         # Processes sharing the CPU: one thread each, instead of each using every core.

@@ -36,9 +36,9 @@ CONFIG_NAME = "gpt2_train_cfg"
 DATA_MODULES = {"char": "char_dataset", "cifar10": "image_dataset"}
 
 
-def ddp_setup() -> torch.device:
+def ddp_setup(requested: str) -> torch.device:
     """Join the process group: torchrun's when launched by it, else a group of one."""
-    device = pick_device(int(os.environ.get("LOCAL_RANK", 0)))
+    device = pick_device(int(os.environ.get("LOCAL_RANK", 0)), requested)
     if device.type == "cuda":
         # Before init_process_group: NCCL binds each process to the current GPU.
         torch.cuda.set_device(device)
@@ -101,9 +101,9 @@ def fail(error: Exception) -> None:
 def run(cfg: DictConfig) -> None:
     try:
         validate(cfg)
+        device = ddp_setup(cfg.trainer_config.device)
     except ValueError as e:
         fail(e)
-    device = ddp_setup()
     try:
         print_versions(device)
         print0(OmegaConf.to_yaml(cfg, resolve=True).rstrip())

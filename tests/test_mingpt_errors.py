@@ -171,3 +171,11 @@ def test_corrupt_and_incompatible_snapshots_are_refused_and_kept(mingpt):
     one_error_line(proc, "cannot load snapshot")
     proc = run([PYTHON, "sample.py", "--snapshot", "nothing/here"], cwd=mingpt, check=False)
     one_error_line(proc, "no snapshot at nothing/here")
+
+
+def test_device_cuda_without_a_gpu_is_an_error(mingpt_modules):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU: trainer_config.device=cuda is valid here")
+    with pytest.raises(ValueError, match="trainer_config.device must be auto or cpu"):
+        mingpt_modules["config"].check_command_line(["trainer_config.device=cuda"], str(MINGPT),
+                                                    "gpt2_train_cfg")
