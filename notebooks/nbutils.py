@@ -1,0 +1,200 @@
+"""Helpers shared by the notebooks: train with 05_mingpt's trainer, read its logs and snapshots.
+
+    import nbutils                       # also puts 05_mingpt/ on sys.path: `import model` works
+    cfg = nbutils.compose_config(["data_config=cifar10_tiny"])   # the config main.py will see
+    nbutils.train(["data_config=cifar10_tiny"], run_dir, nproc=2)  # torchrun main.py ...
+    scalars = nbutils.read_scalars(run_dir)  # {"train/loss": (steps, values), ...}
+
+The notebooks run the trainer exactly as a user does on the command line (`torchrun ... main.py
+overrides`), and only read what it leaves behind: the snapshot and the TensorBoard logs.
+"""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+MINGPT = Path(__file__).resolve().parent.parent / "05_mingpt"
+# 05_mingpt is a folder of scripts, not a package: its modules import each other by name.
+sys.path.insert(0, str(MINGPT))
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
+
+import config  # noqa: E402
+import snapshot  # noqa: E402
+from launch import default_nproc  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+
+CONFIG_NAME = "gpt2_train_cfg"
+# The trainer's log lines: "training steps 0..200: ..." once, "step 20/200 | loss ..." per log.
+START_LINE = re.compile(r"training steps (\d+)\.\.(\d+)")
+STEP_LINE = re.compile(r"step (\d+)/(\d+) \| loss")
+
+
+def compose_config(overrides: list[str]) -> DictConfig:
+    """The config main.py composes from these overrides; ValueError (one line) on a mistake."""
+    config.check_command_line(overrides, str(MINGPT), CONFIG_NAME)  # main.py's own checks
+    with initialize_config_dir(config_dir=str(MINGPT), version_base=None):
+        return compose(CONFIG_NAME, overrides=overrides)
+
+
+def snapshot_step(path: Path) -> int | None:
+    """The next step a snapshot (ddp file or fsdp directory) would train; None if none exists."""
+    kind = snapshot.snapshot_kind(str(path))
+    if kind is None:
+        return None
+    return snapshot.load_train_state(str(path), kind, torch.device("cpu"))["step"]
+
+
+def torchrun(overrides: list[str], nproc: int | None = None) -> None:
+    """`torchrun --standalone --nproc_per_node=N main.py *overrides` in 05_mingpt.
+
+    The output is streamed into the cell line by line, with a progress bar over the steps; a
+    failed run raises RuntimeError (the trainer's `error: ...` line is the last one printed).
+    """
+    nproc = nproc or default_nproc()  # one process per GPU, else 2 to 4 CPU processes
+    args = ["--standalone", f"--nproc_per_node={nproc}", "main.py", *overrides]
+    print("torchrun", " ".join(args), flush=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # each line as soon as it is printed
+    if not torch.cuda.is_available():
+        # Processes sharing the CPU: split the cores instead of each using all of them.
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    # `python -m torch.distributed.run` is torchrun, from this kernel's own environment.
+    command = [sys.executable, "-m", "torch.distributed.run", *args]
+    bar = None
+    with subprocess.Popen(command, cwd=MINGPT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
+        for line in proc.stdout:
+            if start := START_LINE.search(line):
+                bar = tqdm(total=int(start[2]), initial=int(start[1]), desc="steps",
+                           unit="step")
+            elif bar is not None and (step := STEP_LINE.search(line)):
+                bar.update(int(step[1]) - bar.n)
+            print(line, end="", flush=True)
+    if bar is not None:
+        bar.close()
+    if proc.returncode != 0:
+        raise RuntimeError(f"training failed with exit code {proc.returncode}; see its output")
+
+
+def train(overrides: list[str], run_dir: Path, nproc: int | None = None) -> None:
+    """Train into run_dir (snapshot and TensorBoard logs), unless its snapshot is finished.
+
+    A run stopped half-way resumes from its snapshot: main.py does that by itself.
+    """
+    overrides = [*overrides, f"hydra.run.dir={run_dir}"]
+    max_steps = compose_config(overrides).trainer_config.max_steps
+    step = snapshot_step(run_dir / "snapshot")
+    if step is not None and step >= max_steps:
+        print(f"{run_dir / 'snapshot'} has finished training (step {step} of {max_steps}): "
+              f"using it. Delete {run_dir} to train again.")
+        return
+    torchrun(overrides, nproc)
+
+
+def load_model(path: Path, device: torch.device) -> tuple[GPT, dict]:
+    """The model in a snapshot (ddp file or fsdp directory), in eval mode, and its data meta."""
+    kind = snapshot.snapshot_kind(str(path))
+    if kind is None:
+        raise FileNotFoundError(f"no snapshot at {path}")
+    state = snapshot.load_train_state(str(path), kind, device)
+    model = GPT(GPTConfig(**state["model_config"])).to(device)
+    if kind == "ddp":
+        model.load_state_dict(state["model"])
+    else:  # DCP gathers every rank's shards into this one process
+        snapshot.load_sharded_weights(str(path), model)
+    return model.eval(), state["data_meta"]
+
+
+def read_scalars(run_dir: Path) -> dict[str, tuple[list[int], list[float]]]:
+    """Every scalar the trainer logged: {tag: (steps, values)}, steps ascending."""
+    # size_guidance 0 keeps every event (the default keeps a sample of 10,000 per tag).
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()  # reads every event file in the folder: a resumed run adds one more
+    scalars = {}
+    for tag in events.Tags()["scalars"]:
+        # A resumed or re-evaluated run can log a step twice: keep the newest value.
+        by_step = {e.step: e.value for e in events.Scalars(tag)}
+        steps = sorted(by_step)
+        scalars[tag] = (steps, [by_step[s] for s in steps])
+    return scalars
+
+
+def peak_memory_mb(scalars: dict) -> list[float]:
+    """The peak memory of each rank over the whole run (the trainer logs a running maximum)."""
+    ranks = sorted(int(tag.removeprefix("memory/peak_mb_rank")) for tag in scalars
+                   if tag.startswith("memory/peak_mb_rank"))
+    return [max(scalars[f"memory/peak_mb_rank{r}"][1]) for r in ranks]
+
+
+def show_images(images: torch.Tensor | np.ndarray, rows: int, cols: int, title: str = "",
+                size: float = 1.2) -> plt.Figure:
+    """uint8 images (N, 32, 32, 3), N = rows * cols, as one grid figure."""
+    fig, axes = plt.subplots(rows, cols, figsize=(cols * size, rows * size + 0.4),
+                             squeeze=False)
+    for ax, image in zip(axes.flat, np.asarray(images), strict=True):
+        ax.imshow(image, interpolation="nearest")  # nearest: show pixels, do not blur them
+        ax.axis("off")
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def _attend_cached(block: torch.nn.Module, x: torch.Tensor, cache: torch.Tensor,
+                   t: int) -> torch.Tensor:
+    """One transformer block for the token at position t, x (B, 1, C), given the keys and
+    values of positions < t in cache (2, B, nh, length, hs); stores position t's there too."""
+    attn = block.attn
+    B, T, C = x.size()  # T == 1
+    q, k, v = attn.c_attn(block.ln_1(x)).split(C, dim=2)  # 3 x (B, 1, C)
+    q, k, v = (z.view(B, T, attn.n_head, C // attn.n_head).transpose(1, 2)
+               for z in (q, k, v))  # (B, nh, 1, hs)
+    cache[0, :, :, t], cache[1, :, :, t] = k[:, :, 0], v[:, :, 0]
+    # The newest token attends to every position up to itself: no mask for a single query.
+    y = F.scaled_dot_product_attention(q, cache[0, :, :, :t + 1],
+                                       cache[1, :, :, :t + 1])  # (B, nh, 1, hs)
+    x = x + attn.c_proj(y.transpose(1, 2).reshape(B, T, C))
+    return x + block.mlp(block.ln_2(x))  # (B, 1, C)
+
+
+@torch.no_grad()
+def sample_sequences(model: GPT, first: torch.Tensor, length: int, temperature: float = 1.0,
+                     top_k: int | None = None, do_sample: bool = True) -> torch.Tensor:
+    """Continue the first tokens (B,) to sequences (B, length), as model.generate would.
+
+    model.generate runs the whole sequence through the model for every new token, which costs
+    ~length^3 for attention: minutes on a CPU for 1023 pixels. Here each block keeps the keys
+    and values of earlier tokens (a KV cache), so every step only processes the newest token.
+    It uses the model's own layers (in eval mode: dropout off).
+    """
+    cfg = model.config
+    if length > cfg.block_size + 1:  # the last token is only ever predicted, never an input
+        raise ValueError(f"length must be <= block_size + 1 = {cfg.block_size + 1}, got {length}")
+    model.eval()
+    # Keys and values of every block, filled in one position per step.
+    caches = torch.empty(cfg.n_layer, 2, len(first), cfg.n_head, length,
+                         cfg.n_embd // cfg.n_head, device=first.device,
+                         dtype=model.wte.weight.dtype)
+    idx = first.view(-1, 1)  # (B, 1)
+    for t in range(length - 1):
+        x = model.wte(idx[:, -1:]) + model.wpe.weight[t]  # (B, 1, C): the token at position t
+        for block, cache in zip(model.blocks, caches, strict=True):
+            x = _attend_cached(block, x, cache, t)
+        logits = model.lm_head(model.ln_f(x))[:, -1, :] / temperature  # (B, vocab_size)
+        # From here on, exactly the sampling of model.generate.
+        if top_k is not None:
+            kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]  # (B, 1)
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if do_sample:
+            idx_next = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)  # (B, 1)
+        else:
+            idx_next = logits.argmax(dim=-1, keepdim=True)
+        idx = torch.cat((idx, idx_next), dim=1)  # (B, t + 2)
+    return idx
