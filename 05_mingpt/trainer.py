@@ -215,10 +215,12 @@ class Trainer:
         self.bar.update(1)
         if step % cfg.log_every == 0 or last:
             self._log_train()
+        paused = time.perf_counter()
         if (cfg.eval_every and step % cfg.eval_every == 0) or last:
             self._log_eval()
         if (cfg.save_every and step % cfg.save_every == 0) or last:
             self._save_snapshot()
+        self.t_log += time.perf_counter() - paused  # tokens/s measures training steps only
 
     def _peak_memory_mb(self) -> list[float]:
         """Peak memory of every rank: CUDA allocations, or the process's peak RSS on a CPU."""
@@ -284,7 +286,6 @@ class Trainer:
         if self.writer:
             self.writer.add_scalar("val/loss", loss, self.step)
             self.writer.flush()
-        self.t_log = time.perf_counter()  # evaluation time is not training throughput
         return loss
 
     def train(self) -> float:

@@ -1,5 +1,8 @@
 """05_mingpt refuses bad input with one `error:` line: config mistakes, unusable data files, and
-snapshots that are corrupt or belong to another model (which are never overwritten)."""
+snapshots that are corrupt or belong to another model (which are never overwritten).
+
+The slowest tests (many launches each) have `slowest` in their names.
+"""
 import importlib
 import sys
 
@@ -135,7 +138,7 @@ def test_main_py_missing_data_file(mingpt):
     one_error_line(proc, "data file not found", "no/such.txt")
 
 
-def test_corrupt_and_incompatible_snapshots_are_refused_and_kept(mingpt):
+def test_corrupt_and_incompatible_snapshots_are_refused_and_kept_slowest(mingpt):
     args = tiny("trainer_config.max_steps=2", "trainer_config.sample_tokens=0")
     run([PYTHON, "main.py", *args, "run_name=ok", "trainer_config.snapshot_path=ddp.pt"],
         cwd=mingpt)

@@ -1,5 +1,8 @@
 """Snapshots on S3 (fsspec + s3fs) against a local moto server: save, resume, sample, for the
-ddp file and the fsdp (DCP) directory; credentials never appear in the output."""
+ddp file and the fsdp (DCP) directory; credentials never appear in the output.
+
+The slowest tests (several launches each) have `slowest` in their names.
+"""
 import subprocess
 import time
 import urllib.request
@@ -60,7 +63,7 @@ def no_credentials(*procs: subprocess.CompletedProcess) -> None:
 
 
 @pytest.mark.parametrize("method", ["ddp", "fsdp"])
-def test_snapshot_on_s3_saves_resumes_and_samples(mingpt, s3_env, method):
+def test_snapshot_on_s3_saves_resumes_and_samples_slowest(mingpt, s3_env, method):
     url = f"s3://mingpt/{method}/snapshot"
     args = tiny(f"trainer_config.distributed_method={method}",
                 f"trainer_config.snapshot_path={url}", "trainer_config.save_every=2",

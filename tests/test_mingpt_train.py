@@ -118,7 +118,7 @@ def test_torchrun_four_processes_share_one_run_dir(mingpt):
     assert load_ddp_snapshot(run_dir / "snapshot")["world_size"] == 4
 
 
-def test_launch_py_ddp_and_fsdp(mingpt):
+def test_launch_py_ddp_and_fsdp_slowest(mingpt):
     for extra, name in (((), "launch_ddp"), (("trainer_config.distributed_method=fsdp",),
                                               "launch_fsdp")):
         proc = run([PYTHON, "launch.py", *tiny(*extra, f"run_name={name}")], cwd=mingpt)
