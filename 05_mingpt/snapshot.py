@@ -132,7 +132,7 @@ def check_compatible(state: dict, model_config: dict, data_meta: dict, url: str)
                                 f"there, {value} here); set trainer_config.snapshot_path to a new "
                                 "path or use the snapshot's gpt_config")
     saved_meta = state["data_meta"]
-    for key in ("kind", "vocab_size", "itos"):
+    for key in ("kind", "vocab_size", "itos", "palette", "permutation"):
         if saved_meta.get(key) != data_meta.get(key):
             raise SnapshotError(f"snapshot {url} was trained on different data ({key} differs); "
                                 "set trainer_config.snapshot_path to a new path")
