@@ -11,7 +11,7 @@ import sys
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from torch.distributed import all_reduce, destroy_process_group, init_process_group
+from torch.distributed import all_reduce, barrier, destroy_process_group, init_process_group
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
@@ -115,6 +115,7 @@ def main(rank: int, world_size: int, args: argparse.Namespace) -> None:
     trainer = Trainer(model, train_data, optimizer, device, args.save_every, args.checkpoint_path)
     trainer.train(args.total_epochs)
     del trainer  # release DDP before its process group: destroying it first can hang at exit
+    barrier()  # no rank tears down while another still writes or communicates
     destroy_process_group()
 
 
