@@ -141,6 +141,18 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))  # (B, T, C)
 
 
+def next_token(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
+               do_sample: bool = True) -> torch.Tensor:
+    """Pick the next token (B, 1) from the last position's logits (B, vocab_size)."""
+    logits = logits / temperature  # < 1 sharpens the distribution, > 1 flattens it
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if do_sample:
+        return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)  # (B, 1)
+    return logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+
+
 class GPT(nn.Module):
     """GPT language model: idx (B, T) token ids -> logits (B, T, vocab_size) for the next token."""
 
@@ -214,15 +226,7 @@ class GPT(nn.Module):
             # The model has position embeddings for block_size positions only: keep the tail.
             idx_cond = idx[:, -self.config.block_size:]  # (B, <= block_size)
             logits, _ = self(idx_cond)
-            logits = logits[:, -1, :] / temperature  # (B, vocab_size): only the last position
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]  # (B, 1)
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            if do_sample:
-                probs = F.softmax(logits, dim=-1)  # (B, vocab_size)
-                idx_next = torch.multinomial(probs, num_samples=1)  # (B, 1)
-            else:
-                idx_next = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+            idx_next = next_token(logits[:, -1, :], temperature, top_k, do_sample)  # (B, 1)
             idx = torch.cat((idx, idx_next), dim=1)  # (B, T + 1)
         return idx
 

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm  # noqa: E402
 import config  # noqa: E402
 import snapshot  # noqa: E402
 from launch import default_nproc  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
+from model import GPT, GPTConfig, next_token  # noqa: E402
 
 CONFIG_NAME = "gpt2_train_cfg"
 # The trainer's log lines: "training steps 0..200: ..." once, "step 20/200 | loss ..." per log.
@@ -187,14 +187,7 @@ def sample_sequences(model: GPT, first: torch.Tensor, length: int, temperature: 
         x = model.wte(idx[:, -1:]) + model.wpe.weight[t]  # (B, 1, C): the token at position t
         for block, cache in zip(model.blocks, caches, strict=True):
             x = _attend_cached(block, x, cache, t)
-        logits = model.lm_head(model.ln_f(x))[:, -1, :] / temperature  # (B, vocab_size)
-        # From here on, exactly the sampling of model.generate.
-        if top_k is not None:
-            kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]  # (B, 1)
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if do_sample:
-            idx_next = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)  # (B, 1)
-        else:
-            idx_next = logits.argmax(dim=-1, keepdim=True)
+        logits = model.lm_head(model.ln_f(x))[:, -1, :]  # (B, vocab_size)
+        idx_next = next_token(logits, temperature, top_k, do_sample)  # as model.generate does
         idx = torch.cat((idx, idx_next), dim=1)  # (B, t + 2)
     return idx
