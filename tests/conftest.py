@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 # torchrun installed next to the interpreter running the tests (the venv's own).
 TORCHRUN = str(Path(PYTHON).with_name("torchrun"))
+TEARDOWN_ABORT = "terminate called without an active exception"
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -36,6 +38,12 @@ def run(cmd: list[str], cwd: Path = REPO, timeout: float = 240, check: bool = Tr
     """Run a command, capture text output, and fail with its output when `check` and rc != 0."""
     proc = subprocess.run(cmd, cwd=cwd, env=child_env(**env), capture_output=True, text=True,
                           timeout=timeout)
+    if proc.returncode != 0 and TEARDOWN_ABORT in proc.stderr:
+        # A rare abort inside torch's gloo teardown, after all work is done (about 1 launch in
+        # 50 on a loaded 2-core machine). Run once more, and say so in the test summary.
+        warnings.warn(f"{Path(cmd[1]).name}: retried after an abort at process exit", stacklevel=2)
+        proc = subprocess.run(cmd, cwd=cwd, env=child_env(**env), capture_output=True,
+                              text=True, timeout=timeout)
     if check and proc.returncode != 0:
         pytest.fail(f"{cmd} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
                     f"\n--- stderr\n{proc.stderr[-4000:]}")
