@@ -49,15 +49,15 @@ def generate_text(model: torch.nn.Module, meta: dict, prompt: str, num_tokens: i
 
 
 def load_model(path: str, device: torch.device) -> tuple[GPT, dict]:
-    """Rebuild the model from the config stored in the snapshot, and load its weights."""
+    """Rebuild the model from the config stored in the snapshot, and load its weights.
+
+    Works for any data kind (the notebooks load image models with it); returns the data meta.
+    """
     kind = snapshot.snapshot_kind(path)
     if kind is None:
         raise ValueError(f"no snapshot at {path}")
     state = snapshot.load_train_state(path, kind, device)
     meta = state["data_meta"]
-    if meta.get("kind") != "char":
-        raise ValueError(f"{path} was trained on {meta.get('kind')} data; sample.py writes text "
-                         "(see notebooks/ for images)")
     model = GPT(GPTConfig(**state["model_config"])).to(device)
     if kind == "ddp":
         model.load_state_dict(state["model"])
@@ -102,6 +102,9 @@ def main(argv: list[str]) -> None:
         if "://" not in path:
             path = str(Path(path))
         model, meta = load_model(path, device)
+        if meta.get("kind") != "char":
+            raise ValueError(f"{path} was trained on {meta.get('kind')} data; sample.py writes "
+                             "text (see notebooks/ for images)")
         text = generate_text(model, meta, args.prompt, args.num_tokens, args.temperature,
                              args.top_k, args.seed, device)
     except ValueError as e:  # includes snapshot.SnapshotError

@@ -28,9 +28,10 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tqdm.auto import tqdm  # noqa: E402
 
 import config  # noqa: E402
+import sample  # noqa: E402
 import snapshot  # noqa: E402
 from launch import default_nproc  # noqa: E402
-from model import GPT, GPTConfig, next_token  # noqa: E402
+from model import GPT, next_token  # noqa: E402
 
 CONFIG_NAME = "gpt2_train_cfg"
 # The trainer's log lines: "training steps 0..200: ..." once, "step 20/200 | loss ..." per log.
@@ -101,16 +102,8 @@ def train(overrides: list[str], run_dir: Path, nproc: int | None = None) -> None
 
 def load_model(path: Path, device: torch.device) -> tuple[GPT, dict]:
     """The model in a snapshot (ddp file or fsdp directory), in eval mode, and its data meta."""
-    kind = snapshot.snapshot_kind(str(path))
-    if kind is None:
-        raise FileNotFoundError(f"no snapshot at {path}")
-    state = snapshot.load_train_state(str(path), kind, device)
-    model = GPT(GPTConfig(**state["model_config"])).to(device)
-    if kind == "ddp":
-        model.load_state_dict(state["model"])
-    else:  # DCP gathers every rank's shards into this one process
-        snapshot.load_sharded_weights(str(path), model)
-    return model.eval(), state["data_meta"]
+    model, meta = sample.load_model(str(path), device)
+    return model.eval(), meta
 
 
 def read_scalars(run_dir: Path) -> dict[str, tuple[list[int], list[float]]]:

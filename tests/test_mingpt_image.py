@@ -250,3 +250,9 @@ def test_main_trains_the_tiny_preset_on_the_fixture(tmp_path):
     saved = np.load(root / "palette_k16_n200_p5_s1337.npy")
     assert state["data_meta"]["kind"] == "cifar10"
     assert state["data_meta"]["palette"] == saved.tolist()  # decodable from the snapshot alone
+    # sample.py writes text: it refuses an image snapshot with one line, not a traceback.
+    proc = run([PYTHON, str(MINGPT / "sample.py"), "--snapshot", "runs/img/snapshot"],
+               cwd=tmp_path, check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().endswith("was trained on cifar10 data; sample.py writes text "
+                                        "(see notebooks/ for images)"), proc.stderr
