@@ -4,6 +4,10 @@
 file. A rename within one filesystem is atomic, so a crash at any moment leaves either the old
 snapshot or the new one, never half a file. `load_snapshot` uses `weights_only=True`, which
 refuses to run arbitrary pickled code, and turns any unreadable file into one clear error.
+
+`load_snapshot` always loads to the CPU. `load_state_dict` then copies weights and optimizer
+buffers to the model's device (and leaves counters such as Adam's `step` on the CPU, where the
+optimizer wants them); the RNG states must stay on the CPU for `set_rng_state`.
 """
 import os
 import random
@@ -25,10 +29,12 @@ def atomic_save(obj: dict, path: str) -> None:
     os.replace(tmp, path)
 
 
-def load_snapshot(path: str, map_location: torch.device, required: tuple[str, ...]) -> dict:
-    """Load a snapshot; raise SnapshotError unless it is a dict holding every `required` key."""
+def load_snapshot(path: str, required: tuple[str, ...]) -> dict:
+    """Load a snapshot to the CPU; raise SnapshotError unless it is a dict holding every
+    `required` key."""
     try:
-        snapshot = torch.load(path, map_location=map_location, weights_only=True)
+        # map_location="cpu", never the GPU: a GPU-mapped numpy RNG key cannot be set again.
+        snapshot = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated, corrupt, unreadable, or holds non-tensor objects
         raise SnapshotError(f"cannot load snapshot {path} ({type(e).__name__}): it is corrupt, "
                             "truncated or not a snapshot; move it away to start afresh") from e

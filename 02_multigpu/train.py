@@ -22,7 +22,9 @@ from snapshot import atomic_save
 
 
 def ddp_setup(rank: int, world_size: int, requested: str) -> torch.device:
-    device = pick_device(rank, requested)
+    # The GPU index is the rank within this machine: torchrun sets LOCAL_RANK (RANK counts on
+    # across nodes); mp.spawn starts every rank on this one machine, so there it is the rank.
+    device = pick_device(int(os.environ.get("LOCAL_RANK", rank)), requested)
     if device.type == "cuda":
         # Before init_process_group: NCCL binds each process to the current GPU.
         torch.cuda.set_device(device)

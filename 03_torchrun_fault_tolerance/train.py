@@ -58,9 +58,10 @@ class Trainer:
             self._load_snapshot(snapshot_path)
 
     def _load_snapshot(self, snapshot_path: str) -> None:
-        # map_location: tensors saved from cuda:0 land on this rank's own device.
+        # Loaded to the CPU (map_location="cpu"): load_state_dict copies weights and momentum to
+        # this rank's device, and the RNG states stay on the CPU, where set_rng_state needs them.
         keys = ("MODEL_STATE", "OPTIMIZER_STATE", "EPOCHS_RUN", "RNG_STATES")
-        snapshot = load_snapshot(snapshot_path, self.device, keys)
+        snapshot = load_snapshot(snapshot_path, keys)
         self.model.module.load_state_dict(snapshot["MODEL_STATE"])
         self.optimizer.load_state_dict(snapshot["OPTIMIZER_STATE"])
         self.epochs_run = snapshot["EPOCHS_RUN"]

@@ -20,9 +20,15 @@
 
 set -euo pipefail
 
-# The head node's address: every agent meets there. Port from the job id avoids clashes.
-head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-head_node_ip=$(srun --nodes=1 --ntasks=1 -w "$head_node" hostname --ip-address | awk '{print $1}')
+# Since Slurm 22.05 srun no longer inherits --cpus-per-task from sbatch: without this each
+# torchrun agent (and all its workers) would be pinned to one CPU.
+export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"
+
+# The head node: every agent meets there, by the name Slurm knows it by. (`hostname
+# --ip-address` can answer 127.0.1.1, which the other nodes cannot reach.) sed, not head: it
+# reads the whole list, so a long one cannot fail with a broken pipe. Port from the job id
+# avoids clashes.
+head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
 port=$((29500 + SLURM_JOB_ID % 1000))
 gpus_per_node=${SLURM_GPUS_ON_NODE:-4}
 
@@ -32,13 +38,15 @@ case "${STEP:-multinode}" in
   *) echo "error: STEP must be multinode or mingpt, got '$STEP'" >&2; exit 2 ;;
 esac
 
-echo "head node: $head_node ($head_node_ip:$port), nodes: $SLURM_NNODES, GPUs/node: $gpus_per_node"
+echo "head node: $head_node:$port, nodes: $SLURM_NNODES, GPUs/node: $gpus_per_node"
 # Snapshots are written relative to this folder: it must be on storage every node shares.
-srun torchrun \
+# --kill-on-bad-exit=1: if one node's agent fails for good, stop the others instead of letting
+# them wait at the rendezvous until the time limit.
+srun --kill-on-bad-exit=1 torchrun \
   --nnodes="$SLURM_NNODES" \
   --nproc_per_node="$gpus_per_node" \
   --rdzv-id="$SLURM_JOB_ID" \
   --rdzv-backend=c10d \
-  --rdzv-endpoint="$head_node_ip:$port" \
+  --rdzv-endpoint="$head_node:$port" \
   --max-restarts=3 \
   "$script" "$@"

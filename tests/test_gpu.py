@@ -4,11 +4,12 @@ The rest of the suite forces the CPU (CUDA_VISIBLE_DEVICES=""); these tests give
 """
 import os
 import re
+import subprocess
 
 import pytest
 import torch
 
-from conftest import PYTHON, REPO, TORCHRUN, run
+from conftest import PYTHON, REPO, TORCHRUN, child_env, free_port, run
 from mingpt_helpers import copy_mingpt, tiny, val_losses
 
 GPUS = torch.cuda.device_count()
@@ -30,6 +31,47 @@ def test_step03_nccl_resume(tmp_path):
     run([*cmd, "2", "1"], cwd=tmp_path, CUDA_VISIBLE_DEVICES=VISIBLE)
     proc = run([*cmd, "3", "1"], cwd=tmp_path, CUDA_VISIBLE_DEVICES=VISIBLE)
     assert "Resuming training from snapshot at epoch 2" in proc.stdout
+
+
+@pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs, one per 'node'")
+def test_step02_torchrun_second_node_uses_its_local_gpu(tmp_path):
+    """Two one-GPU 'nodes': the second has RANK=1 but only cuda:0, which LOCAL_RANK gives."""
+    cmd = [TORCHRUN, "--nnodes=2", "--nproc_per_node=1", "--rdzv-id=step02-gpu",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+           str(REPO / "02_multigpu/train.py"), "2", "1", "--device", "cuda"]
+    procs = [subprocess.Popen(cmd, cwd=tmp_path, env=child_env(CUDA_VISIBLE_DEVICES=gpu),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for gpu in VISIBLE.split(",")[:2]]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    assert "[cuda:0] Epoch 1 | Batchsize: 32 | Steps: 32" in "".join(out for out, _ in outs)
+
+
+@pytest.mark.parametrize("step", ["03_torchrun_fault_tolerance", "04_multinode"])
+def test_killed_worker_resumes_on_the_gpu(tmp_path, step):
+    """torchrun restarts a killed job on CUDA: the snapshot loads to the CPU, so set_rng_state
+    works (a numpy RNG key mapped to cuda:N raised TypeError in every restart), the weights and
+    momentum go back onto the GPU, and training carries on along the uninterrupted loss curve."""
+    cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={GPUS}", "--max-restarts=1",
+           str(REPO / step / "train.py"), "6", "2", "--device", "cuda"]
+    plain = run([*cmd, "--snapshot_path", "a.pt"], cwd=tmp_path, CUDA_VISIBLE_DEVICES=VISIBLE)
+    proc = run([*cmd, "--snapshot_path", "b.pt"], cwd=tmp_path, CUDA_VISIBLE_DEVICES=VISIBLE,
+               FAULT_AT_EPOCH="3")
+    assert "FAULT_AT_EPOCH=3: killing this worker" in proc.stdout
+    assert "TypeError" not in proc.stderr
+    assert "Resuming training from snapshot at epoch 2" in proc.stdout
+    after = proc.stdout.split("Resuming training")[-1]
+    assert re.findall(r"cuda:0\] Epoch (\d+) \| Batchsize", after) == ["2", "3", "4", "5"]
+    loss = [float(x) for x in re.findall(r"Loss: ([0-9.]+)", after)]
+    plain_loss = [float(x) for x in re.findall(r"Loss: ([0-9.]+)", plain.stdout)]
+    assert loss == pytest.approx(plain_loss[2:], abs=2e-4)
+    saved = torch.load(tmp_path / "b.pt", weights_only=True)  # each tensor where rank 0 had it
+    assert saved["EPOCHS_RUN"] == 6
+    assert {str(t.device) for t in saved["MODEL_STATE"].values()} == {"cuda:0"}
+    momentum = [s["momentum_buffer"] for s in saved["OPTIMIZER_STATE"]["state"].values()]
+    assert {str(t.device) for t in momentum} == {"cuda:0"}  # it followed the weights after resume
+    assert len(saved["RNG_STATES"]) == GPUS
+    assert all(r["numpy"][1].device.type == "cpu" for r in saved["RNG_STATES"])
 
 
 @pytest.mark.parametrize("method", ["ddp", "fsdp"])

@@ -1,16 +1,23 @@
 """Steps 01-04 run as a user runs them (CPU, gloo) and do what their READMEs promise."""
+import importlib.util
+import json
+import random
 import re
 import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
+from types import ModuleType, SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
 from conftest import PYTHON, REPO, TORCHRUN, child_env, free_port, run
 
 STEPS = ["01_single_gpu", "02_multigpu", "03_torchrun_fault_tolerance", "04_multinode"]
+HELPERS = ("datautils", "devices", "faults", "snapshot")  # same names in every step folder
 
 
 def losses(stdout: str) -> list[float]:
@@ -22,6 +29,44 @@ def copy_steps(tmp_path: Path) -> Path:
     for step in STEPS:
         shutil.copytree(REPO / step, tmp_path / step, ignore=shutil.ignore_patterns("__pycache__"))
     return tmp_path
+
+
+def import_step(step: str, name: str) -> ModuleType:
+    """Import one step's `name`.py in-process. The step folders share helper module names, so
+    the helpers imported here are taken out of sys.modules again afterwards."""
+    saved = {m: sys.modules.pop(m) for m in HELPERS if m in sys.modules}
+    sys.path.insert(0, str(REPO / step))
+    try:
+        spec = importlib.util.spec_from_file_location(f"{step}_{name}", REPO / step / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(REPO / step))
+        for m in HELPERS:
+            sys.modules.pop(m, None)
+        sys.modules.update(saved)
+
+
+@pytest.fixture
+def keep_rng():
+    """Tests that seed the global RNGs put them back as they found them."""
+    states = torch.get_rng_state(), np.random.get_state(), random.getstate()
+    yield
+    torch.set_rng_state(states[0])
+    np.random.set_state(states[1])
+    random.setstate(states[2])
+
+
+def seed_all(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def draws() -> tuple:
+    """The next numbers of the three RNGs a snapshot restores."""
+    return torch.rand(3).tolist(), np.random.rand(3).tolist(), random.random()
 
 
 def probe(tmp_path: Path, step: str, nproc: int, *args: str, **env: str) -> Path:
@@ -51,6 +96,32 @@ def test_step02_spawn_learns_and_rank0_alone_logs_and_saves(tmp_path):
     assert "Steps: 32" in proc.stdout  # 2048 samples / 2 ranks / batch 32: the data is sharded
     assert proc.stdout.count("checkpoint saved") == 2  # epochs 1 and 3, written once each
     assert (tmp_path / "checkpoint.pt").exists()
+
+
+class DevicePicked(Exception):
+    """Stops step 02's main once it has asked for a device: no process group is needed."""
+
+
+@pytest.mark.parametrize("env, rank, gpu", [
+    ({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4"}, 3, 1),  # torchrun: node 1 of 2x2 GPUs
+    ({}, 1, 1),  # python train.py: mp.spawn starts every rank on this machine
+], ids=["torchrun_second_node", "spawn"])
+def test_step02_gpu_index_is_the_local_rank(monkeypatch, env, rank, gpu):
+    train = import_step("02_multigpu", "train")
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    asked = []
+
+    def recording_pick_device(local_rank: int, requested: str) -> torch.device:
+        asked.append((local_rank, requested))
+        raise DevicePicked
+
+    monkeypatch.setattr(train, "pick_device", recording_pick_device)
+    with pytest.raises(DevicePicked):  # as the file's __main__ calls it under torchrun
+        train.main(rank, 4, train.parse_args(["--device", "cuda"]))
+    assert asked == [(gpu, "cuda")]  # cuda:1, not cuda:3 (a node with 2 GPUs has no cuda:3)
 
 
 def test_step02_torchrun_command_as_written(tmp_path):
@@ -97,6 +168,70 @@ def test_step03_killed_worker_resumes_bitwise_exact(tmp_path):
         assert torch.equal(a["MODEL_STATE"][k], rank0[k]), k
     assert a["OPTIMIZER_STATE"]["state"][0]["momentum_buffer"].equal(
         b["OPTIMIZER_STATE"]["state"][0]["momentum_buffer"])
+
+
+def tensors_in(obj) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, list | tuple) else []
+    return [t for item in items for t in tensors_in(item)]
+
+
+def test_load_snapshot_gives_cpu_tensors_and_set_rng_state_restores_them(tmp_path, keep_rng):
+    snapshot = import_step("01_single_gpu", "snapshot")  # the copies are identical (test_docs)
+    seed_all(1)
+    path = str(tmp_path / "s.pt")
+    snapshot.atomic_save({"RNG_STATES": [snapshot.rng_state()], "W": torch.ones(2)}, path)
+    expected = draws()
+    seed_all(2)
+    loaded = snapshot.load_snapshot(path, ("RNG_STATES", "W"))
+    assert {t.device for t in tensors_in(loaded)} == {torch.device("cpu")}
+    snapshot.set_rng_state(loaded["RNG_STATES"][0])
+    assert draws() == expected
+
+
+def test_rng_state_mapped_off_the_cpu_cannot_be_set(tmp_path):
+    """Why snapshots load to the CPU: map_location=cuda:N would move the numpy RNG key too, and
+    set_rng_state's .numpy() fails on it. The "meta" device stands in for a GPU here."""
+    snapshot = import_step("01_single_gpu", "snapshot")
+    torch.save({"RNG_STATES": [snapshot.rng_state()]}, tmp_path / "s.pt")
+    state = torch.load(tmp_path / "s.pt", map_location="meta", weights_only=True)
+    state = state["RNG_STATES"][0]
+    state["torch"] = torch.get_rng_state()  # a GPU tensor's .cpu() works; a meta one has no data
+    with pytest.raises(TypeError, match="can't convert meta device type tensor to numpy"):
+        snapshot.set_rng_state(state)
+
+
+@pytest.mark.parametrize("step", ["03_torchrun_fault_tolerance", "04_multinode"])
+def test_resume_on_a_non_cpu_device_restores_weights_momentum_and_rng(tmp_path, monkeypatch,
+                                                                        keep_rng, step):
+    """Trainer._load_snapshot on rank 1 of 2 whose device is not the CPU ("meta" stands in for
+    cuda:N): the weights and momentum reach the model and rank 1 gets its own RNG state back."""
+    train = import_step(step, "train")
+    _, model, optimizer = train.load_train_objs()
+    model(torch.randn(4, 20)).sum().backward()
+    optimizer.step()  # now there are momentum buffers to save
+    rng_states = []
+    for seed in (10, 11):  # rank 0's and rank 1's RNG states
+        seed_all(seed)
+        rng_states.append(train.rng_state())
+    expected = draws()  # what rank 1 draws next
+    path = str(tmp_path / "snapshot.pt")
+    train.atomic_save({"MODEL_STATE": model.state_dict(), "EPOCHS_RUN": 4,
+                       "OPTIMIZER_STATE": optimizer.state_dict(), "RNG_STATES": rng_states}, path)
+    _, fresh, fresh_optimizer = train.load_train_objs()  # other initial weights, no momentum
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
+    rank1 = SimpleNamespace(model=SimpleNamespace(module=fresh), optimizer=fresh_optimizer,
+                            rank=1, tag="rank 1", device=torch.device("meta"), epochs_run=0)
+    train.Trainer._load_snapshot(rank1, path)
+    assert draws() == expected
+    assert rank1.epochs_run == 4
+    loaded = fresh.state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
+    for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
+        momentum = fresh_optimizer.state[q]["momentum_buffer"]
+        assert momentum.device == q.device  # load_state_dict put it next to its parameter
+        assert torch.equal(momentum, optimizer.state[p]["momentum_buffer"])
 
 
 KILL_MID_WRITE = """
@@ -197,3 +332,38 @@ def test_snapshot_missing_on_one_node_is_an_error(tmp_path):
     assert all(p.returncode != 0 for p in procs)
     assert "exists for 1 of 2 ranks: use shared storage" in outs[0][1] + outs[1][1]
     assert torch.load(nodes[0] / "snapshot.pt", weights_only=True)["EPOCHS_RUN"] == 1
+
+
+# Stands in for srun, scontrol and hostname: records its name, arguments and SRUN_CPUS_PER_TASK.
+STUB = """#!{python}
+import json, os, sys, time
+name = os.path.basename(sys.argv[0])
+with open(os.environ["STUB_LOG"], "a") as log:
+    log.write(json.dumps([name, sys.argv[1:], os.environ.get("SRUN_CPUS_PER_TASK")]) + "\\n")
+if name == "scontrol":  # show hostnames node-[7-8], one write per line as a long list comes
+    for host in ("node-7", "node-8"):
+        print(host, flush=True)
+        time.sleep(0.2)  # a reader that stops after one line has gone: broken pipe
+elif "--ip-address" in sys.argv:  # what Debian's /etc/hosts often gives for the own name
+    print("127.0.1.1")
+"""
+
+
+def test_sbatch_script_hands_cpus_to_srun_kills_on_bad_exit_and_meets_at_head_node(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("srun", "scontrol", "hostname"):
+        (bin_dir / name).write_text(STUB.format(python=PYTHON))
+        (bin_dir / name).chmod(0o755)
+    log = tmp_path / "calls.jsonl"
+    proc = run(["bash", "slurm_scripts/sbatch_run.sh", "50", "10"], cwd=REPO,
+               PATH=f"{bin_dir}:/usr/bin:/bin", STUB_LOG=str(log), SLURM_JOB_NODELIST="node-[7-8]",
+               SLURM_JOB_ID="4242", SLURM_NNODES="2", SLURM_CPUS_PER_TASK="16",
+               SLURM_GPUS_ON_NODE="4")
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert calls == [
+        ["scontrol", ["show", "hostnames", "node-[7-8]"], "16"],
+        ["srun", ["--kill-on-bad-exit=1", "torchrun", "--nnodes=2", "--nproc_per_node=4",
+                  "--rdzv-id=4242", "--rdzv-backend=c10d", "--rdzv-endpoint=node-7:29742",
+                  "--max-restarts=3", "04_multinode/train.py", "50", "10"], "16"],
+    ], proc.stdout
