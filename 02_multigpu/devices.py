@@ -22,9 +22,16 @@ def pick_device(local_rank: int = 0, requested: str = "auto") -> torch.device:
     return torch.device("cpu")
 
 
-def backend_for(device: torch.device) -> str:
-    """NCCL only talks to CUDA tensors; gloo handles CPU tensors."""
-    return "nccl" if device.type == "cuda" else "gloo"
+def backend_for(device: torch.device, cpu_tensors_too: bool = False) -> str:
+    """NCCL only talks to CUDA tensors; gloo handles CPU tensors.
+
+    `cpu_tensors_too`: on a GPU, collectives also run on tensors in CPU memory (FSDP's CPU
+    offload keeps gradients there: clipping and fp16 loss scaling reduce them), so each device
+    type gets its own backend.
+    """
+    if device.type != "cuda":
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if cpu_tensors_too else "nccl"
 
 
 def free_port() -> int:

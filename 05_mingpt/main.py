@@ -36,19 +36,20 @@ CONFIG_NAME = "gpt2_train_cfg"
 DATA_MODULES = {"char": "char_dataset", "cifar10": "image_dataset"}
 
 
-def ddp_setup(requested: str) -> torch.device:
+def ddp_setup(requested: str, cpu_offload: bool = False) -> torch.device:
     """Join the process group: torchrun's when launched by it, else a group of one."""
     device = pick_device(int(os.environ.get("LOCAL_RANK", 0)), requested)
     if device.type == "cuda":
         # Before init_process_group: NCCL binds each process to the current GPU.
         torch.cuda.set_device(device)
+    # CPU offload keeps FSDP's gradients in CPU memory: they need gloo beside NCCL.
+    backend = backend_for(device, cpu_tensors_too=cpu_offload)
     if "RANK" in os.environ:  # torchrun set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
-        dist.init_process_group(backend_for(device))
+        dist.init_process_group(backend)
     else:
         # `python main.py`: a one-process group (an in-memory store, no port), so DDP and
         # FSDP run exactly the code they run under torchrun.
-        dist.init_process_group(backend_for(device), store=dist.HashStore(), rank=0,
-                                world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return device
 
 
@@ -101,7 +102,7 @@ def fail(error: Exception) -> None:
 def run(cfg: DictConfig) -> None:
     try:
         validate(cfg)
-        device = ddp_setup(cfg.trainer_config.device)
+        device = ddp_setup(cfg.trainer_config.device, cfg.trainer_config.cpu_offload)
     except ValueError as e:
         fail(e)
     try:

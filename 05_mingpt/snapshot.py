@@ -7,6 +7,12 @@ Two layouts, one per distributed method:
   its own shards in parallel into `snapshot_path/step_XXXXXXXX/`; rank 0 adds `train_state.pt`
   (everything but model and optimizer) and then `snapshot_path/latest`, which names the newest
   complete step directory. DCP reshards on load, so a different number of ranks can resume.
+  A step directory that `latest` does not name is an interrupted save: it is never loaded.
+
+Everything is loaded to the CPU; `load_state_dict` then copies weights and optimizer state to
+wherever the parameters live. (Mapping a snapshot straight to a GPU would also move the RNG
+states, which must stay CPU tensors, and AdamW's step counts, which then cost a host sync per
+parameter on every step.)
 
 Paths go through fsspec, so `s3://bucket/key` works wherever a local path does (s3fs reads
 the endpoint and credentials from the usual AWS_* environment variables).
@@ -15,6 +21,7 @@ import io
 import os
 import random
 import warnings
+from collections.abc import Callable
 
 import fsspec
 import numpy as np
@@ -49,8 +56,13 @@ def _fs(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
     return fsspec.core.url_to_fs(url)
 
 
-def write_bytes_atomic(url: str, data: bytes) -> None:
-    """Readers see the old content or the new one, never a half-written file."""
+def write_bytes_atomic(url: str, data: bytes, before_commit: Callable[[], None] | None = None
+                       ) -> None:
+    """Readers see the old content or the new one, never a half-written file.
+
+    `before_commit` runs when the new bytes are written but not yet visible (a fault-injection
+    point: a crash there must leave the old snapshot in place).
+    """
     fs, path = _fs(url)
     if isinstance(fs, LocalFileSystem):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -59,26 +71,30 @@ def write_bytes_atomic(url: str, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())  # the bytes are on disk before the rename makes them visible
+        if before_commit:
+            before_commit()
         os.replace(tmp, path)  # atomic within one filesystem
     else:
         # An object store has no atomic rename (fsspec's mv is copy + delete), but a PUT is
         # atomic: the object appears complete or not at all.
+        if before_commit:
+            before_commit()
         with fs.open(path, "wb") as f:
             f.write(data)
 
 
-def save_file(url: str, obj: dict) -> None:
+def save_file(url: str, obj: dict, before_commit: Callable[[], None] | None = None) -> None:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
-    write_bytes_atomic(url, buffer.getvalue())
+    write_bytes_atomic(url, buffer.getvalue(), before_commit)
 
 
-def load_file(url: str, device: torch.device) -> dict:
-    """A snapshot dict; weights_only=True refuses pickled code, map_location picks our device."""
+def load_file(url: str) -> dict:
+    """A snapshot dict on the CPU; weights_only=True refuses pickled code."""
     try:
         with fsspec.open(url, "rb") as f:
             data = f.read()
-        state = torch.load(io.BytesIO(data), map_location=device, weights_only=True)
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:  # truncated, corrupt, not a torch file, unreadable
         raise SnapshotError(f"cannot load snapshot {url} ({_reason(e)}): it is corrupt or not a "
                             "snapshot: move it away or set trainer_config.snapshot_path") from None
@@ -88,16 +104,31 @@ def load_file(url: str, device: torch.device) -> dict:
     return state
 
 
+def _is_step_dir(path: str) -> bool:
+    return os.path.basename(path.rstrip("/")).startswith("step_")
+
+
 def snapshot_kind(url: str) -> str | None:
-    """"ddp" for a snapshot file, "fsdp" for a DCP snapshot directory, None when there is none."""
+    """"ddp" for a snapshot file, "fsdp" for a DCP snapshot directory, None when there is none.
+
+    A directory holding only step directories and no `latest` is a first save that was
+    interrupted before its commit: no snapshot yet (with a warning), not an error, or every
+    restart of the job would stop here.
+    """
     fs, path = _fs(url)
     if fs.isfile(path):
         return "ddp"
     if fs.isdir(path):
-        if not fs.exists(f"{path}/{LATEST}"):
-            raise SnapshotError(f"{url} is a directory without a '{LATEST}' file, so not an fsdp "
-                                "snapshot; move it away or set trainer_config.snapshot_path")
-        return "fsdp"
+        if fs.exists(f"{path}/{LATEST}"):
+            return "fsdp"
+        entries = fs.ls(path, detail=False)
+        if all(_is_step_dir(entry) for entry in entries):
+            if entries:
+                warnings.warn(f"{url} holds no committed snapshot (a save was interrupted before "
+                              f"'{LATEST}' was written): starting from step 0", stacklevel=2)
+            return None
+        raise SnapshotError(f"{url} is a directory without a '{LATEST}' file, so not an fsdp "
+                            "snapshot; move it away or set trainer_config.snapshot_path")
     return None
 
 
@@ -148,18 +179,23 @@ def _reader(url: str) -> FileSystemReader:
 
 
 def save_sharded(url: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 train_state: dict) -> None:
+                 train_state: dict, before_commit: Callable[[], None] | None = None) -> None:
     """FSDP: all ranks write their shards; rank 0 then commits by rewriting `latest`."""
     name = f"step_{step:08d}"
+    fs, path = _fs(url)
+    if dist.get_rank() == 0 and fs.exists(f"{path}/{name}"):
+        fs.rm(f"{path}/{name}", recursive=True)  # left by a save of this step that was cut off
+    dist.barrier()  # ... and removed before any rank writes into it again
     # Sharded state dicts: each rank only holds (and writes) its own shards, no gather.
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=_writer(f"{url}/{name}"))
     if dist.get_rank() == 0:
         save_file(f"{url}/{name}/{TRAIN_STATE}", train_state)
+        if before_commit:
+            before_commit()
         write_bytes_atomic(f"{url}/{LATEST}", name.encode())  # the commit point
-        fs, path = _fs(url)
         for old in fs.ls(path, detail=False):  # older steps are superseded now
-            if os.path.basename(old.rstrip("/")).startswith("step_") and not old.endswith(name):
+            if _is_step_dir(old) and not old.rstrip("/").endswith(name):
                 fs.rm(old, recursive=True)
     dist.barrier()  # nobody moves on (or exits) before the snapshot is committed
 
@@ -177,11 +213,11 @@ def latest_sharded(url: str) -> str:
     return f"{url}/{name}"
 
 
-def load_train_state(url: str, kind: str, device: torch.device) -> dict:
+def load_train_state(url: str, kind: str) -> dict:
     """Everything but the (sharded) weights; for ddp the one file, which has the weights too."""
     if kind == "ddp":
-        return load_file(url, device)
-    return load_file(f"{latest_sharded(url)}/{TRAIN_STATE}", torch.device("cpu"))
+        return load_file(url)
+    return load_file(f"{latest_sharded(url)}/{TRAIN_STATE}")
 
 
 def load_sharded(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -6,6 +6,7 @@ only global rank 0 prints, writes TensorBoard logs and writes (non-sharded) snap
 """
 import math
 import os
+import re
 import resource
 import signal
 import sys
@@ -25,12 +26,24 @@ from tqdm import tqdm
 import snapshot
 from parallelize import DTYPES, set_grad_sync, unwrap
 
-# Dense bf16 peak FLOP/s per GPU, matched against torch.cuda.get_device_name() in this order
-# (more specific names first). MFU = achieved model FLOP/s / this peak.
+# Dense peak FLOP/s per GPU and precision, from the vendors' datasheets: bf16/fp16 on tensor
+# cores (fp32 accumulation), fp32 without TF32 (torch's default for fp32 matmuls). The pattern
+# must match the whole of torch.cuda.get_device_name(): "NVIDIA L40" is not an L4 and
+# "NVIDIA RTX A1000" not an A100. MFU = achieved model FLOP/s / this peak; none for other GPUs.
 PEAK_FLOPS = (
-    ("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("A100", 312e12),
-    ("L40S", 362e12), ("L4", 121e12), ("A10", 125e12), ("RTX 4090", 165e12),
-    ("V100", 125e12),  # fp16: V100 has no bf16
+    (r"NVIDIA H200", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}),
+    (r"NVIDIA H200 NVL", {"bf16": 835e12, "fp16": 835e12, "fp32": 60e12}),
+    (r"NVIDIA H100 80GB HBM3", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}),  # SXM
+    (r"NVIDIA H100 PCIe", {"bf16": 756e12, "fp16": 756e12, "fp32": 51e12}),
+    (r"NVIDIA H100 NVL", {"bf16": 835e12, "fp16": 835e12, "fp32": 60e12}),
+    (r"NVIDIA A100[- ](SXM4-(40|80)GB|PCIE-(40|80)GB|80GB PCIe)",
+     {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}),
+    (r"NVIDIA L40S", {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12}),
+    (r"NVIDIA L40", {"bf16": 181e12, "fp16": 181e12, "fp32": 90.5e12}),
+    (r"NVIDIA L4", {"bf16": 121e12, "fp16": 121e12, "fp32": 30.3e12}),
+    (r"NVIDIA A10", {"bf16": 125e12, "fp16": 125e12, "fp32": 31.2e12}),
+    (r"NVIDIA GeForce RTX 4090", {"bf16": 165e12, "fp16": 165e12, "fp32": 82.6e12}),
+    (r"Tesla V100-SXM2-(16|32)GB", {"fp16": 125e12, "fp32": 15.7e12}),  # no bf16 on a V100
 )
 
 
@@ -41,12 +54,29 @@ def print0(message: str) -> None:
         sys.stdout.flush()
 
 
-def peak_flops(device: torch.device) -> float | None:
-    """This GPU's peak FLOP/s from the table; None on the CPU or an unknown GPU."""
-    if device.type != "cuda":
+def peak_flops(name: str | None, precision: str) -> float | None:
+    """Peak FLOP/s of the GPU called `name` at `precision`; None on a CPU (name None), on a GPU
+    the table does not know, or at a precision it lacks."""
+    if name is None:
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_FLOPS if key in name), None)
+    peaks = next((p for pattern, p in PEAK_FLOPS if re.fullmatch(pattern, name)), {})
+    return peaks.get(precision)
+
+
+def rank_indices(n: int, epoch: int, seed: int, start: int, rank: int, world_size: int
+                 ) -> list[int]:
+    """This rank's sample indices for the rest of `epoch`, from global position `start` on.
+
+    Every rank draws the same permutation (seeded with seed + epoch, as DistributedSampler
+    does); the first `start` samples of it were trained on, by however many ranks ran then.
+    DistributedSampler deals the rest out: rank r takes positions r, r + world_size, ...,
+    and the last (fewer than world_size) samples are dropped so that every rank gets as many.
+    So a resume on another number of ranks trains each remaining sample exactly once.
+    """
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))[start:]
+    sampler = DistributedSampler(range(len(order)), num_replicas=world_size, rank=rank,
+                                 shuffle=False, drop_last=True)
+    return order[list(sampler)].tolist()
 
 
 def lr_factor(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
@@ -57,16 +87,19 @@ def lr_factor(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float)
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def inject_fault(step: int) -> None:
-    """FAULT_AT_STEP=N: the last rank SIGKILLs itself before step N, on torchrun's first attempt.
+def inject_fault(step: int, during_save: bool = False) -> None:
+    """A worker SIGKILLs itself, on torchrun's first attempt only, to demo and test restarts.
 
-    A demo and test hook for torchrun's restarts: TORCHELASTIC_RESTART_COUNT is 0 only on the
-    first attempt, so the restarted workers resume from the snapshot and get past step N.
+    FAULT_AT_STEP=N: the last rank, before step N. FAULT_AT_SAVE=N: global rank 0 while saving
+    the snapshot of step N, after writing it and before the commit that makes it the snapshot.
+    TORCHELASTIC_RESTART_COUNT is 0 only on the first attempt, so the restarted workers resume
+    from the snapshot and get past step N.
     """
+    variable, rank = ("FAULT_AT_SAVE", 0) if during_save else ("FAULT_AT_STEP",
+                                                              dist.get_world_size() - 1)
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    last_rank = dist.get_rank() == dist.get_world_size() - 1
-    if first_attempt and last_rank and os.environ.get("FAULT_AT_STEP") == str(step):
-        print(f"[rank {dist.get_rank()}] FAULT_AT_STEP={step}: killing this worker", flush=True)
+    if first_attempt and dist.get_rank() == rank and os.environ.get(variable) == str(step):
+        print(f"[rank {rank}] {variable}={step}: killing this worker", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -85,10 +118,14 @@ class Trainer:
         # fp16 needs loss scaling (its small gradients underflow); the scaler is a no-op
         # otherwise. The device's own type: GradScaler("cuda") turns itself off on a CPU.
         self.scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
-        # Same seed on every rank: the samplers agree on one permutation and each rank takes
-        # its own slice of it (rank, rank + world_size, ...).
-        self.train_sampler = DistributedSampler(train_set, shuffle=True, seed=cfg.seed,
-                                                drop_last=True)
+        # An epoch must fill at least one optimizer step, or training would loop forever.
+        per_rank, needed = len(train_set) // self.world_size, cfg.batch_size * cfg.grad_accum_steps
+        if per_rank < needed:
+            raise ValueError(f"each rank gets {per_rank} samples per epoch ({len(train_set)} "
+                             f"training samples / {self.world_size} ranks); one step needs "
+                             f"batch_size × grad_accum_steps = {cfg.batch_size} × "
+                             f"{cfg.grad_accum_steps} = {needed}: lower them, or use more data "
+                             "or fewer processes")
         # Validation: the same seeded choice of eval_batches * batch_size sequences for any
         # world size (rounded down to a multiple of it), split evenly across the ranks, so val
         # losses of runs on different numbers of processes compare.
@@ -99,10 +136,12 @@ class Trainer:
         self.val_sampler = DistributedSampler(self.val_subset, shuffle=False)
         # Position in training: the next step to run, and where in which epoch its data starts.
         self.step, self.epoch, self.samples_in_epoch = 0, 0, 0
+        # The newest validation loss and its step: (step, loss), or None before the first.
+        self.last_val: tuple[int, float] | None = None
         # The train loss is summed on the device and synced once per log interval.
         self.loss_sum = torch.zeros((), device=device)
         self.loss_count, self.tokens_since_log = 0, 0
-        kind = snapshot.snapshot_kind(cfg.snapshot_path)
+        kind = self._agreed_snapshot_kind()
         if kind is not None:  # every rank reads the snapshot (only rank 0 ever writes one)
             self._load_snapshot(kind)
         self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard")) if self.rank == 0 \
@@ -113,31 +152,92 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=DTYPES[self.cfg.precision],
                               enabled=self.cfg.precision != "fp32")
 
+    def _agreed_snapshot_kind(self) -> str | None:
+        """The snapshot's kind as every rank sees it; SnapshotError unless all ranks agree.
+
+        Each node looks at snapshot_path on its own storage. Without storage that all nodes
+        share, some ranks would resume and others start afresh: diverged weights or a hang.
+        """
+        path = self.cfg.snapshot_path
+        try:
+            mine = (snapshot.snapshot_kind(path), None)
+        except snapshot.SnapshotError as e:  # raised on every rank below, not on this one alone
+            mine = (None, str(e))
+        seen: list = [None] * self.world_size
+        dist.all_gather_object(seen, mine)
+        errors = [error for _, error in seen if error]
+        if errors:
+            raise snapshot.SnapshotError(errors[0])
+        kinds = [kind for kind, _ in seen]
+        if len(set(kinds)) > 1:
+            found = [r for r, kind in enumerate(kinds) if kind]
+            raise snapshot.SnapshotError(
+                f"{path} holds a snapshot for ranks {found} but not for the other "
+                f"{self.world_size - len(found)}: every rank must see the same snapshot; put "
+                "trainer_config.snapshot_path on storage all nodes share (or an s3:// URL)")
+        return kinds[0]
+
     def _load_snapshot(self, kind: str) -> None:
         path, method = self.cfg.snapshot_path, self.cfg.distributed_method
         if kind != method:
             raise snapshot.SnapshotError(f"{path} holds a {kind} snapshot, but distributed_method"
                                          f"={method}; use {kind} or another snapshot_path")
-        state = snapshot.load_train_state(path, kind, self.device)
+        state = snapshot.load_train_state(path, kind)  # on the CPU
+        steps: list = [None] * self.world_size
+        dist.all_gather_object(steps, state["step"])
+        if len(set(steps)) > 1:  # each node has its own, different copy
+            raise snapshot.SnapshotError(f"ranks read {path} at different steps {steps}: put "
+                                         "trainer_config.snapshot_path on storage all nodes share")
         # Before touching any weights: a different model is an error, never a silent restart.
         snapshot.check_compatible(state, **self.snapshot_meta, url=path)
-        if kind == "ddp":
+        if kind == "ddp":  # load_state_dict copies each tensor to where its parameter lives
             unwrap(self.model).load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
         else:
             snapshot.load_sharded(path, self.model, self.optimizer)
-        self.scheduler.load_state_dict(state["scheduler"])
+        self._load_schedule(state)
         if state["scaler"] and self.scaler.is_enabled():  # empty when saved without fp16
             self.scaler.load_state_dict(state["scaler"])
         self.step, self.epoch = state["step"], state["epoch"]
         self.samples_in_epoch = state["samples_in_epoch"]
+        self.last_val = state.get("last_val")
         if len(state["rng"]) == self.world_size:
             snapshot.set_rng_state(state["rng"][self.rank], self.device)  # our own streams
         else:  # a different number of ranks: new (but still reproducible) dropout streams
             torch.manual_seed(self.cfg.seed + 1000 * self.step + self.rank)
+            self.last_val = None  # evaluate the resharded weights once more, to show they load
             print0(f"snapshot saved by {len(state['rng'])} ranks, now {self.world_size}: the "
-                   "data position carries over, dropout draws from new random streams")
+                   "rest of the epoch is dealt out anew (each sample still once), dropout "
+                   "draws from new random streams")
         print0(f"resumed from {path} at step {self.step} (epoch {self.epoch})")
+
+    def _load_schedule(self, state: dict) -> None:
+        """Restore the lr schedule; where the config changed it, follow the new values and say so.
+
+        LambdaLR saves its step count and the base lrs, not the warmup/decay settings behind its
+        function: without this a new max_steps would silently reshape the schedule and a new
+        optimizer_config.lr would silently be replaced by the saved one.
+        """
+        new_lrs = list(self.scheduler.base_lrs)
+        self.scheduler.load_state_dict(state["scheduler"])
+        saved = state.get("schedule", {})
+        changes = [f"trainer_config.{key} {saved[key]} -> {self.cfg[key]}"
+                   for key in ("max_steps", "warmup_steps", "min_lr_ratio")
+                   if key in saved and saved[key] != self.cfg[key]]
+        if self.scheduler.base_lrs != new_lrs:
+            changes.append(f"optimizer_config.lr {self.scheduler.base_lrs[0]:g} -> "
+                           f"{new_lrs[0]:g}")
+        if not changes:
+            return  # the saved schedule goes on exactly
+        self.scheduler.base_lrs = new_lrs
+        step = self.scheduler.last_epoch  # optimizer steps taken
+        lr_lambdas = self.scheduler.lr_lambdas
+        for group, base, fn in zip(self.optimizer.param_groups, new_lrs, lr_lambdas, strict=True):
+            group["initial_lr"] = base
+            group["lr"] = base * fn(step)  # as LambdaLR computes it
+        self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+        print0(f"resuming with {', '.join(changes)}: the lr schedule follows the new values "
+               f"from step {step} on (lr {self.scheduler.get_last_lr()[0]:.2e} now)")
 
     def _save_snapshot(self) -> None:
         # Every rank's RNG state goes into the snapshot, so every rank resumes its own stream.
@@ -149,17 +249,22 @@ class Trainer:
             "samples_in_epoch": self.samples_in_epoch,  # over all ranks
             "world_size": self.world_size,
             "scheduler": self.scheduler.state_dict(),
+            # What shapes the schedule besides the base lr (LambdaLR keeps none of it).
+            "schedule": {key: self.cfg[key] for key in ("max_steps", "warmup_steps",
+                                                        "min_lr_ratio")},
+            "last_val": self.last_val,  # a resume at this step need not evaluate it again
             "scaler": self.scaler.state_dict(),
             "rng": rngs,
             **self.snapshot_meta,  # model_config and data_meta: enough to rebuild and decode
         }
+        fault = partial(inject_fault, self.step, during_save=True)
         if self.cfg.distributed_method == "fsdp":
             snapshot.save_sharded(self.cfg.snapshot_path, self.step, self.model, self.optimizer,
-                                  state)
+                                  state, before_commit=fault)
         elif self.rank == 0:  # DDP: every rank holds the same weights, one writer is enough
             state["model"] = unwrap(self.model).state_dict()  # without DDP's "module." prefix
             state["optimizer"] = self.optimizer.state_dict()
-            snapshot.save_file(self.cfg.snapshot_path, state)
+            snapshot.save_file(self.cfg.snapshot_path, state, before_commit=fault)
         print0(f"step {self.step}: snapshot saved to {self.cfg.snapshot_path}")
 
     def _run_batch(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -188,11 +293,9 @@ class Trainer:
     def _run_epoch(self) -> None:
         """Optimizer steps over the rest of the current epoch, or until max_steps."""
         cfg = self.cfg
-        # A new shuffle each epoch: the sampler seeds its permutation with (seed + epoch).
-        self.train_sampler.set_epoch(self.epoch)
-        # The samples of this epoch before samples_in_epoch were all trained on (ranks take
-        # interleaved slices of one permutation), so this rank skips its share of them.
-        indices = list(self.train_sampler)[self.samples_in_epoch // self.world_size:]
+        # A new shuffle each epoch; samples before samples_in_epoch were trained on already.
+        indices = rank_indices(len(self.train_set), self.epoch, cfg.seed, self.samples_in_epoch,
+                               self.rank, self.world_size)
         loader = DataLoader(
             self.train_set, batch_size=cfg.batch_size, sampler=indices, drop_last=True,
             num_workers=cfg.data_loader_workers, pin_memory=self.device.type == "cuda",
@@ -244,7 +347,8 @@ class Trainer:
         lr = self.scheduler.get_last_lr()[0]
         line = (f"step {self.step}/{self.cfg.max_steps} | loss {loss:.4f} | lr {lr:.2e} | "
                 f"{tokens_per_s:,.0f} tokens/s")
-        peak = peak_flops(self.device)
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
+        peak = peak_flops(name, self.cfg.precision)
         if peak:
             mfu = self.flops_per_token * tokens_per_s / (peak * self.world_size)
             line += f" | MFU {100 * mfu:.1f}%"
@@ -282,7 +386,7 @@ class Trainer:
     def _log_eval(self) -> float:
         loss = self.evaluate()
         print0(f"step {self.step} | val loss {loss:.4f}")
-        self.last_val_loss = loss
+        self.last_val = (self.step, loss)
         if self.writer:
             self.writer.add_scalar("val/loss", loss, self.step)
             self.writer.flush()
@@ -295,7 +399,10 @@ class Trainer:
         print0(f"training steps {self.step}..{cfg.max_steps}: {tokens} sequences per step "
                f"(batch_size {cfg.batch_size} x grad_accum_steps {cfg.grad_accum_steps} x world "
                f"size {self.world_size}), {len(self.train_set):,} training samples")
-        self._log_eval()  # where we start from: an untrained model, or the resumed one
+        if self.last_val is None or self.last_val[0] != self.step:
+            # Where we start from: an untrained model, or a resumed one whose snapshot was not
+            # evaluated when it was saved (evaluating it again would log that step twice).
+            self._log_eval()
         # A progress bar on rank 0 only, and only on a terminal (log files get the log lines).
         self.bar = tqdm(total=cfg.max_steps, initial=self.step, disable=True if self.rank
                         else None, dynamic_ncols=True, leave=False)
@@ -305,4 +412,4 @@ class Trainer:
         self.bar.close()
         if self.writer:
             self.writer.close()
-        return self.last_val_loss
+        return self.last_val[1]

@@ -1,7 +1,10 @@
 """Shared pieces of the 05_mingpt trainer tests: a private copy of the folder, tiny overrides,
 and parsers for the trainer's log lines."""
+import contextlib
+import importlib
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -62,3 +65,22 @@ def assert_learned(stdout: str, margin: float = 0.3) -> float:
 
 def load_ddp_snapshot(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+MINGPT_MODULES = ("config", "char_dataset", "devices", "model", "parallelize", "sample",
+                  "snapshot", "trainer")
+
+
+@contextlib.contextmanager
+def mingpt_imported():
+    """05_mingpt's modules, imported by name as its scripts do. The steps have modules of the
+    same names (snapshot, devices), so whatever was imported before is put back afterwards."""
+    saved = {name: sys.modules.pop(name) for name in MINGPT_MODULES if name in sys.modules}
+    sys.path.insert(0, str(MINGPT))
+    try:
+        yield {name: importlib.import_module(name) for name in MINGPT_MODULES}
+    finally:
+        sys.path.remove(str(MINGPT))
+        for name in MINGPT_MODULES:
+            sys.modules.pop(name, None)
+        sys.modules.update(saved)

@@ -4,6 +4,7 @@ snapshots that are corrupt or belong to another model (which are never overwritt
 The slowest tests (many launches each) have `slowest` in their names.
 """
 import importlib
+import subprocess
 import sys
 
 import fsspec
@@ -11,7 +12,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import PYTHON, run
+from conftest import PYTHON, TORCHRUN, child_env, free_port, run
 from mingpt_helpers import MINGPT, copy_mingpt, tiny
 
 MODULES = ("config", "char_dataset", "model")
@@ -182,3 +183,36 @@ def test_device_cuda_without_a_gpu_is_an_error(mingpt_modules):
     with pytest.raises(ValueError, match="trainer_config.device must be auto or cpu"):
         mingpt_modules["config"].check_command_line(["trainer_config.device=cuda"], str(MINGPT),
                                                     "gpt2_train_cfg")
+
+
+def test_an_epoch_too_small_for_one_step_is_one_error_line(mingpt, tmp_path):
+    # 100 characters, block 8: 82 training samples, fewer than one step of 32 x 3 needs. This
+    # used to print one val loss and then loop forever.
+    (tmp_path / "t.txt").write_text("abcdefghij" * 10)
+    proc = run([PYTHON, "main.py", f"data_config.path={tmp_path / 't.txt'}",
+                "gpt_config.block_size=8", "trainer_config.grad_accum_steps=3",
+                "trainer_config.max_steps=5", "trainer_config.eval_batches=1", "run_name=small"],
+               cwd=mingpt, check=False, timeout=60)
+    one_error_line(proc, "each rank gets 82 samples per epoch",
+                   "one step needs batch_size × grad_accum_steps = 32 × 3 = 96")
+    assert "val loss" not in proc.stdout  # refused before any work
+
+
+def test_nodes_without_shared_storage_fail_with_one_line(tmp_path):
+    # Two "nodes" on this machine, each in its own folder: only node a has a snapshot there.
+    nodes = [copy_mingpt(tmp_path / name) for name in ("a", "b")]
+    args = tiny("run_name=shared", "trainer_config.max_steps=2", "trainer_config.sample_tokens=0")
+    run([PYTHON, "main.py", *args], cwd=nodes[0])
+    port = free_port()
+    agents = [subprocess.Popen(
+        [TORCHRUN, "--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
+         f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=shared", "main.py", *args],
+        cwd=node, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for node in nodes]
+    outputs = [agent.communicate(timeout=180) for agent in agents]
+    assert all(agent.returncode != 0 for agent in agents)
+    errors = [line for _, err in outputs for line in err.splitlines() if line.startswith("error")]
+    assert len(errors) == 1, outputs  # printed once, by global rank 0
+    assert "holds a snapshot for ranks [" in errors[0]
+    assert "storage all nodes share" in errors[0]
+    assert "val loss" not in outputs[0][0] + outputs[1][0]  # refused before any training

@@ -15,6 +15,7 @@ from mingpt_helpers import (
     assert_learned,
     copy_mingpt,
     load_ddp_snapshot,
+    mingpt_imported,
     tiny,
     train_losses,
     val_losses,
@@ -26,12 +27,23 @@ def mingpt(tmp_path_factory):
     return copy_mingpt(tmp_path_factory.mktemp("mingpt"))
 
 
+# Gradient accumulation, and validation at every snapshot (steps 4 and 8) and the end.
+DDP_ARGS = ("trainer_config.grad_accum_steps=2", "trainer_config.eval_every=4")
+
+
 @pytest.fixture(scope="module")
 def ddp_reference(mingpt):
     """An uninterrupted 2-process DDP run with gradient accumulation (fp32)."""
     proc = run([TORCHRUN, "--standalone", "--nproc_per_node=2", "main.py",
-                *tiny("run_name=ddp_a", "trainer_config.grad_accum_steps=2")], cwd=mingpt)
+                *tiny("run_name=ddp_a", *DDP_ARGS)], cwd=mingpt)
     return proc, mingpt / "runs/ddp_a/snapshot"
+
+
+def val_events(run_dir) -> list[int]:
+    """The steps of every val/loss event TensorBoard holds for a run, resumed parts included."""
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    return sorted(e.step for e in events.Scalars("val/loss"))
 
 
 def scalar_tags(run_dir) -> set[str]:
@@ -133,14 +145,17 @@ def test_ddp_killed_worker_resumes_bitwise_slowest(mingpt, ddp_reference):
     reference, a_path = ddp_reference
     assert_learned(reference.stdout)
     proc = run([TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1", "main.py",
-                *tiny("run_name=ddp_b", "trainer_config.grad_accum_steps=2")], cwd=mingpt,
-               FAULT_AT_STEP="7")
+                *tiny("run_name=ddp_b", *DDP_ARGS)], cwd=mingpt, FAULT_AT_STEP="7")
     assert "FAULT_AT_STEP=7: killing this worker" in proc.stdout
     assert f"exitcode: -{int(signal.SIGKILL)}" in proc.stderr
     # Steps 4 and 8 are snapshotted; the kill comes before step 8 ends, so 4 is the restart.
     assert "resumed from" in proc.stdout and "at step 4 (epoch 0)" in proc.stdout
+    assert "resuming with" not in proc.stdout  # the same config: the schedule goes on as saved
     after = proc.stdout.split("resumed from")[-1]
     assert sorted(train_losses(after)) == [5, 10]
+    # Step 4 was evaluated before its snapshot was saved: the resumed run does not redo it.
+    assert sorted(val_losses(after)) == [8, 10]
+    assert val_events(mingpt / "runs/ddp_b") == val_events(mingpt / "runs/ddp_a") == [0, 4, 8, 10]
     a, b = load_ddp_snapshot(a_path), load_ddp_snapshot(mingpt / "runs/ddp_b/snapshot")
     assert a["step"] == b["step"] == 10
     for key in a["model"]:
@@ -159,6 +174,16 @@ def test_fsdp_kill_resume_and_world_size_change_slowest(mingpt, ddp_reference):
                 "trainer_config.activation_checkpointing=true", "trainer_config.grad_accum_steps=2")
     a = run([TORCHRUN, "--standalone", "--nproc_per_node=2", "main.py", *args], cwd=mingpt)
     final_a = assert_learned(a.stdout)
+    # Killed during its first save, after the shards were written and before `latest`: the
+    # restart finds no committed snapshot, says so, and trains from the start to the same end.
+    k_args = [arg.replace("run_name=fsdp_a", "run_name=fsdp_k") for arg in args]
+    k = run([TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1", "main.py",
+             *k_args], cwd=mingpt, FAULT_AT_SAVE="4")
+    assert "FAULT_AT_SAVE=4: killing this worker" in k.stdout
+    assert "holds no committed snapshot" in k.stderr and "resumed from" not in k.stdout
+    assert val_losses(k.stdout)[10] == final_a
+    assert sorted(p.name for p in (mingpt / "runs/fsdp_k/snapshot").iterdir()) == [
+        "latest", "step_00000010"]
     # Same data, same initial weights, fp32: FSDP computes what DDP computes.
     assert final_a == pytest.approx(val_losses(ddp_reference[0].stdout)[10], abs=1e-3)
     b_args = [arg.replace("run_name=fsdp_a", "run_name=fsdp_b") for arg in args]
@@ -181,3 +206,17 @@ def test_fsdp_kill_resume_and_world_size_change_slowest(mingpt, ddp_reference):
              "--num-tokens", "25"], cwd=mingpt)
     assert s.stdout.startswith("JULIET:") and len(s.stdout.rstrip("\n")) == len("JULIET:") + 25
     assert "(fsdp, step 12, " in s.stderr
+
+
+def test_changed_schedule_on_resume_is_followed_and_said(mingpt):
+    args = tiny("run_name=sched", "trainer_config.sample_tokens=0", "trainer_config.eval_every=0")
+    first = [a.replace("max_steps=10", "max_steps=4") for a in args]
+    run([PYTHON, "main.py", *first], cwd=mingpt)
+    proc = run([PYTHON, "main.py", *args, "optimizer_config.lr=1e-3"], cwd=mingpt)
+    assert ("resuming with trainer_config.max_steps 4 -> 10, optimizer_config.lr 0.003 -> 0.001"
+            ": the lr schedule follows the new values from step 4 on") in proc.stdout
+    with mingpt_imported() as m:  # the lr the new schedule gives after 5 and 10 steps
+        expected = [1e-3 * m["trainer"].lr_factor(s, 2, 10, 0.1) for s in (5, 10)]
+    logged = re.findall(r"^step (?:5|10)/10 \| loss [0-9.]+ \| lr ([0-9.e+-]+)", proc.stdout,
+                        re.M)
+    assert [float(lr) for lr in logged] == [float(f"{lr:.2e}") for lr in expected]
