@@ -5,7 +5,9 @@
     python sample.py --snapshot s3://bucket/run1/snapshot   # AWS_* variables as for training
 
 Without --snapshot it uses the newest runs/*/snapshot under the current directory. The
-vocabulary comes from the snapshot itself, so the text file is not needed.
+vocabulary comes from the snapshot itself, so the text file is not needed. A ddp snapshot file
+is read with weights_only=True; an fsdp directory's DCP .metadata is unpickled, which can run
+code, so loading one prints a `warning:` line on stderr: sample only snapshots you trust.
 """
 import argparse
 import glob
@@ -56,12 +58,16 @@ def load_model(path: str, device: torch.device) -> tuple[GPT, dict]:
     kind = snapshot.snapshot_kind(path)
     if kind is None:
         raise ValueError(f"no snapshot at {path}")
-    state = snapshot.load_train_state(path, kind, device)
+    state = snapshot.load_train_state(path, kind)
     meta = state["data_meta"]
     model = GPT(GPTConfig(**state["model_config"])).to(device)
     if kind == "ddp":
         model.load_state_dict(state["model"])
     else:  # no process group here: DCP gathers every shard into this one process
+        # The weights are read with weights_only=True, but DCP reads the directory's .metadata
+        # with plain pickle (torch's FileSystemReader.read_metadata): unpickling can run code.
+        print(f"warning: {path} is a sharded (DCP) snapshot: its .metadata is read with pickle, "
+              "which can run code; load only snapshots you trust", file=sys.stderr)
         snapshot.load_sharded_weights(path, model)
     print(f"loaded {path} ({kind}, step {state['step']}, {model.num_params():,} parameters)",
           file=sys.stderr)
