@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import PYTHON, REPO, TORCHRUN, child_env, free_port, run
-from mingpt_helpers import copy_mingpt, tiny, val_losses
+from mingpt_helpers import copy_mingpt, mingpt_imported, tiny, val_losses
 
 GPUS = torch.cuda.device_count()
 pytestmark = pytest.mark.skipif(GPUS == 0, reason="needs a CUDA GPU (none on this machine)")
@@ -85,3 +85,38 @@ def test_mingpt_bf16_on_gpu(tmp_path, method):
     losses = val_losses(proc.stdout)  # {step: val loss}
     assert losses[max(losses)] < losses[0]
     assert "backend nccl" in proc.stdout
+
+
+def test_mingpt_fsdp_cpu_offload_with_fp16_and_clipping(tmp_path):
+    # Offloaded gradients are CPU tensors: clipping and the fp16 scaler reduce them over gloo,
+    # which the process group has beside NCCL only when asked (an NCCL-only group crashed here).
+    mingpt = copy_mingpt(tmp_path)
+    proc = run([TORCHRUN, "--standalone", f"--nproc_per_node={GPUS}", "main.py",
+                *tiny("run_name=offload", "trainer_config.distributed_method=fsdp",
+                      "trainer_config.cpu_offload=true", "trainer_config.precision=fp16",
+                      "trainer_config.grad_clip=1.0", "trainer_config.eval_every=5")],
+               cwd=mingpt, CUDA_VISIBLE_DEVICES=VISIBLE)
+    assert "backend cuda:nccl,cpu:gloo" in proc.stdout
+    losses = val_losses(proc.stdout)
+    assert losses[max(losses)] < losses[0]
+
+
+def test_mingpt_resume_keeps_adam_step_counts_on_the_cpu(tmp_path):
+    # A snapshot mapped straight to the GPU put AdamW's `step` counts there, and the foreach
+    # path then synced the host for every parameter on every step. Loaded to the CPU, the
+    # moments move to the GPU with their parameters and the counts stay on the CPU.
+    with mingpt_imported() as m:
+        config = m["model"].GPTConfig(model_type=None, n_layer=1, n_head=2, n_embd=16,
+                                      vocab_size=11, block_size=8)
+        model = m["model"].GPT(config).cuda()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        x = torch.randint(0, 11, (2, 8), device="cuda")
+        model(x, x)[1].backward()
+        optimizer.step()
+        m["snapshot"].save_file(str(tmp_path / "s.pt"), {"step": 1,
+                                                         "optimizer": optimizer.state_dict()})
+        resumed = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        resumed.load_state_dict(m["snapshot"].load_file(str(tmp_path / "s.pt"))["optimizer"])
+    for state in resumed.state.values():
+        assert state["step"].device.type == "cpu"
+        assert state["exp_avg"].device.type == "cuda"
