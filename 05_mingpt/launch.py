@@ -6,17 +6,24 @@
 
 Everything that is not a launch.py option is passed on to main.py as a hydra override. The
 process is replaced by `python -m torch.distributed.run` (torchrun), so signals and the exit
-code are torchrun's own.
+code are torchrun's own. The notebooks (../notebooks/nbutils.py) start their runs with the same
+functions: `on_cpu`, `process_count`, `worker_env` and `torchrun_command`.
 """
 import argparse
 import os
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
 HERE = Path(__file__).resolve().parent
+
+
+def on_cpu(overrides: list[str]) -> bool:
+    """Whether main.py will train on the CPU: no GPU here, or trainer_config.device=cpu."""
+    return "trainer_config.device=cpu" in overrides or not torch.cuda.is_available()
 
 
 def default_nproc(cpu: bool) -> int:
@@ -25,7 +32,29 @@ def default_nproc(cpu: bool) -> int:
     return max(2, min(4, os.cpu_count() or 1)) if cpu else torch.cuda.device_count()
 
 
+def process_count(nproc: int | None, cpu: bool) -> int:
+    """nproc, or the default for this machine when None; ValueError when below 1."""
+    nproc = default_nproc(cpu) if nproc is None else nproc
+    if nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    return nproc
+
+
+def worker_env(nproc: int, cpu: bool, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment for torchrun and its workers: `env` (default: ours), and on a CPU two
+    settings that the caller's own values override."""
+    env = dict(os.environ if env is None else env)
+    if cpu:
+        # gloo: a restarted worker group must not reuse the first group's TCP store.
+        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+        # Processes sharing the CPU: one thread each, instead of each using every core.
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    return env
+
+
 def torchrun_command(nproc: int, max_restarts: int, overrides: list[str]) -> list[str]:
+    """`torchrun --standalone ... main.py overrides`, as this interpreter's module (so it is the
+    torchrun of this environment, venv or notebook kernel)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}",
             str(HERE / "main.py"), *overrides]
@@ -39,24 +68,20 @@ def main(argv: list[str]) -> None:
                         help="times torchrun restarts all workers after one fails (default 0)")
     parser.add_argument("overrides", nargs="*", help="hydra overrides for main.py")
     args = parser.parse_args(argv)
-    cpu = "trainer_config.device=cpu" in args.overrides or not torch.cuda.is_available()
-    nproc = default_nproc(cpu) if args.nproc is None else args.nproc
-    if nproc < 1:
-        parser.error(f"--nproc must be >= 1, got {nproc}")
+    cpu = on_cpu(args.overrides)
+    try:
+        nproc = process_count(args.nproc, cpu)
+    except ValueError as e:
+        parser.error(str(e))
     if args.max_restarts < 0:
         parser.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
-    if cpu:
-        # gloo: a restarted worker group must not reuse the first group's TCP store.
-        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-        # Processes sharing the CPU: one thread each, instead of each using every core.
-        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     overrides = args.overrides
     if not any(o.startswith("run_name=") for o in overrides):
         # A readable run directory (plain torchrun --standalone names it by a random id).
         overrides = [*overrides, f"run_name={time.strftime('%Y-%m-%d_%H-%M-%S')}"]
     command = torchrun_command(nproc, args.max_restarts, overrides)
     print(" ".join(command), flush=True)
-    os.execv(sys.executable, command)
+    os.execve(sys.executable, command, worker_env(nproc, cpu))
 
 
 if __name__ == "__main__":

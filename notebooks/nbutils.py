@@ -8,7 +8,6 @@
 The notebooks run the trainer exactly as a user does on the command line (`torchrun ... main.py
 overrides`), and only read what it leaves behind: the snapshot and the TensorBoard logs.
 """
-import os
 import re
 import subprocess
 import sys
@@ -28,9 +27,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tqdm.auto import tqdm  # noqa: E402
 
 import config  # noqa: E402
+import launch  # noqa: E402
 import sample  # noqa: E402
 import snapshot  # noqa: E402
-from launch import default_nproc  # noqa: E402
 from model import GPT, next_token  # noqa: E402
 
 CONFIG_NAME = "gpt2_train_cfg"
@@ -51,24 +50,22 @@ def snapshot_step(path: Path) -> int | None:
     kind = snapshot.snapshot_kind(str(path))
     if kind is None:
         return None
-    return snapshot.load_train_state(str(path), kind, torch.device("cpu"))["step"]
+    return snapshot.load_train_state(str(path), kind)["step"]
 
 
 def torchrun(overrides: list[str], nproc: int | None = None) -> None:
-    """`torchrun --standalone --nproc_per_node=N main.py *overrides` in 05_mingpt.
+    """`torchrun --standalone --nproc_per_node=N main.py *overrides` in 05_mingpt, built by
+    launch.py's own functions as `python launch.py` builds it: N (None: one per GPU, else 2 to
+    4 CPU processes), the workers' environment and the command line; no restarts here.
 
     The output is streamed into the cell line by line, with a progress bar over the steps; a
     failed run raises RuntimeError (the trainer's `error: ...` line is the last one printed).
     """
-    nproc = nproc or default_nproc()  # one process per GPU, else 2 to 4 CPU processes
-    args = ["--standalone", f"--nproc_per_node={nproc}", "main.py", *overrides]
-    print("torchrun", " ".join(args), flush=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # each line as soon as it is printed
-    if not torch.cuda.is_available():
-        # Processes sharing the CPU: split the cores instead of each using all of them.
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    # `python -m torch.distributed.run` is torchrun, from this kernel's own environment.
-    command = [sys.executable, "-m", "torch.distributed.run", *args]
+    cpu = launch.on_cpu(overrides)
+    nproc = launch.process_count(nproc, cpu)
+    command = launch.torchrun_command(nproc, 0, overrides)  # 0: no restarts
+    print(" ".join(command), flush=True)
+    env = {**launch.worker_env(nproc, cpu), "PYTHONUNBUFFERED": "1"}  # lines as they come
     bar = None
     with subprocess.Popen(command, cwd=MINGPT, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:

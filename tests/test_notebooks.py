@@ -1,21 +1,30 @@
-"""The notebooks run top to bottom (papermill) with small parameters and draw their figures.
+"""The notebooks run top to bottom (papermill) with their default parameters and draw their
+figures; launch.py's functions, which start their training runs, have a fast unit test.
 
-Only the parameters cell changes: a tiny model and a few steps, the offline CIFAR-10 fixture, and
-run directories in tmp_path. Every other cell is the code a user runs, training included
-(torchrun with 2 CPU processes).
+Only sizes change in the parameters cell: a tiny model, a few steps, short samples. Everything
+else keeps its default, NPROC (None: what launch.py picks) included, so each notebook runs in a
+copy of notebooks/ and 05_mingpt/ (its default run and data directories are in 05_mingpt/). The
+CIFAR-10 stand-in is a small dataset in the official layout at the default DATA_ROOT; it is not
+the official release, hence CHECK_MD5=False. Every other cell is the code a user runs, training
+included (torchrun with CPU processes).
 """
+import importlib.util
 import re
+import shutil
+import sys
 import textwrap
 from pathlib import Path
 
 import nbformat
 import papermill
 import pytest
+from omegaconf import OmegaConf
 
 from cifar_fixture import HALF_WIDTH, write_cifar10
 from conftest import PYTHON, REPO, run
 
 NOTEBOOKS = REPO / "notebooks"
+MINGPT = REPO / "05_mingpt"
 # Logged by the trainer, streamed into the training cells.
 TRAIN_LOG = re.compile(r"^step (\d+)/(\d+) \| loss", re.M)
 VAL_LOG = re.compile(r"^step (\d+) \| val loss", re.M)
@@ -25,6 +34,20 @@ CHAR_TINY = ["gpt_config.n_layer=2", "gpt_config.n_head=2", "gpt_config.n_embd=3
              "trainer_config.warmup_steps=2", "trainer_config.log_every=5",
              "trainer_config.eval_every=5", "trainer_config.eval_batches=2",
              "trainer_config.save_every=0", "trainer_config.sample_tokens=0"]
+IMAGE_TINY = ["trainer_config.max_steps=6", "trainer_config.log_every=2",
+              "trainer_config.eval_every=3", "trainer_config.eval_batches=1",
+              "trainer_config.warmup_steps=2", "trainer_config.batch_size=4"]
+SHARDED_WARNING = ("warning: {} is a sharded (DCP) snapshot: its .metadata is read with pickle, "
+                   "which can run code; load only snapshots you trust")
+
+
+def load_launch():
+    """05_mingpt/launch.py, imported from its file under a name of its own (05_mingpt/ is not
+    on this test process's sys.path)."""
+    spec = importlib.util.spec_from_file_location("mingpt_launch", MINGPT / "launch.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(autouse=True)
@@ -36,14 +59,31 @@ def cpu_only(monkeypatch):
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
 
-def execute(name: str, out: Path, **parameters) -> nbformat.NotebookNode:
-    """Run a notebook as Jupyter would (the python3 kernel of this venv, cwd notebooks/).
+@pytest.fixture
+def checkout(tmp_path) -> Path:
+    """notebooks/ and 05_mingpt/ side by side, without earlier runs or data: the notebooks'
+    default run and data directories (relative to 05_mingpt/) land in tmp_path."""
+    shutil.copytree(NOTEBOOKS, tmp_path / "notebooks", ignore=shutil.ignore_patterns(
+        "__pycache__", ".ipynb_checkpoints"))
+    shutil.copytree(MINGPT, tmp_path / "05_mingpt", ignore=shutil.ignore_patterns(
+        "__pycache__", "runs", "outputs", "cifar10"))
+    return tmp_path
+
+
+def execute(checkout: Path, name: str, **parameters) -> nbformat.NotebookNode:
+    """Run the copy of a notebook as Jupyter would (the python3 kernel of this venv, cwd its
+    notebooks/), with these parameters changed and every other one at its default.
 
     papermill raises PapermillExecutionError, with the traceback, when any cell fails.
     """
-    papermill.execute_notebook(NOTEBOOKS / name, out, parameters=parameters,
-                               kernel_name="python3", cwd=NOTEBOOKS, progress_bar=False)
-    return nbformat.read(out, as_version=4)
+    folder = checkout / "notebooks"
+    out = checkout / f"out_{name}"
+    papermill.execute_notebook(folder / name, out, parameters=parameters,
+                               kernel_name="python3", cwd=folder, progress_bar=False)
+    nb = nbformat.read(out, as_version=4)
+    injected = [c for c in nb.cells if "injected-parameters" in c.metadata.get("tags", [])]
+    assert len(injected) == 1 and "NPROC" not in injected[0].source  # NPROC stays None
+    return nb
 
 
 def cell(nb: nbformat.NotebookNode, snippet: str) -> nbformat.NotebookNode:
@@ -68,18 +108,17 @@ def assert_no_errors(nb: nbformat.NotebookNode) -> None:
             assert not [o for o in c.outputs if o.output_type == "error"], c.source
 
 
-def test_play_image(tmp_path):
-    root = tmp_path / "cifar"
+def test_play_image(checkout):
+    mingpt = checkout / "05_mingpt"
+    root = mingpt / "data/cifar10"  # the default DATA_ROOT
     write_cifar10(root)  # 200 training and 40 test images, official layout
-    run_dir = tmp_path / "run"
-    nb = execute("play_image.ipynb", tmp_path / "play_image.ipynb",
-                 PRESET="cifar10_tiny", DATA_ROOT=str(root), DOWNLOAD=False, CHECK_MD5=False,
-                 RUN_DIR=str(run_dir), NPROC=2,
-                 OVERRIDES=["trainer_config.max_steps=6", "trainer_config.log_every=2",
-                            "trainer_config.eval_every=3", "trainer_config.eval_batches=1",
-                            "trainer_config.warmup_steps=2", "trainer_config.batch_size=4"])
+    nproc = load_launch().default_nproc(cpu=True)  # NPROC = None without a GPU
+    nb = execute(checkout, "play_image.ipynb", CHECK_MD5=False, OVERRIDES=IMAGE_TINY)
     assert_no_errors(nb)
-    assert f"preset cifar10_tiny, run dir {run_dir}" in text(cell(nb, "nbutils.compose_config"))
+    # PRESET = "auto" without a GPU, and the default RUN_DIR in (the copy of) 05_mingpt.
+    run_dir = mingpt / "runs/notebook_cifar10_tiny"
+    assert f"preset cifar10_tiny, run dir {run_dir}, device cpu" in text(
+        cell(nb, "nbutils.compose_config"))
 
     data = cell(nb, "build_datasets")
     assert "200 training and 40 validation images, 16 colours" in text(data)
@@ -93,14 +132,20 @@ def test_play_image(tmp_path):
     train = text(train_cell)
     bars = [o.data["text/plain"] for o in train_cell.outputs if o.output_type == "display_data"]
     assert len(bars) == 1 and bars[0].startswith("steps:")  # the progress bar (a widget)
-    assert "torchrun --standalone --nproc_per_node=2 main.py data_config=cifar10_tiny" in train
-    assert "world size 2" in train and "final val loss" in train
+    # The command launch.py builds, with its default process count for a CPU.
+    assert train.splitlines()[0] == " ".join([
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc_per_node={nproc}", "--max-restarts=0", str(mingpt / "main.py"),
+        "data_config=cifar10_tiny", "data_config.root=data/cifar10", "data_config.download=true",
+        "data_config.check_md5=false", *IMAGE_TINY, f"hydra.run.dir={run_dir}"])
+    assert f"world size {nproc}" in train and "final val loss" in train
     train_steps = [int(s) for s, _ in TRAIN_LOG.findall(train)]
     assert train_steps == [2, 4, 6]
     assert (run_dir / "snapshot").is_file()
 
     sampled = cell(nb, "sample_sequences(")
     assert "sampled 32 images of 32x32 pixels" in text(sampled)
+    assert "warning:" not in text(sampled)  # a ddp snapshot file: weights_only=True
     assert pngs(sampled) == 1
     assert pngs(cell(nb, "model.wpe.weight")) == 1
 
@@ -113,8 +158,8 @@ def test_play_image(tmp_path):
     # The cached sampler used above draws what model.generate draws (the same tokens for the
     # same seed), on the snapshot the notebook trained. And running the training cell again
     # uses the finished snapshot instead of training.
-    overrides = ["data_config=cifar10_tiny", f"data_config.root={root}",
-                 "data_config.download=false", "trainer_config.max_steps=6"]
+    overrides = ["data_config=cifar10_tiny", "data_config.check_md5=false",
+                 "trainer_config.max_steps=6"]
     check = textwrap.dedent(f"""
         import torch, nbutils
         nbutils.train({overrides!r}, nbutils.Path({str(run_dir)!r}))
@@ -128,31 +173,40 @@ def test_play_image(tmp_path):
             assert a.shape == (4, 50) and torch.equal(a, b), kw
         print("same")
     """)
-    out = run([PYTHON, "-c", check], cwd=NOTEBOOKS, timeout=120).stdout
+    out = run([PYTHON, "-c", check], cwd=checkout / "notebooks", timeout=120).stdout
     assert out.splitlines() == [f"{run_dir}/snapshot has finished training (step 6 of 6): using "
                                 f"it. Delete {run_dir} to train again.", "same"]
 
 
-def test_play_char(tmp_path):
-    runs = tmp_path / "runs"
-    nb = execute("play_char.ipynb", tmp_path / "play_char.ipynb", NPROC=2, RUNS_DIR=str(runs),
-                 OVERRIDES=CHAR_TINY, PROMPTS=["ROMEO:", "\n"], NUM_TOKENS=20)
+def test_play_char(checkout):
+    mingpt = checkout / "05_mingpt"
+    runs = mingpt / "runs/notebook_char"  # the default RUNS_DIR
+    nproc = load_launch().default_nproc(cpu=True)  # NPROC = None without a GPU
+    nb = execute(checkout, "play_char.ipynb", OVERRIDES=CHAR_TINY, NUM_TOKENS=20)
     assert_no_errors(nb)
+    assert f"runs in {runs}, device cpu" in text(cell(nb, "RUNS = {method"))
     logs = {}
     for method in ("ddp", "fsdp"):
         out = text(cell(nb, f"distributed_method={method}\"]"))
-        assert f"distributed_method: {method}" in out and "world size 2" in out
+        assert out.splitlines()[0] == " ".join([
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={nproc}", "--max-restarts=0", str(mingpt / "main.py"), *CHAR_TINY,
+            f"trainer_config.distributed_method={method}", f"hydra.run.dir={runs / method}"])
+        assert f"distributed_method: {method}" in out and f"world size {nproc}" in out
         logs[method] = out
         assert [int(s) for s, _ in TRAIN_LOG.findall(out)] == [5, 10]
     assert (runs / "ddp" / "snapshot").is_file()
     assert (runs / "fsdp" / "snapshot" / "latest").is_file()  # a sharded (DCP) snapshot
 
     generated = text(cell(nb, "generate_text("))
-    for prompt in ("ROMEO:", "\n"):
+    for prompt in ("ROMEO:", "O God, O God!", "\n"):  # the default PROMPTS
         # The prompt and NUM_TOKENS characters after it.
         sample = generated.split(f"--- {prompt!r}\n", 1)[1]
         assert sample.startswith(prompt) and len(sample.split("\n\n--- ")[0]) >= 20 + len(prompt)
     assert "from the FSDP snapshot\nROMEO:" in generated
+    # Loading the FSDP snapshot (and only that one) says that its .metadata is unpickled.
+    warnings = [line for line in generated.splitlines() if line.startswith("warning:")]
+    assert warnings == [SHARDED_WARNING.format(runs / "fsdp" / "snapshot")], generated
 
     curve = cell(nb, "scalars = {method")
     assert f"train/loss: {len(TRAIN_LOG.findall(logs['ddp']))} points" in text(curve)
@@ -162,11 +216,59 @@ def test_play_char(tmp_path):
     compare = cell(nb, "ax_mem")
     assert pngs(compare) == 1
     header, *rows = text(compare).strip().splitlines()
-    assert header.endswith("rank 0 MB   rank 1 MB")  # one memory bar per rank, per run
+    # One memory bar per rank, per run.
+    assert header.endswith("   ".join(f"rank {r} MB" for r in range(nproc)))
     table = {row.split()[0]: [float(v) for v in row.split()[1:]] for row in rows}
     assert set(table) == {"ddp", "fsdp"}
     for values in table.values():
         val, speed, *memory = values
-        assert len(memory) == 2 and min(memory) > 0 and speed > 0
+        assert len(memory) == nproc and min(memory) > 0 and speed > 0
     # Same seed and data: FSDP computes what DDP computes, up to float rounding.
     assert abs(table["ddp"][0] - table["fsdp"][0]) < 0.005, text(compare)
+
+
+def test_play_char_states_its_default_run():
+    """The timing note names the model and steps the default parameters really train."""
+    defaults = OmegaConf.load(MINGPT / "gpt2_train_cfg.yaml")
+    intro = nbformat.read(NOTEBOOKS / "play_char.ipynb", as_version=4).cells[0].source
+    assert (f"The default parameters train `{defaults.gpt_config.model_type}`" in intro
+            and f"for {defaults.trainer_config.max_steps} steps per run" in intro), intro
+
+
+def test_launch_functions(monkeypatch, tmp_path):
+    """What `python launch.py` and the notebooks start: process count, environment, command."""
+    launch = load_launch()
+    # Without a GPU: 2 to 4 processes, whatever the core count.
+    for cores, nproc in ((None, 2), (1, 2), (2, 2), (3, 3), (4, 4), (64, 4)):
+        monkeypatch.setattr(launch.os, "cpu_count", lambda cores=cores: cores)
+        assert launch.default_nproc(cpu=True) == nproc, cores
+        assert launch.process_count(None, cpu=True) == nproc, cores
+    assert launch.process_count(3, cpu=True) == 3
+    with pytest.raises(ValueError, match=r"^--nproc must be >= 1, got 0$"):
+        launch.process_count(0, cpu=True)
+    # CPU when asked for, or when there is no GPU.
+    monkeypatch.setattr(launch.torch.cuda, "is_available", lambda: True)
+    assert not launch.on_cpu(["trainer_config.max_steps=5"])
+    assert launch.on_cpu(["trainer_config.device=cpu"])
+    monkeypatch.setattr(launch.torch.cuda, "is_available", lambda: False)
+    assert launch.on_cpu([])
+
+    # CPU processes: a fresh TCP store per restart, and the 8 cores split between 3 processes;
+    # values the caller set win. A GPU run gets the caller's environment unchanged.
+    monkeypatch.setattr(launch.os, "cpu_count", lambda: 8)
+    assert launch.worker_env(3, cpu=True, env={"PATH": "/bin"}) == {
+        "PATH": "/bin", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "2"}
+    assert launch.worker_env(16, cpu=True, env={})["OMP_NUM_THREADS"] == "1"
+    assert launch.worker_env(3, cpu=True, env={"OMP_NUM_THREADS": "5"})["OMP_NUM_THREADS"] == "5"
+    assert launch.worker_env(3, cpu=False, env={"PATH": "/bin"}) == {"PATH": "/bin"}
+    monkeypatch.setenv("LAUNCH_TEST", "1")  # the default: this process's environment
+    assert launch.worker_env(3, cpu=False)["LAUNCH_TEST"] == "1"
+
+    assert launch.torchrun_command(3, 1, ["a=1", "b=2"]) == [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
+        "--max-restarts=1", str(MINGPT / "main.py"), "a=1", "b=2"]
+
+    # launch.py refuses a bad count with argparse's one-line error, before starting anything.
+    proc = run([PYTHON, str(MINGPT / "launch.py"), "--nproc", "0"], cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.splitlines()[-1] == "launch.py: error: --nproc must be >= 1, got 0"
