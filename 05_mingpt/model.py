@@ -82,6 +82,32 @@ def resolve_config(cfg: GPTConfig) -> GPTConfig:
     return replace(cfg, **sizes)
 
 
+class KVCache:
+    """One block's keys and values of the positions processed so far, for generate.
+
+    Allocated at the first update for `size` positions, in the keys' dtype and device (so it
+    follows autocast and FSDP's mixed precision); each step then writes only its new positions.
+    A plain object, updated in place: FSDP rebuilds lists and dataclasses in forward arguments.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.length = 0  # positions stored so far
+        self.k: torch.Tensor | None = None  # (B, nh, size, hs), as is self.v
+        self.v: torch.Tensor | None = None
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new positions' k, v (B, nh, T, hs) after the cached ones; return the keys
+        and values of every position so far, (B, nh, length, hs) each."""
+        if self.k is None:
+            self.k = k.new_empty(k.size(0), k.size(1), self.size, k.size(3))
+            self.v = v.new_empty(v.size(0), v.size(1), self.size, v.size(3))
+        start, self.length = self.length, self.length + k.size(2)  # k.size(2): new positions
+        self.k[:, :, start:self.length] = k
+        self.v[:, :, start:self.length] = v
+        return self.k[:, :, :self.length], self.v[:, :, :self.length]
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention where position t only attends to positions <= t."""
 
@@ -94,18 +120,30 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """x (B, T, C) -> (B, T, C). With a cache, x holds only the positions after the cached
+        ones: they also attend to the cached keys and values, and their own are added to it."""
         B, T, C = x.size()  # batch, sequence length, n_embd
         q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
         # Split channels into heads and move heads next to batch: attention runs per head.
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        # is_causal=True masks the future inside the kernel (flash / memory-efficient on GPU).
-        # A hand-made float mask is easy to get wrong: a 0/1 float mask is *added* to the scores
-        # and masks nothing. Dropout on the attention weights only while training.
+        past = 0  # positions before x's first one
+        if cache is not None:
+            past = cache.length
+            k, v = cache.update(k, v)  # (B, nh, past + T, hs): keys of earlier positions first
+        # Query i is at position past + i and may see keys 0..past + i. Nothing cached: the
+        # lower triangle, is_causal=True (masked inside the kernel: flash / memory-efficient on
+        # GPU). One new query after cached ones sees every key: no mask. Several need the
+        # shifted triangle as a bool mask (True: attend); a 0/1 *float* mask would be added to
+        # the scores and mask nothing. Dropout on the attention weights only while training.
+        mask = None
+        if past and T > 1:
+            mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
         y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
+            is_causal=past == 0,
         )  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
         return self.resid_dropout(self.c_proj(y))
@@ -136,8 +174,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))  # (B, T, C)
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache)  # (B, T, C)
         return x + self.mlp(self.ln_2(x))  # (B, T, C)
 
 
@@ -187,19 +225,23 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                caches: list[KVCache] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits (B, T, vocab_size), and the mean cross-entropy when targets are given.
 
-        Targets equal to -1 are ignored (padding).
+        Targets equal to -1 are ignored (padding). With caches (one KVCache per block, as
+        generate makes them), idx holds only the tokens after the cached positions.
         """
         B, T = idx.size()
-        if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        pos = torch.arange(T, dtype=torch.long, device=idx.device)  # (T,)
+        past = caches[0].length if caches else 0  # positions already in the caches
+        if past + T > self.config.block_size:
+            raise ValueError(f"sequence length {past + T} exceeds block_size "
+                             f"{self.config.block_size}")
+        pos = torch.arange(past, past + T, dtype=torch.long, device=idx.device)  # (T,)
         x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C) + (T, C) broadcasts over batch
-        for block in self.blocks:
-            x = block(x)  # (B, T, C)
+        for block, cache in zip(self.blocks, caches or [None] * len(self.blocks), strict=True):
+            x = block(x, cache)  # (B, T, C)
         logits = self.lm_head(self.ln_f(x))  # (B, T, vocab_size)
         loss = None
         if targets is not None:
@@ -215,6 +257,8 @@ class GPT(nn.Module):
 
         Call model.eval() first (dropout off). temperature < 1 sharpens the distribution,
         top_k keeps only the k most likely tokens, do_sample=False always takes the most likely.
+        With FSDP every rank must call it: each step runs the root's forward, `self(...)`,
+        whose hooks gather the sharded weights.
         """
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -222,12 +266,24 @@ class GPT(nn.Module):
             raise ValueError(f"temperature must be > 0, got {temperature}")
         if top_k is not None and top_k < 1:
             raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
+        block_size = self.config.block_size
+        # The model has position embeddings for block_size positions only: keep the tail.
+        idx_cond = idx[:, -block_size:]  # (B, <= block_size)
+        # A KV cache: every block keeps the keys and values of the positions it has processed,
+        # so the prompt goes through the model once and then each step processes only the
+        # newest token, instead of the whole sequence again (~T times less work per step).
+        size = min(block_size, idx_cond.size(1) + max_new_tokens)
+        caches: list[KVCache] | None = [KVCache(size) for _ in self.blocks]
         for _ in range(max_new_tokens):
-            # The model has position embeddings for block_size positions only: keep the tail.
-            idx_cond = idx[:, -self.config.block_size:]  # (B, <= block_size)
-            logits, _ = self(idx_cond)
+            if caches is not None and caches[0].length + idx_cond.size(1) > block_size:
+                # The context is full. Keeping only the last block_size tokens moves each one
+                # to another position, and the cached keys and values were computed at the old
+                # ones: from now on, run the whole cropped sequence every step (no cache).
+                caches, idx_cond = None, idx[:, -block_size:]
+            logits, _ = self(idx_cond, caches=caches)  # (B, T_cond, vocab_size)
             idx_next = next_token(logits[:, -1, :], temperature, top_k, do_sample)  # (B, 1)
             idx = torch.cat((idx, idx_next), dim=1)  # (B, T + 1)
+            idx_cond = idx_next if caches is not None else idx[:, -block_size:]
         return idx
 
     def num_params(self, non_embedding: bool = False) -> int:

@@ -20,7 +20,6 @@ sys.path.insert(0, str(MINGPT))
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
@@ -30,7 +29,7 @@ import config  # noqa: E402
 import launch  # noqa: E402
 import sample  # noqa: E402
 import snapshot  # noqa: E402
-from model import GPT, next_token  # noqa: E402
+from model import GPT  # noqa: E402
 
 CONFIG_NAME = "gpt2_train_cfg"
 # The trainer's log lines: "training steps 0..200: ..." once, "step 20/200 | loss ..." per log.
@@ -135,49 +134,3 @@ def show_images(images: torch.Tensor | np.ndarray, rows: int, cols: int, title: 
     fig.suptitle(title)
     fig.tight_layout()
     return fig
-
-
-def _attend_cached(block: torch.nn.Module, x: torch.Tensor, cache: torch.Tensor,
-                   t: int) -> torch.Tensor:
-    """One transformer block for the token at position t, x (B, 1, C), given the keys and
-    values of positions < t in cache (2, B, nh, length, hs); stores position t's there too."""
-    attn = block.attn
-    B, T, C = x.size()  # T == 1
-    q, k, v = attn.c_attn(block.ln_1(x)).split(C, dim=2)  # 3 x (B, 1, C)
-    q, k, v = (z.view(B, T, attn.n_head, C // attn.n_head).transpose(1, 2)
-               for z in (q, k, v))  # (B, nh, 1, hs)
-    cache[0, :, :, t], cache[1, :, :, t] = k[:, :, 0], v[:, :, 0]
-    # The newest token attends to every position up to itself: no mask for a single query.
-    y = F.scaled_dot_product_attention(q, cache[0, :, :, :t + 1],
-                                       cache[1, :, :, :t + 1])  # (B, nh, 1, hs)
-    x = x + attn.c_proj(y.transpose(1, 2).reshape(B, T, C))
-    return x + block.mlp(block.ln_2(x))  # (B, 1, C)
-
-
-@torch.no_grad()
-def sample_sequences(model: GPT, first: torch.Tensor, length: int, temperature: float = 1.0,
-                     top_k: int | None = None, do_sample: bool = True) -> torch.Tensor:
-    """Continue the first tokens (B,) to sequences (B, length), as model.generate would.
-
-    model.generate runs the whole sequence through the model for every new token, which costs
-    ~length^3 for attention: minutes on a CPU for 1023 pixels. Here each block keeps the keys
-    and values of earlier tokens (a KV cache), so every step only processes the newest token.
-    It uses the model's own layers (in eval mode: dropout off).
-    """
-    cfg = model.config
-    if length > cfg.block_size + 1:  # the last token is only ever predicted, never an input
-        raise ValueError(f"length must be <= block_size + 1 = {cfg.block_size + 1}, got {length}")
-    model.eval()
-    # Keys and values of every block, filled in one position per step.
-    caches = torch.empty(cfg.n_layer, 2, len(first), cfg.n_head, length,
-                         cfg.n_embd // cfg.n_head, device=first.device,
-                         dtype=model.wte.weight.dtype)
-    idx = first.view(-1, 1)  # (B, 1)
-    for t in range(length - 1):
-        x = model.wte(idx[:, -1:]) + model.wpe.weight[t]  # (B, 1, C): the token at position t
-        for block, cache in zip(model.blocks, caches, strict=True):
-            x = _attend_cached(block, x, cache, t)
-        logits = model.lm_head(model.ln_f(x))[:, -1, :]  # (B, vocab_size)
-        idx_next = next_token(logits, temperature, top_k, do_sample)  # as model.generate does
-        idx = torch.cat((idx, idx_next), dim=1)  # (B, t + 2)
-    return idx

@@ -151,6 +151,56 @@ def test_generate():
             model.generate(idx, **(dict(max_new_tokens=2) | kwargs))
 
 
+@torch.no_grad()
+def generate_by_recomputing(model, idx, max_new_tokens, **kwargs):
+    """generate without a KV cache, as it was: the whole (cropped) sequence every step."""
+    for _ in range(max_new_tokens):
+        logits, _ = model(idx[:, -model.config.block_size:])
+        idx = torch.cat((idx, M.next_token(logits[:, -1, :], **kwargs)), dim=1)
+    return idx
+
+
+@pytest.mark.parametrize("prompt, new", [
+    (1, 15),  # fills the context exactly: 16 positions, the cache all the way
+    (3, 20),  # past block_size: the cache until the context is full, then recomputing
+    (20, 5),  # a prompt longer than block_size: cropped, then recomputing at once
+])
+def test_generate_with_kv_cache_equals_recomputing(prompt, new):
+    model = tiny(dropout=0.1).eval()
+    idx = torch.randint(0, 11, (2, prompt))
+    for kwargs in ({"do_sample": False}, {}, {"top_k": 5}, {"temperature": 2.0}):
+        torch.manual_seed(7)
+        cached = model.generate(idx, new, **kwargs)
+        torch.manual_seed(7)  # the same draws from torch's RNG, one multinomial per step
+        assert torch.equal(cached, generate_by_recomputing(model, idx, new, **kwargs)), kwargs
+
+
+def test_generate_processes_the_prompt_once_then_one_token_per_step():
+    model = tiny().eval()
+    lengths = []  # the sequence length each forward of the first block sees
+    model.blocks[0].register_forward_pre_hook(lambda _, args: lengths.append(args[0].size(1)))
+    model.generate(torch.zeros(2, 3, dtype=torch.long), 20)
+    # The prompt, then one token at a time until 16 = block_size positions are cached; after
+    # that the last 16 tokens are recomputed each step (their positions shift).
+    assert lengths == [3] + [1] * 13 + [16] * 6
+
+
+def test_forward_with_kv_cache_equals_full_forward():
+    model = tiny().eval()
+    idx = torch.randint(0, 11, (2, 16))
+    with torch.no_grad():
+        full, _ = model(idx)  # (2, 16, 11)
+        caches = [M.KVCache(16) for _ in model.blocks]
+        # A prompt, single tokens, then several tokens after cached ones (the shifted mask).
+        chunks = [(0, 5), (5, 6), (6, 7), (7, 12), (12, 13), (13, 16)]
+        cached = torch.cat([model(idx[:, a:b], caches=caches)[0] for a, b in chunks], dim=1)
+        assert caches[0].length == 16 and caches[0].k.shape == (2, 3, 16, 16)  # (B, nh, T, hs)
+        torch.testing.assert_close(cached, full, atol=1e-5, rtol=1e-5)
+        # Positions beyond block_size do not exist, cached or not.
+        with pytest.raises(ValueError, match="sequence length 17 exceeds block_size 16"):
+            model(idx[:, :1], caches=caches)
+
+
 @pytest.mark.parametrize("kwargs, text", [
     (dict(model_type="gpt-huge"), "unknown model_type 'gpt-huge'; allowed: gpt-nano, gpt-micro"),
     (dict(model_type=None), "n_layer, n_head, n_embd must be set"),

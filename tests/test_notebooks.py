@@ -143,7 +143,7 @@ def test_play_image(checkout):
     assert train_steps == [2, 4, 6]
     assert (run_dir / "snapshot").is_file()
 
-    sampled = cell(nb, "sample_sequences(")
+    sampled = cell(nb, "model.generate(")
     assert "sampled 32 images of 32x32 pixels" in text(sampled)
     assert "warning:" not in text(sampled)  # a ddp snapshot file: weights_only=True
     assert pngs(sampled) == 1
@@ -155,21 +155,27 @@ def test_play_image(checkout):
     assert f"val/loss: {len(VAL_LOG.findall(train))} points" in text(losses)
     assert pngs(losses) == 1
 
-    # The cached sampler used above draws what model.generate draws (the same tokens for the
-    # same seed), on the snapshot the notebook trained. And running the training cell again
-    # uses the finished snapshot instead of training.
+    # model.generate, with its KV cache, draws what generating by running the whole sequence
+    # for every new pixel draws (the same tokens for the same seed), on the snapshot the
+    # notebook trained. And running the training cell again uses the finished snapshot
+    # instead of training.
     overrides = ["data_config=cifar10_tiny", "data_config.check_md5=false",
                  "trainer_config.max_steps=6"]
     check = textwrap.dedent(f"""
         import torch, nbutils
+        from model import next_token
         nbutils.train({overrides!r}, nbutils.Path({str(run_dir)!r}))
         model, meta = nbutils.load_model(nbutils.Path({str(run_dir / "snapshot")!r}), "cpu")
         first = torch.tensor([0, 3, 7, 15])
         for kw in ({{"do_sample": False}}, {{"top_k": 5}}, {{"temperature": 2.0}}):
             torch.manual_seed(0)
-            a = nbutils.sample_sequences(model, first, 50, **kw)
+            a = model.generate(first.view(-1, 1), 49, **kw)
             torch.manual_seed(0)
-            b = model.generate(first.view(-1, 1), 49, **kw)
+            b = first.view(-1, 1)
+            with torch.no_grad():
+                for _ in range(49):
+                    logits, _ = model(b)
+                    b = torch.cat((b, next_token(logits[:, -1, :], **kw)), dim=1)
             assert a.shape == (4, 50) and torch.equal(a, b), kw
         print("same")
     """)
