@@ -14,6 +14,10 @@ from omegaconf import DictConfig
 from torch.utils.data import Dataset
 
 HERE = Path(__file__).resolve().parent
+# The keys of data_config for this kind (data_config/char.yaml).
+KEYS = ("name", "path", "train_fraction")
+# The data meta keys a snapshot must share with this run to resume: the same vocabulary.
+MATCH_KEYS = ("vocab_size", "itos")
 
 
 class CharDataset(Dataset):
@@ -57,6 +61,19 @@ def read_text(path: str) -> str:
                          f"{raw[e.start:e.start + 1]!r})") from None
 
 
+def check_config(data_cfg: DictConfig) -> None:
+    """ValueError (one line) unless data_config has exactly this kind's keys, with usable values."""
+    unknown = sorted(set(data_cfg) - set(KEYS))
+    if unknown:
+        raise ValueError(f"unknown key data_config.{unknown[0]}; allowed: {', '.join(KEYS)}")
+    fraction = data_cfg.get("train_fraction")
+    if isinstance(fraction, bool) or not isinstance(fraction, int | float) \
+            or not 0.0 < fraction < 1.0:
+        raise ValueError(f"data_config.train_fraction must be between 0 and 1, got {fraction!r}")
+    if not isinstance(data_cfg.get("path"), str):
+        raise ValueError(f"data_config.path must be a path or URL, got {data_cfg.get('path')!r}")
+
+
 def build_datasets(data_cfg: DictConfig, block_size: int, seed: int
                    ) -> tuple[CharDataset, CharDataset, dict]:
     """(train, val, meta) from `data_cfg.path`; the same split and vocabulary on every rank.
@@ -67,10 +84,8 @@ def build_datasets(data_cfg: DictConfig, block_size: int, seed: int
     all but one character with some training window.
     """
     del seed  # same interface as the image data, whose palette sampling is seeded
-    path = resolve_path(str(data_cfg.path))
-    fraction = float(data_cfg.train_fraction)
-    if not 0.0 < fraction < 1.0:
-        raise ValueError(f"data_config.train_fraction must be between 0 and 1, got {fraction}")
+    check_config(data_cfg)
+    path, fraction = resolve_path(data_cfg.path), float(data_cfg.train_fraction)
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"gpt_config.block_size must be a positive integer, got {block_size!r}")
     text = read_text(path)

@@ -1,25 +1,42 @@
-"""The configuration's schema and checks: every mistake becomes one line that says what is allowed.
+"""The configuration: composed once, checked once, every mistake one line that says what is allowed.
 
-hydra composes `gpt2_train_cfg.yaml` with the command-line overrides. Its own errors span several
-lines and end with a hint about stack traces, so `check_command_line` composes the same config
-once more through hydra's compose API before the real run starts and turns any error (unknown
-key, bad syntax, missing config group option, invalid value) into one `ValueError` line.
+    cfg = config.load(["trainer_config.max_steps=2000", "data_config=cifar10"])
+
+`load` composes `gpt2_train_cfg.yaml` with the command-line overrides through hydra's compose
+API, then checks every section against its schema: the dataclasses below for the trainer and
+the optimizer, the model's own `GPTConfig` for `gpt_config`, and the data module that
+`data_config.name` names for `data_config` (each data module declares its keys and checks).
+hydra's `@hydra.main` is not used: it prints its own errors over several lines, composes on
+every rank and writes files from every rank; here nothing is written until the config is valid,
+and only global rank 0 writes (main.py).
 """
-import re
+import importlib
+import os
 from dataclasses import dataclass, field, fields
+from pathlib import Path
+from types import ModuleType
 
 import torch
 from hydra import compose, initialize_config_dir
-from hydra.errors import HydraException
+from hydra.errors import (
+    ConfigCompositionException,
+    HydraException,
+    MissingConfigException,
+    OverrideParseException,
+)
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from model import GPTConfig, resolve_config
+from precision import PRECISIONS
 
+HERE = Path(__file__).resolve().parent
+CONFIG_NAME = "gpt2_train_cfg"
 DISTRIBUTED_METHODS = ("ddp", "fsdp")
-PRECISIONS = ("fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
-DATA_KINDS = ("char", "cifar10")
+# data_config.name -> the module that reads that data. The only list of data kinds: each module
+# has build_datasets(), check_config() for its own keys, and MATCH_KEYS for resuming.
+DATA_MODULES = {"char": "char_dataset", "cifar10": "image_dataset"}
 
 
 @dataclass
@@ -58,7 +75,13 @@ class OptimizerConfig:
 # gpt_config: the model's own dataclass, less vocab_size (that always comes from the data).
 GPT_KEYS = tuple(f.name for f in fields(GPTConfig) if f.name != "vocab_size")
 SECTIONS = {"trainer_config": TrainerConfig, "optimizer_config": OptimizerConfig}
-TOP_LEVEL = ("run_name", "gpt_config", "data_config", "trainer_config", "optimizer_config")
+TOP_LEVEL = ("run_name", "run_dir", "gpt_config", "data_config", "trainer_config",
+             "optimizer_config")
+
+
+def data_module(name: str) -> ModuleType:
+    """The module that reads data_config.name's data (imported only when that kind is used)."""
+    return importlib.import_module(DATA_MODULES[name])
 
 
 def _check(ok: bool, key: str, allowed: str, value: object) -> None:
@@ -66,12 +89,46 @@ def _check(ok: bool, key: str, allowed: str, value: object) -> None:
         raise ValueError(f"{key} must be {allowed}, got {value!r}")
 
 
+def _allowed(key: str) -> str:
+    """What may stand at a key's level, for 'unknown key' messages."""
+    parent = key.rpartition(".")[0]
+    if not parent:
+        return f"allowed at the top level: {', '.join(TOP_LEVEL)}"
+    names = ([f.name for f in fields(SECTIONS[parent])] if parent in SECTIONS
+             else GPT_KEYS if parent == "gpt_config" else None)
+    return f"allowed in {parent}: {', '.join(names)}" if names else f"not a key of {parent}"
+
+
+def _compose(overrides: list[str]) -> DictConfig:
+    """hydra's composition; its errors become one ValueError line each, from their fields."""
+    hydra_keys = [o for o in overrides if o.lstrip("+~").startswith("hydra.")]
+    if hydra_keys:  # compose would drop them silently
+        raise ValueError(f"{hydra_keys[0]}: hydra's own settings are not used here; the run "
+                         "directory is run_dir=PATH (default runs/<run_name>)")
+    with initialize_config_dir(config_dir=str(HERE), version_base=None):
+        try:
+            return compose(CONFIG_NAME, overrides=overrides)
+        except MissingConfigException as e:  # a config group option that does not exist
+            options = ", ".join(e.options or [])
+            group = (e.missing_cfg_file or "").rpartition("/")[0]
+            raise ValueError(f"no config {e.missing_cfg_file}.yaml; {group} options: "
+                             f"{options}") from None
+        except OverrideParseException as e:  # bad override syntax
+            raise ValueError(f"cannot parse the overrides: {str(e).splitlines()[0]}") from None
+        except ConfigCompositionException as e:
+            key = getattr(e.__cause__, "full_key", None)
+            if key:  # overriding a key the config does not have
+                raise ValueError(f"unknown key {key}; {_allowed(key)}") from None
+            raise ValueError(" ".join(str(e).split())) from None
+        except HydraException as e:
+            raise ValueError(" ".join(str(e).split())) from None
+
+
 def validate(cfg: DictConfig) -> None:
     """Raise ValueError (one line) unless every key is known and every value is allowed."""
     unknown = sorted(set(cfg.keys()) - set(TOP_LEVEL))
     if unknown:
-        raise ValueError(f"unknown key {unknown[0]}; allowed at the top level: "
-                         f"{', '.join(TOP_LEVEL)}")
+        raise ValueError(f"unknown key {unknown[0]}; {_allowed(unknown[0])}")
     for name, schema in SECTIONS.items():
         if not isinstance(cfg.get(name), DictConfig):
             raise ValueError(f"{name} must be a group of keys, got {cfg.get(name)!r}")
@@ -79,8 +136,8 @@ def validate(cfg: DictConfig) -> None:
             typed = OmegaConf.merge(OmegaConf.structured(schema),
                                     OmegaConf.to_container(cfg[name], resolve=False))
         except ConfigKeyError as e:  # `+trainer_config.foo=1` got past hydra
-            allowed = ", ".join(f.name for f in fields(schema))
-            raise ValueError(f"unknown key {name}.{e.key}; allowed in {name}: {allowed}") from None
+            key = f"{name}.{e.key}"
+            raise ValueError(f"unknown key {key}; {_allowed(key)}") from None
         except OmegaConfBaseException as e:  # a value of the wrong type
             key = f"{name}.{e.full_key}" if getattr(e, "full_key", None) else name
             raise ValueError(f"{key}: {str(e).splitlines()[0]}") from None
@@ -109,51 +166,33 @@ def validate(cfg: DictConfig) -> None:
     _check(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optimizer_config.betas",
            "two numbers in [0, 1)", list(o.betas))
     data_name = cfg.data_config.get("name") if isinstance(cfg.data_config, DictConfig) else None
-    _check(data_name in DATA_KINDS, "data_config.name", f"one of {', '.join(DATA_KINDS)}",
+    _check(data_name in DATA_MODULES, "data_config.name", f"one of {', '.join(DATA_MODULES)}",
            data_name)
+    data_module(data_name).check_config(cfg.data_config)  # the data module's own keys
     gpt = cfg.gpt_config
     unknown = sorted(set(gpt.keys()) - set(GPT_KEYS))
     if unknown:
-        raise ValueError(f"unknown key gpt_config.{unknown[0]}; allowed: {', '.join(GPT_KEYS)}")
+        key = f"gpt_config.{unknown[0]}"
+        raise ValueError(f"unknown key {key}; {_allowed(key)}")
     # The model's own check (presets, n_embd % n_head, dropout, ...); vocab_size is a stand-in
     # here because it is only known once the data is read.
     try:
         resolve_config(GPTConfig(**OmegaConf.to_container(gpt), vocab_size=1))
-    except TypeError as e:  # e.g. a list where a number belongs
-        raise ValueError(f"gpt_config: {e}") from None
-    except ValueError as e:
+    except (TypeError, ValueError) as e:  # TypeError: e.g. a list where a number belongs
         raise ValueError(f"gpt_config: {e}") from None
 
 
-def _one_line(error: Exception, defaults: DictConfig) -> str:
-    """hydra's multi-line composition error as one line, with what is allowed where it can."""
-    text = str(error)
-    match = re.match(r"Could not override '([^']+)'", text)
-    if match:
-        key = match.group(1)
-        parent, _, _ = key.rpartition(".")
-        node = OmegaConf.select(defaults, parent) if parent else defaults
-        if isinstance(node, DictConfig):
-            where = f"in {parent}" if parent else "at the top level"
-            return f"unknown key {key}; allowed {where}: {', '.join(str(k) for k in node)}"
-    match = re.search(r"Could not find '([^']+)'\n+Available options in '([^']+)':\n((?:\t.*\n?)*)",
-                      text)
-    if match:  # a config group option that does not exist, e.g. data_config=nope
-        options = ", ".join(line.strip() for line in match.group(3).splitlines())
-        return f"no config {match.group(1)}.yaml; {match.group(2)} options: {options}"
-    return " ".join(line.strip() for line in text.splitlines() if line.strip())
+def load(overrides: list[str]) -> DictConfig:
+    """The run's config from the command-line overrides, checked and with every value resolved.
 
-
-def check_command_line(overrides: list[str], config_dir: str, config_name: str) -> None:
-    """Compose and validate the config as hydra will; ValueError (one line) on any problem.
-
-    hydra's own flags (--multirun, --cfg, --help, ...) are left to hydra.
+    run_dir becomes an absolute path (and so does the default snapshot_path inside it): every
+    rank, and every later look at the saved config, means the same folder.
     """
-    if any(arg.startswith("-") for arg in overrides):
-        return
-    with initialize_config_dir(config_dir=config_dir, version_base=None):
-        try:
-            cfg = compose(config_name, overrides=overrides)
-        except HydraException as e:
-            raise ValueError(_one_line(e, compose(config_name))) from None
+    cfg = _compose(overrides)
+    try:
+        cfg.run_dir = os.path.abspath(os.path.expanduser(str(cfg.run_dir)))
+        OmegaConf.resolve(cfg)  # run_name's start time is read once, here
+    except OmegaConfBaseException as e:
+        raise ValueError(" ".join(str(e).split())) from None
     validate(cfg)
+    return cfg

@@ -29,6 +29,8 @@ from torchvision.datasets import CIFAR10
 HERE = Path(__file__).resolve().parent
 SIDE = 32  # CIFAR-10 images are 32x32 RGB
 SEQ_LEN = SIDE * SIDE  # 1024 tokens per image; the model sees 1023 and predicts the next
+# The data meta keys a snapshot must share with this run to resume: the same colour tokens.
+MATCH_KEYS = ("vocab_size", "palette", "permutation")
 DEFAULTS = {"name": "cifar10", "root": "data/cifar10", "download": True, "check_md5": True,
             "palette_size": 512, "pixels_per_image": 5, "max_train_images": None,
             "max_val_images": None, "permute": False}
@@ -179,6 +181,11 @@ def decode(seqs: torch.Tensor, meta: dict) -> torch.Tensor:
     if meta["permutation"] is not None:
         seqs = unpermute(seqs, torch.tensor(meta["permutation"]))
     return dequantise(seqs, meta["palette"])
+
+
+def check_config(data_cfg: DictConfig | dict) -> None:
+    """ValueError (one line) unless data_config has only this kind's keys, with usable values."""
+    options(data_cfg)
 
 
 def options(data_cfg: DictConfig | dict) -> dict:

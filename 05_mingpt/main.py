@@ -3,37 +3,38 @@
     python main.py                                          # one process (CPU or one GPU)
     torchrun --standalone --nproc_per_node=4 main.py        # 4 processes: 4 GPUs, or 4 on a CPU
     python main.py trainer_config.distributed_method=fsdp trainer_config.precision=bf16
+    python main.py --cfg job ...                            # print the config, train nothing
     python launch.py                                        # torchrun, one process per GPU
 
 Every key of gpt2_train_cfg.yaml can be overridden as `section.key=value`. Each run writes
-into runs/<run_name>/ (config, TensorBoard logs, snapshot); a relaunch with the same run_name
-resumes from its snapshot.
+into runs/<run_name>/ (config.yaml, TensorBoard logs, snapshot); a relaunch with the same
+run_name resumes from its snapshot.
 """
-import importlib
 import os
 import platform
 import sys
 from dataclasses import asdict
-from pathlib import Path
 
 import hydra
 import omegaconf
 import torch
 import torch.distributed as dist
-from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from config import check_command_line, validate
+import config
+import snapshot
 from devices import backend_for, pick_device
+from metrics import print0
 from model import GPT, GPTConfig
 from parallelize import parallelize, unwrap
 from sample import generate_text
-from trainer import Trainer, print0
+from trainer import Trainer
 
-HERE = Path(__file__).resolve().parent
-CONFIG_NAME = "gpt2_train_cfg"
-# data_config.name -> the module whose build_datasets() reads that data.
-DATA_MODULES = {"char": "char_dataset", "cifar10": "image_dataset"}
+USAGE = """usage: python main.py [--cfg job] [section.key=value ...]
+
+Overrides change any key of gpt2_train_cfg.yaml (e.g. trainer_config.max_steps=2000);
+data_config=NAME picks data_config/NAME.yaml. --cfg job prints the composed config and exits.
+"""
 
 
 def ddp_setup(requested: str, cpu_offload: bool = False) -> torch.device:
@@ -63,7 +64,7 @@ def print_versions(device: torch.device) -> None:
 
 def load_train_objs(cfg: DictConfig, device: torch.device) -> tuple:
     """Data, model (wrapped for DDP/FSDP) and optimizer; ValueError for bad data or config."""
-    data = importlib.import_module(DATA_MODULES[cfg.data_config.name])
+    data = config.data_module(cfg.data_config.name)
     train_set, val_set, meta = data.build_datasets(cfg.data_config, cfg.gpt_config.block_size,
                                                    cfg.trainer_config.seed)
     # The vocabulary (and block size) come from the data, the rest from gpt_config.
@@ -88,7 +89,7 @@ def load_train_objs(cfg: DictConfig, device: torch.device) -> tuple:
                                   betas=tuple(o.betas))
     # From here on each rank draws its own dropout masks (a resume restores these streams).
     torch.manual_seed(cfg.trainer_config.seed + dist.get_rank())
-    return model, optimizer, train_set, val_set, meta, snapshot_meta, flops_per_token
+    return model, optimizer, train_set, val_set, data, snapshot_meta, flops_per_token
 
 
 def fail(error: Exception) -> None:
@@ -98,25 +99,38 @@ def fail(error: Exception) -> None:
     sys.exit(2)
 
 
-@hydra.main(version_base=None, config_path=".", config_name=CONFIG_NAME)
+def save_config(cfg: DictConfig) -> None:
+    """runs/<run_name>/config.yaml, the resolved config of this run, from global rank 0 only."""
+    if dist.get_rank() == 0:
+        os.makedirs(cfg.run_dir, exist_ok=True)
+        OmegaConf.save(cfg, os.path.join(cfg.run_dir, "config.yaml"))
+
+
 def run(cfg: DictConfig) -> None:
     try:
-        validate(cfg)
         device = ddp_setup(cfg.trainer_config.device, cfg.trainer_config.cpu_offload)
     except ValueError as e:
         fail(e)
     try:
         print_versions(device)
-        print0(OmegaConf.to_yaml(cfg, resolve=True).rstrip())
+        print0(OmegaConf.to_yaml(cfg).rstrip())
         try:
-            model, optimizer, train_set, val_set, meta, snapshot_meta, flops = \
+            model, optimizer, train_set, val_set, data, snapshot_meta, flops = \
                 load_train_objs(cfg, device)
+            save_config(cfg)
             trainer = Trainer(cfg.trainer_config, model, optimizer, train_set, val_set, device,
-                              HydraConfig.get().runtime.output_dir, snapshot_meta, flops)
+                              cfg.run_dir, snapshot_meta, flops)
+            # Every rank reads the snapshot, if there is one (only rank 0 ever writes files).
+            t = cfg.trainer_config
+            state = snapshot.load(t.snapshot_path, t.distributed_method, model, optimizer,
+                                  snapshot_meta, data.MATCH_KEYS)
+            if state is not None:
+                trainer.load_state_dict(state)
         except ValueError as e:  # bad data, model config, or an unusable snapshot
             fail(e)
         val_loss = trainer.train()
-        print0(f"final val loss {val_loss:.4f} (run dir {HydraConfig.get().runtime.output_dir})")
+        print0(f"final val loss {val_loss:.4f} (run dir {cfg.run_dir})")
+        meta = snapshot_meta["data_meta"]
         if meta["kind"] == "char" and cfg.trainer_config.sample_tokens:
             # Every rank generates (FSDP needs all of them for each forward); rank 0 prints.
             prompt = "\n" if "\n" in meta["itos"] else meta["itos"][0]
@@ -127,18 +141,25 @@ def run(cfg: DictConfig) -> None:
         dist.destroy_process_group()
 
 
-def main() -> None:
-    # hydra reports composition errors (unknown key, bad syntax) on several lines; check the
-    # command line first, so any mistake is one `error:` line and nothing is created.
+def main(argv: list[str]) -> None:
+    if any(arg in ("-h", "--help") for arg in argv):
+        print(USAGE)
+        return
+    show = argv[:2] == ["--cfg", "job"]
+    overrides = argv[2:] if show else argv
+    options = [arg for arg in overrides if arg.startswith("-")]
     try:
-        check_command_line(sys.argv[1:], str(HERE), CONFIG_NAME)
+        if options:
+            raise ValueError(f"unknown option {options[0]}; main.py takes key=value overrides, "
+                             "--cfg job or --help")
+        cfg = config.load(overrides)  # composed and checked once, before anything is created
     except ValueError as e:
         fail(e)
-    if os.environ.get("RANK", "0") != "0":
-        # Only global rank 0 writes files: the others do not save hydra's copy of the config.
-        sys.argv.append("hydra.output_subdir=null")
-    run()
+    if show:
+        print(OmegaConf.to_yaml(cfg).rstrip())
+        return
+    run(cfg)
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

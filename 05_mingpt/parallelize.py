@@ -16,10 +16,10 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from precision import fsdp_policy
 
 
 def parallelize(model: nn.Module, device: torch.device, method: str = "ddp",
@@ -46,8 +46,7 @@ def parallelize(model: nn.Module, device: torch.device, method: str = "ddp",
     # A 1-D mesh over all ranks, on this process's device type: pure data-parallel sharding.
     kwargs: dict = {"mesh": init_device_mesh(device.type, (dist.get_world_size(),))}
     if precision != "fp32":
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=DTYPES[precision],
-                                                   reduce_dtype=torch.float32)
+        kwargs["mp_policy"] = fsdp_policy(precision)
     if cpu_offload:
         # Shards, gradients and optimizer state live in CPU memory and are copied over for each
         # use. Pinned memory speeds up those copies but needs an accelerator to exist.

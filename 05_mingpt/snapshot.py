@@ -1,6 +1,10 @@
-"""Snapshots: complete, atomic, loadable with `weights_only=True`, on local disk or S3.
+"""Snapshots: complete, atomic, tensors loaded with `weights_only=True`, local disk or S3.
 
-Two layouts, one per distributed method:
+    snapshot.save(path, "fsdp", model, optimizer, {**trainer.state_dict(), **meta})
+    state = snapshot.load(path, "fsdp", model, optimizer, meta, match_keys)  # None: none yet
+
+This module owns every layout; the trainer only gives and takes its own state dict. Two
+layouts, chosen by the distributed method (LAYOUTS):
 - ddp: every rank holds the whole model, so global rank 0 writes ONE file at `snapshot_path`
   (model, optimizer, schedule, scaler, step, data position, every rank's RNG, configs).
 - fsdp: no rank holds the whole model. `torch.distributed.checkpoint` (DCP) has every rank write
@@ -34,8 +38,12 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from parallelize import unwrap
+
 TRAIN_STATE = "train_state.pt"
 LATEST = "latest"
+# distributed_method -> layout: "ddp" one file of whole tensors, "fsdp" a directory of shards.
+LAYOUTS = {"ddp": "ddp", "fsdp": "fsdp"}
 # Model config keys that may differ between a snapshot and the run loading it.
 NOT_ARCHITECTURE = ("model_type", "dropout")
 
@@ -154,8 +162,10 @@ def set_rng_state(state: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"].cpu(), device)
 
 
-def check_compatible(state: dict, model_config: dict, data_meta: dict, url: str) -> None:
-    """SnapshotError unless the snapshot's model and vocabulary match this run's."""
+def check_compatible(state: dict, model_config: dict, data_meta: dict, url: str,
+                     match_keys: tuple[str, ...]) -> None:
+    """SnapshotError unless the snapshot's model, and the data meta keys its data module names
+    in `match_keys` (kind, vocabulary, ...), match this run's."""
     saved = state["model_config"]
     for key, value in model_config.items():
         if key not in NOT_ARCHITECTURE and saved.get(key) != value:
@@ -163,7 +173,7 @@ def check_compatible(state: dict, model_config: dict, data_meta: dict, url: str)
                                 f"there, {value} here); set trainer_config.snapshot_path to a new "
                                 "path or use the snapshot's gpt_config")
     saved_meta = state["data_meta"]
-    for key in ("kind", "vocab_size", "itos", "palette", "permutation"):
+    for key in ("kind", *match_keys):
         if saved_meta.get(key) != data_meta.get(key):
             raise SnapshotError(f"snapshot {url} was trained on different data ({key} differs); "
                                 "set trainer_config.snapshot_path to a new path")
@@ -246,3 +256,68 @@ def load_sharded_weights(url: str, model: torch.nn.Module) -> None:
     except (Exception, CheckpointException) as e:
         raise SnapshotError(f"cannot load sharded snapshot {url} ({_reason(e)})") from None
     model.load_state_dict(state["model"])
+
+
+def agreed_kind(url: str) -> str | None:
+    """The layout found at `url` as every rank sees it; SnapshotError unless all ranks agree.
+
+    Each node looks at `url` on its own storage. Without storage that all nodes share, some
+    ranks would resume and others start afresh: diverged weights or a hang. A rank's own error
+    (a corrupt directory, say) is raised on every rank, so none waits for the others forever.
+    """
+    try:
+        mine = (snapshot_kind(url), None)
+    except SnapshotError as e:
+        mine = (None, str(e))
+    seen: list = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, mine)
+    errors = [error for _, error in seen if error]
+    if errors:
+        raise SnapshotError(errors[0])
+    kinds = [kind for kind, _ in seen]
+    if len(set(kinds)) > 1:
+        found = [r for r, kind in enumerate(kinds) if kind]
+        raise SnapshotError(
+            f"{url} holds a snapshot for ranks {found} but not for the other "
+            f"{len(kinds) - len(found)}: every rank must see the same snapshot; put "
+            "trainer_config.snapshot_path on storage all nodes share (or an s3:// URL)")
+    return kinds[0]
+
+
+def save(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+         state: dict, before_commit: Callable[[], None] | None = None) -> None:
+    """Save weights, optimizer and `state` (step, ... and meta) in `method`'s layout; every
+    rank calls this. `before_commit` runs once all is written and before it becomes the
+    snapshot (a fault-injection point)."""
+    if LAYOUTS[method] == "fsdp":
+        save_sharded(url, state["step"], model, optimizer, state, before_commit)
+    elif dist.get_rank() == 0:  # every rank holds the same weights: one writer is enough
+        save_file(url, {**state, "model": unwrap(model).state_dict(),  # no "module." prefix
+                        "optimizer": optimizer.state_dict()}, before_commit)
+
+
+def load(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+         meta: dict, match_keys: tuple[str, ...]) -> dict | None:
+    """Load the snapshot at `url` into model and optimizer and return the rest of its state;
+    None when there is none. Every rank calls this. SnapshotError when the ranks disagree, for
+    the other layout, another model (`meta["model_config"]`) or other data (`match_keys` of
+    `meta["data_meta"]`): checked before any weight is touched."""
+    kind = agreed_kind(url)
+    if kind is None:
+        return None
+    if kind != LAYOUTS[method]:
+        raise SnapshotError(f"{url} holds a {kind} snapshot, but distributed_method={method}; "
+                            f"use {kind} or another snapshot_path")
+    state = load_train_state(url, kind)  # on the CPU
+    steps: list = [None] * dist.get_world_size()
+    dist.all_gather_object(steps, state["step"])
+    if len(set(steps)) > 1:  # each node has its own, different copy
+        raise SnapshotError(f"ranks read {url} at different steps {steps}: put "
+                            "trainer_config.snapshot_path on storage all nodes share")
+    check_compatible(state, meta["model_config"], meta["data_meta"], url, match_keys)
+    if kind == "ddp":  # load_state_dict copies each tensor to where its parameter lives
+        unwrap(model).load_state_dict(state.pop("model"))
+        optimizer.load_state_dict(state.pop("optimizer"))
+    else:
+        load_sharded(url, model, optimizer)
+    return state

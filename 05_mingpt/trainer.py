@@ -1,15 +1,13 @@
-"""The training loop: steps, gradient accumulation, mixed precision, evaluation, logs, snapshots.
+"""The training loop: steps, gradient accumulation, mixed precision, evaluation, logs.
 
 The Trainer knows nothing about GPT: it gets a wrapped model whose forward returns
 (logits, loss), an optimizer, and datasets of (x, y) pairs. Every rank runs the same code;
-only global rank 0 prints, writes TensorBoard logs and writes (non-sharded) snapshot files.
+only global rank 0 prints and writes TensorBoard logs. Its own position in training (step,
+epoch, data position, schedule, scaler, RNG streams) goes in and out through `state_dict()` and
+`load_state_dict()`; `snapshot.py` decides how and where that is stored.
 """
 import math
 import os
-import re
-import resource
-import signal
-import sys
 import time
 from functools import partial
 from itertools import islice
@@ -24,43 +22,13 @@ from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 import snapshot
-from parallelize import DTYPES, set_grad_sync, unwrap
+from faults import inject_fault
+from metrics import device_name, peak_flops, peak_memory_mb, print0
+from parallelize import set_grad_sync
+from precision import autocast, grad_scaler
 
-# Dense peak FLOP/s per GPU and precision, from the vendors' datasheets: bf16/fp16 on tensor
-# cores (fp32 accumulation), fp32 without TF32 (torch's default for fp32 matmuls). The pattern
-# must match the whole of torch.cuda.get_device_name(): "NVIDIA L40" is not an L4 and
-# "NVIDIA RTX A1000" not an A100. MFU = achieved model FLOP/s / this peak; none for other GPUs.
-PEAK_FLOPS = (
-    (r"NVIDIA H200", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}),
-    (r"NVIDIA H200 NVL", {"bf16": 835e12, "fp16": 835e12, "fp32": 60e12}),
-    (r"NVIDIA H100 80GB HBM3", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}),  # SXM
-    (r"NVIDIA H100 PCIe", {"bf16": 756e12, "fp16": 756e12, "fp32": 51e12}),
-    (r"NVIDIA H100 NVL", {"bf16": 835e12, "fp16": 835e12, "fp32": 60e12}),
-    (r"NVIDIA A100[- ](SXM4-(40|80)GB|PCIE-(40|80)GB|80GB PCIe)",
-     {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}),
-    (r"NVIDIA L40S", {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12}),
-    (r"NVIDIA L40", {"bf16": 181e12, "fp16": 181e12, "fp32": 90.5e12}),
-    (r"NVIDIA L4", {"bf16": 121e12, "fp16": 121e12, "fp32": 30.3e12}),
-    (r"NVIDIA A10", {"bf16": 125e12, "fp16": 125e12, "fp32": 31.2e12}),
-    (r"NVIDIA GeForce RTX 4090", {"bf16": 165e12, "fp16": 165e12, "fp32": 82.6e12}),
-    (r"Tesla V100-SXM2-(16|32)GB", {"fp16": 125e12, "fp32": 15.7e12}),  # no bf16 on a V100
-)
-
-
-def print0(message: str) -> None:
-    """Print on global rank 0 only (tqdm.write keeps a progress bar intact)."""
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        tqdm.write(message)
-        sys.stdout.flush()
-
-
-def peak_flops(name: str | None, precision: str) -> float | None:
-    """Peak FLOP/s of the GPU called `name` at `precision`; None on a CPU (name None), on a GPU
-    the table does not know, or at a precision it lacks."""
-    if name is None:
-        return None
-    peaks = next((p for pattern, p in PEAK_FLOPS if re.fullmatch(pattern, name)), {})
-    return peaks.get(precision)
+# The settings that shape the lr schedule besides the base lr (LambdaLR saves none of them).
+SCHEDULE_KEYS = ("max_steps", "warmup_steps", "min_lr_ratio")
 
 
 def rank_indices(n: int, epoch: int, seed: int, start: int, rank: int, world_size: int
@@ -87,22 +55,6 @@ def lr_factor(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float)
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def inject_fault(step: int, during_save: bool = False) -> None:
-    """A worker SIGKILLs itself, on torchrun's first attempt only, to demo and test restarts.
-
-    FAULT_AT_STEP=N: the last rank, before step N. FAULT_AT_SAVE=N: global rank 0 while saving
-    the snapshot of step N, after writing it and before the commit that makes it the snapshot.
-    TORCHELASTIC_RESTART_COUNT is 0 only on the first attempt, so the restarted workers resume
-    from the snapshot and get past step N.
-    """
-    variable, rank = ("FAULT_AT_SAVE", 0) if during_save else ("FAULT_AT_STEP",
-                                                              dist.get_world_size() - 1)
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    if first_attempt and dist.get_rank() == rank and os.environ.get(variable) == str(step):
-        print(f"[rank {rank}] {variable}={step}: killing this worker", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 class Trainer:
     def __init__(self, cfg: DictConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  train_set: Dataset, val_set: Dataset, device: torch.device, run_dir: str,
@@ -115,9 +67,7 @@ class Trainer:
         self.scheduler = LambdaLR(optimizer, partial(
             lr_factor, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps,
             min_lr_ratio=cfg.min_lr_ratio))
-        # fp16 needs loss scaling (its small gradients underflow); the scaler is a no-op
-        # otherwise. The device's own type: GradScaler("cuda") turns itself off on a CPU.
-        self.scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
+        self.scaler = grad_scaler(device, cfg.precision)
         # An epoch must fill at least one optimizer step, or training would loop forever.
         per_rank, needed = len(train_set) // self.world_size, cfg.batch_size * cfg.grad_accum_steps
         if per_rank < needed:
@@ -141,66 +91,36 @@ class Trainer:
         # The train loss is summed on the device and synced once per log interval.
         self.loss_sum = torch.zeros((), device=device)
         self.loss_count, self.tokens_since_log = 0, 0
-        kind = self._agreed_snapshot_kind()
-        if kind is not None:  # every rank reads the snapshot (only rank 0 ever writes one)
-            self._load_snapshot(kind)
+        self.t_log = time.perf_counter()  # start of the current log interval
+        self.bar: tqdm | None = None  # the progress bar, while train() runs
         self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard")) if self.rank == 0 \
             else None
 
-    def _autocast(self) -> torch.autocast:
-        # Matmuls run in bf16/fp16, precision-sensitive ops (softmax, losses) stay in fp32.
-        return torch.autocast(self.device.type, dtype=DTYPES[self.cfg.precision],
-                              enabled=self.cfg.precision != "fp32")
+    def state_dict(self) -> dict:
+        """The trainer's position, to resume exactly: a collective (it gathers every rank's RNG
+        states, so each rank resumes its own streams)."""
+        rngs: list = [None] * self.world_size
+        dist.all_gather_object(rngs, snapshot.rng_state(self.device))
+        return {
+            "step": self.step,  # the next step to run
+            "epoch": self.epoch,
+            "samples_in_epoch": self.samples_in_epoch,  # over all ranks
+            "world_size": self.world_size,
+            "scheduler": self.scheduler.state_dict(),
+            "schedule": {key: self.cfg[key] for key in SCHEDULE_KEYS},
+            "last_val": self.last_val,  # a resume at this step need not evaluate it again
+            "scaler": self.scaler.state_dict(),
+            "rng": rngs,
+        }
 
-    def _agreed_snapshot_kind(self) -> str | None:
-        """The snapshot's kind as every rank sees it; SnapshotError unless all ranks agree.
-
-        Each node looks at snapshot_path on its own storage. Without storage that all nodes
-        share, some ranks would resume and others start afresh: diverged weights or a hang.
-        """
-        path = self.cfg.snapshot_path
-        try:
-            mine = (snapshot.snapshot_kind(path), None)
-        except snapshot.SnapshotError as e:  # raised on every rank below, not on this one alone
-            mine = (None, str(e))
-        seen: list = [None] * self.world_size
-        dist.all_gather_object(seen, mine)
-        errors = [error for _, error in seen if error]
-        if errors:
-            raise snapshot.SnapshotError(errors[0])
-        kinds = [kind for kind, _ in seen]
-        if len(set(kinds)) > 1:
-            found = [r for r, kind in enumerate(kinds) if kind]
-            raise snapshot.SnapshotError(
-                f"{path} holds a snapshot for ranks {found} but not for the other "
-                f"{self.world_size - len(found)}: every rank must see the same snapshot; put "
-                "trainer_config.snapshot_path on storage all nodes share (or an s3:// URL)")
-        return kinds[0]
-
-    def _load_snapshot(self, kind: str) -> None:
-        path, method = self.cfg.snapshot_path, self.cfg.distributed_method
-        if kind != method:
-            raise snapshot.SnapshotError(f"{path} holds a {kind} snapshot, but distributed_method"
-                                         f"={method}; use {kind} or another snapshot_path")
-        state = snapshot.load_train_state(path, kind)  # on the CPU
-        steps: list = [None] * self.world_size
-        dist.all_gather_object(steps, state["step"])
-        if len(set(steps)) > 1:  # each node has its own, different copy
-            raise snapshot.SnapshotError(f"ranks read {path} at different steps {steps}: put "
-                                         "trainer_config.snapshot_path on storage all nodes share")
-        # Before touching any weights: a different model is an error, never a silent restart.
-        snapshot.check_compatible(state, **self.snapshot_meta, url=path)
-        if kind == "ddp":  # load_state_dict copies each tensor to where its parameter lives
-            unwrap(self.model).load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
-        else:
-            snapshot.load_sharded(path, self.model, self.optimizer)
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from `state` (as `state_dict()` gave it, on this or another world size)."""
         self._load_schedule(state)
         if state["scaler"] and self.scaler.is_enabled():  # empty when saved without fp16
             self.scaler.load_state_dict(state["scaler"])
         self.step, self.epoch = state["step"], state["epoch"]
         self.samples_in_epoch = state["samples_in_epoch"]
-        self.last_val = state.get("last_val")
+        self.last_val = state["last_val"]
         if len(state["rng"]) == self.world_size:
             snapshot.set_rng_state(state["rng"][self.rank], self.device)  # our own streams
         else:  # a different number of ranks: new (but still reproducible) dropout streams
@@ -209,7 +129,7 @@ class Trainer:
             print0(f"snapshot saved by {len(state['rng'])} ranks, now {self.world_size}: the "
                    "rest of the epoch is dealt out anew (each sample still once), dropout "
                    "draws from new random streams")
-        print0(f"resumed from {path} at step {self.step} (epoch {self.epoch})")
+        print0(f"resumed from {self.cfg.snapshot_path} at step {self.step} (epoch {self.epoch})")
 
     def _load_schedule(self, state: dict) -> None:
         """Restore the lr schedule; where the config changed it, follow the new values and say so.
@@ -220,10 +140,9 @@ class Trainer:
         """
         new_lrs = list(self.scheduler.base_lrs)
         self.scheduler.load_state_dict(state["scheduler"])
-        saved = state.get("schedule", {})
+        saved = state["schedule"]
         changes = [f"trainer_config.{key} {saved[key]} -> {self.cfg[key]}"
-                   for key in ("max_steps", "warmup_steps", "min_lr_ratio")
-                   if key in saved and saved[key] != self.cfg[key]]
+                   for key in SCHEDULE_KEYS if saved[key] != self.cfg[key]]
         if self.scheduler.base_lrs != new_lrs:
             changes.append(f"optimizer_config.lr {self.scheduler.base_lrs[0]:g} -> "
                            f"{new_lrs[0]:g}")
@@ -240,31 +159,10 @@ class Trainer:
                f"from step {step} on (lr {self.scheduler.get_last_lr()[0]:.2e} now)")
 
     def _save_snapshot(self) -> None:
-        # Every rank's RNG state goes into the snapshot, so every rank resumes its own stream.
-        rngs: list = [None] * self.world_size
-        dist.all_gather_object(rngs, snapshot.rng_state(self.device))
-        state = {
-            "step": self.step,  # the next step to run
-            "epoch": self.epoch,
-            "samples_in_epoch": self.samples_in_epoch,  # over all ranks
-            "world_size": self.world_size,
-            "scheduler": self.scheduler.state_dict(),
-            # What shapes the schedule besides the base lr (LambdaLR keeps none of it).
-            "schedule": {key: self.cfg[key] for key in ("max_steps", "warmup_steps",
-                                                        "min_lr_ratio")},
-            "last_val": self.last_val,  # a resume at this step need not evaluate it again
-            "scaler": self.scaler.state_dict(),
-            "rng": rngs,
-            **self.snapshot_meta,  # model_config and data_meta: enough to rebuild and decode
-        }
-        fault = partial(inject_fault, self.step, during_save=True)
-        if self.cfg.distributed_method == "fsdp":
-            snapshot.save_sharded(self.cfg.snapshot_path, self.step, self.model, self.optimizer,
-                                  state, before_commit=fault)
-        elif self.rank == 0:  # DDP: every rank holds the same weights, one writer is enough
-            state["model"] = unwrap(self.model).state_dict()  # without DDP's "module." prefix
-            state["optimizer"] = self.optimizer.state_dict()
-            snapshot.save_file(self.cfg.snapshot_path, state, before_commit=fault)
+        # model_config and data_meta go along: enough to rebuild the model and decode its output.
+        snapshot.save(self.cfg.snapshot_path, self.cfg.distributed_method, self.model,
+                      self.optimizer, {**self.state_dict(), **self.snapshot_meta},
+                      before_commit=partial(inject_fault, self.step, during_save=True))
         print0(f"step {self.step}: snapshot saved to {self.cfg.snapshot_path}")
 
     def _run_batch(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -275,7 +173,7 @@ class Trainer:
             # Gradients are all-reduced only in the last micro-step's backward; the others
             # just accumulate locally.
             with set_grad_sync(self.model, sync=i == n - 1):
-                with self._autocast():
+                with autocast(self.device, self.cfg.precision):
                     _, loss = self.model(x, y)
                 self.scaler.scale(loss / n).backward()  # mean over the micro-steps
             self.loss_sum += loss.detach().float()
@@ -325,16 +223,6 @@ class Trainer:
             self._save_snapshot()
         self.t_log += time.perf_counter() - paused  # tokens/s measures training steps only
 
-    def _peak_memory_mb(self) -> list[float]:
-        """Peak memory of every rank: CUDA allocations, or the process's peak RSS on a CPU."""
-        if self.device.type == "cuda":
-            mb = torch.cuda.max_memory_allocated(self.device) / 2**20
-        else:
-            mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-        gathered = [torch.zeros(1, device=self.device) for _ in range(self.world_size)]
-        dist.all_gather(gathered, torch.tensor([mb], device=self.device))
-        return [t.item() for t in gathered]
-
     def _log_train(self) -> None:
         # Each rank saw different data: sum losses and counts over all ranks, then average.
         totals = torch.stack([self.loss_sum, torch.tensor(float(self.loss_count),
@@ -343,12 +231,11 @@ class Trainer:
         loss = (totals[0] / totals[1]).item()
         elapsed = time.perf_counter() - self.t_log
         tokens_per_s = self.tokens_since_log * self.world_size / elapsed
-        memory = self._peak_memory_mb()
+        memory = peak_memory_mb(self.device)
         lr = self.scheduler.get_last_lr()[0]
         line = (f"step {self.step}/{self.cfg.max_steps} | loss {loss:.4f} | lr {lr:.2e} | "
                 f"{tokens_per_s:,.0f} tokens/s")
-        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
-        peak = peak_flops(name, self.cfg.precision)
+        peak = peak_flops(device_name(self.device), self.cfg.precision)
         if peak:
             mfu = self.flops_per_token * tokens_per_s / (peak * self.world_size)
             line += f" | MFU {100 * mfu:.1f}%"
@@ -375,7 +262,7 @@ class Trainer:
         totals = torch.zeros(2, device=self.device)  # loss sum over tokens, token count
         for x, y in loader:  # every rank runs the same number of batches (FSDP needs that)
             x, y = x.to(self.device), y.to(self.device)
-            with self._autocast():
+            with autocast(self.device, self.cfg.precision):
                 _, loss = self.model(x, y)
             totals += torch.stack([loss.float() * y.numel(), torch.tensor(y.numel(),
                                                                           device=self.device)])

@@ -20,7 +20,6 @@ sys.path.insert(0, str(MINGPT))
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
@@ -31,7 +30,6 @@ import sample  # noqa: E402
 import snapshot  # noqa: E402
 from model import GPT  # noqa: E402
 
-CONFIG_NAME = "gpt2_train_cfg"
 # The trainer's log lines: "training steps 0..200: ..." once, "step 20/200 | loss ..." per log.
 START_LINE = re.compile(r"training steps (\d+)\.\.(\d+)")
 STEP_LINE = re.compile(r"step (\d+)/(\d+) \| loss")
@@ -39,9 +37,7 @@ STEP_LINE = re.compile(r"step (\d+)/(\d+) \| loss")
 
 def compose_config(overrides: list[str]) -> DictConfig:
     """The config main.py composes from these overrides; ValueError (one line) on a mistake."""
-    config.check_command_line(overrides, str(MINGPT), CONFIG_NAME)  # main.py's own checks
-    with initialize_config_dir(config_dir=str(MINGPT), version_base=None):
-        return compose(CONFIG_NAME, overrides=overrides)
+    return config.load(overrides)  # main.py's own composition and checks
 
 
 def snapshot_step(path: Path) -> int | None:
@@ -86,7 +82,7 @@ def train(overrides: list[str], run_dir: Path, nproc: int | None = None) -> None
 
     A run stopped half-way resumes from its snapshot: main.py does that by itself.
     """
-    overrides = [*overrides, f"hydra.run.dir={run_dir}"]
+    overrides = [*overrides, f"run_dir={run_dir}"]
     max_steps = compose_config(overrides).trainer_config.max_steps
     step = snapshot_step(run_dir / "snapshot")
     if step is not None and step >= max_steps:

@@ -67,8 +67,8 @@ def load_ddp_snapshot(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-MINGPT_MODULES = ("config", "char_dataset", "devices", "model", "parallelize", "sample",
-                  "snapshot", "trainer")
+MINGPT_MODULES = ("config", "char_dataset", "devices", "faults", "metrics", "model",
+                  "parallelize", "precision", "sample", "snapshot", "trainer")
 
 
 @contextlib.contextmanager

@@ -18,6 +18,15 @@ COPIED_HELPERS = {
     "snapshot.py": STEPS,
     "faults.py": ["03_torchrun_fault_tolerance", "04_multinode"],
 }
+# Helpers of the same name that differ from the steps' copy on purpose, and why.
+FORKED_HELPERS = {
+    "05_mingpt/snapshot.py": "snapshots on any fsspec URL (S3) and sharded DCP snapshots; "
+                             "rng_state/set_rng_state take the device (the CUDA RNG of this "
+                             "rank's GPU); SnapshotError is a ValueError, which main.py turns "
+                             "into one error line like every other bad input",
+    "05_mingpt/faults.py": "counts optimizer steps rather than epochs, and can also crash in "
+                           "the middle of a snapshot save (FAULT_AT_SAVE)",
+}
 # Changed lines (added + removed, blank lines not counted) of train.py against the previous
 # step. Step 03 teaches two ideas (torchrun, snapshots), so it gets two steps' worth.
 DIFF_BUDGET = {"02_multigpu": 80, "03_torchrun_fault_tolerance": 120, "04_multinode": 60}
@@ -38,6 +47,19 @@ def test_copied_helpers_are_identical(helper):
         assert filecmp.cmp(master, copy, shallow=False), (
             f"{copy.relative_to(REPO)} differs from {master.relative_to(REPO)}; "
             f"fix with: cp {master.relative_to(REPO)} {copy.relative_to(REPO)}")
+
+
+def test_every_helper_is_a_copy_or_a_recorded_fork():
+    folders = [*STEPS, "05_mingpt"]
+    for helper, copies in COPIED_HELPERS.items():
+        for folder in folders:
+            path = f"{folder}/{helper}"
+            if (REPO / path).exists() and folder not in copies:
+                assert path in FORKED_HELPERS, (
+                    f"{path} shares a helper's name but is not a copy: make it one, or record "
+                    "why it differs in FORKED_HELPERS")
+    for path in FORKED_HELPERS:
+        assert (REPO / path).exists(), f"{path} is recorded as a fork but does not exist"
 
 
 @pytest.mark.parametrize("step", list(DIFF_BUDGET))

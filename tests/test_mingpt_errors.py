@@ -3,9 +3,7 @@ snapshots that are corrupt or belong to another model (which are never overwritt
 
 The slowest tests (many launches each) have `slowest` in their names.
 """
-import importlib
 import subprocess
-import sys
 
 import fsspec
 import pytest
@@ -13,24 +11,13 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import PYTHON, TORCHRUN, child_env, free_port, run
-from mingpt_helpers import MINGPT, copy_mingpt, tiny
-
-MODULES = ("config", "char_dataset", "model")
+from mingpt_helpers import copy_mingpt, mingpt_imported, tiny
 
 
 @pytest.fixture(scope="module")
 def mingpt_modules():
-    """config and char_dataset imported from 05_mingpt (other steps have modules of the same
-    names, so the previous ones are put back afterwards)."""
-    saved = {name: sys.modules.pop(name) for name in MODULES if name in sys.modules}
-    sys.path.insert(0, str(MINGPT))
-    try:
-        yield {name: importlib.import_module(name) for name in MODULES}
-    finally:
-        sys.path.remove(str(MINGPT))
-        for name in MODULES:
-            sys.modules.pop(name, None)
-        sys.modules.update(saved)
+    with mingpt_imported() as modules:
+        yield modules
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +56,7 @@ def one_error_line(proc, *fragments: str) -> str:
 def test_config_mistakes_are_one_line(mingpt_modules, overrides, fragments):
     config = mingpt_modules["config"]
     with pytest.raises(ValueError) as info:
-        config.check_command_line(overrides, str(MINGPT), "gpt2_train_cfg")
+        config.load(overrides)
     message = str(info.value)
     assert "\n" not in message
     for fragment in fragments:
@@ -77,10 +64,9 @@ def test_config_mistakes_are_one_line(mingpt_modules, overrides, fragments):
 
 
 def test_valid_overrides_pass(mingpt_modules):
-    mingpt_modules["config"].check_command_line(
+    mingpt_modules["config"].load(
         tiny("trainer_config.distributed_method=fsdp", "trainer_config.precision=bf16",
-             "trainer_config.cpu_offload=True", "optimizer_config.betas=[0.8,0.99]"),
-        str(MINGPT), "gpt2_train_cfg")
+             "trainer_config.cpu_offload=True", "optimizer_config.betas=[0.8,0.99]"))
 
 
 @pytest.mark.parametrize("args, fragments", [
@@ -181,8 +167,7 @@ def test_device_cuda_without_a_gpu_is_an_error(mingpt_modules):
     if torch.cuda.is_available():
         pytest.skip("this machine has a CUDA GPU: trainer_config.device=cuda is valid here")
     with pytest.raises(ValueError, match="trainer_config.device must be auto or cpu"):
-        mingpt_modules["config"].check_command_line(["trainer_config.device=cuda"], str(MINGPT),
-                                                    "gpt2_train_cfg")
+        mingpt_modules["config"].load(["trainer_config.device=cuda"])
 
 
 def test_an_epoch_too_small_for_one_step_is_one_error_line(mingpt, tmp_path):

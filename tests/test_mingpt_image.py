@@ -220,11 +220,8 @@ def test_presets_pass_the_trainer_config_checks():
     code = textwrap.dedent("""
         import os, config, model
         HERE = os.getcwd()
-        from hydra import compose, initialize_config_dir
         for preset in ("cifar10", "cifar10_tiny"):
-            config.check_command_line([f"data_config={preset}"], HERE, "gpt2_train_cfg")
-            with initialize_config_dir(config_dir=HERE, version_base=None):
-                cfg = compose("gpt2_train_cfg", overrides=[f"data_config={preset}"])
+            cfg = config.load([f"data_config={preset}"])
             vocab = cfg.data_config.palette_size
             gpt = model.GPT(model.GPTConfig(**cfg.gpt_config, vocab_size=vocab))
             print(preset, gpt.num_params(), cfg.data_config.palette_size, cfg.optimizer_config.lr)

@@ -137,7 +137,7 @@ def test_play_image(checkout):
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc_per_node={nproc}", "--max-restarts=0", str(mingpt / "main.py"),
         "data_config=cifar10_tiny", "data_config.root=data/cifar10", "data_config.download=true",
-        "data_config.check_md5=false", *IMAGE_TINY, f"hydra.run.dir={run_dir}"])
+        "data_config.check_md5=false", *IMAGE_TINY, f"run_dir={run_dir}"])
     assert f"world size {nproc}" in train and "final val loss" in train
     train_steps = [int(s) for s, _ in TRAIN_LOG.findall(train)]
     assert train_steps == [2, 4, 6]
@@ -197,7 +197,7 @@ def test_play_char(checkout):
         assert out.splitlines()[0] == " ".join([
             sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc_per_node={nproc}", "--max-restarts=0", str(mingpt / "main.py"), *CHAR_TINY,
-            f"trainer_config.distributed_method={method}", f"hydra.run.dir={runs / method}"])
+            f"trainer_config.distributed_method={method}", f"run_dir={runs / method}"])
         assert f"distributed_method: {method}" in out and f"world size {nproc}" in out
         logs[method] = out
         assert [int(s) for s, _ in TRAIN_LOG.findall(out)] == [5, 10]

@@ -1,0 +1,33 @@
+"""Mixed precision in one place: autocast for the forward pass, loss scaling for fp16, and the
+policy FSDP uses to gather parameters and reduce gradients.
+
+    with autocast(device, "bf16"):   # matmuls in bf16; softmax and the loss stay in fp32
+        _, loss = model(x, y)
+    scaler = grad_scaler(device, "fp16")   # a no-op for fp32 and bf16
+"""
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast(device: torch.device, precision: str) -> torch.autocast:
+    """Run the ops autocast lists in `precision` (matmuls, convolutions), the rest in fp32."""
+    return torch.autocast(device.type, dtype=DTYPES[precision], enabled=precision != "fp32")
+
+
+def grad_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler:
+    """fp16 needs loss scaling (its small gradients underflow); a disabled scaler otherwise.
+
+    The device's own type: GradScaler("cuda") silently turns itself off on a CPU.
+    """
+    return torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+
+
+def fsdp_policy(precision: str) -> MixedPrecisionPolicy | None:
+    """FSDP gathers parameters in `precision` and reduces gradients in fp32 (summing many
+    low-precision gradients loses bits); None for fp32, FSDP's default."""
+    if precision == "fp32":
+        return None
+    return MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
