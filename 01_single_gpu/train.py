@@ -26,6 +26,7 @@ class Trainer:
         checkpoint_path: str,
     ) -> None:
         self.device = device
+        # .to() moves the parameters in place, so the optimizer built before still holds them.
         self.model = model.to(device)
         self.train_data = train_data
         self.optimizer = optimizer
@@ -33,12 +34,12 @@ class Trainer:
         self.checkpoint_path = checkpoint_path
 
     def _run_batch(self, source: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        self.optimizer.zero_grad()
+        self.optimizer.zero_grad()  # backward() adds to .grad: clear the last batch's gradients
         output = self.model(source)
         loss = F.mse_loss(output, targets)
         loss.backward()
         self.optimizer.step()
-        return loss.detach()
+        return loss.detach()  # without its graph: the running sum must not keep it alive
 
     def _run_epoch(self, epoch: int) -> None:
         b_sz = len(next(iter(self.train_data))[0])
@@ -64,8 +65,10 @@ class Trainer:
 
 
 def load_train_objs() -> tuple[Dataset, torch.nn.Module, torch.optim.Optimizer]:
-    train_set = MyTrainDataset(2048)
+    train_set = MyTrainDataset(2048)  # 64 batches of 32 per epoch on one device
+    # (B, 20) features -> (B, 64) hidden -> (B, 1) prediction
     model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    # Momentum is optimizer state: a run that resumes needs it as much as the weights.
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
     return train_set, model, optimizer
 
@@ -75,8 +78,8 @@ def prepare_dataloader(dataset: Dataset, batch_size: int) -> DataLoader:
         dataset,
         batch_size=batch_size,
         pin_memory=torch.cuda.is_available(),  # page-locked memory speeds host->GPU copies
-        shuffle=True,
-        generator=torch.Generator().manual_seed(0),  # a seeded shuffle: runs are repeatable
+        shuffle=True,  # a new order every epoch, drawn from the generator below
+        generator=torch.Generator().manual_seed(0),  # seeded, never the global RNG: repeatable
     )
 
 
@@ -102,7 +105,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("total_epochs", nargs="?", default=50, type=positive_int,
                         help="total epochs to train the model (default: 50)")
     parser.add_argument("save_every", nargs="?", default=10, type=positive_int,
-                        help="how often to save a checkpoint, in epochs (default: 10)")
+                        help="save every this many epochs, and after the last (default: 10)")
     parser.add_argument("--batch_size", default=32, type=positive_int,
                         help="input batch size on each device (default: 32)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
@@ -115,5 +118,5 @@ if __name__ == "__main__":
     args = parse_args()
     try:
         main(args)
-    except ValueError as e:
+    except ValueError as e:  # bad input found after parsing (--device cuda without a GPU)
         sys.exit(f"error: {e}")

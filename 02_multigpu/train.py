@@ -1,7 +1,6 @@
 """Step 02: data-parallel training on several processes with DistributedDataParallel (DDP).
 
-    python 02_multigpu/train.py                                  # one process per GPU (or 2 on CPU)
-    python 02_multigpu/train.py 20 5 --nproc 4                   # 4 processes (gloo on CPU)
+    python 02_multigpu/train.py 20 5 --nproc 4   # 4 processes: one per GPU, or gloo on the CPU
     torchrun --standalone --nproc_per_node=4 02_multigpu/train.py   # the same file under torchrun
 """
 import argparse
@@ -9,7 +8,6 @@ import os
 import sys
 
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed import all_reduce, barrier, destroy_process_group, init_process_group
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -21,15 +19,13 @@ from devices import backend_for, free_port, pick_device
 from snapshot import atomic_save
 
 
-def ddp_setup(rank: int, world_size: int, requested: str) -> torch.device:
-    # The GPU index is the rank within this machine: torchrun sets LOCAL_RANK (RANK counts on
-    # across nodes); mp.spawn starts every rank on this one machine, so there it is the rank.
-    device = pick_device(int(os.environ.get("LOCAL_RANK", rank)), requested)
+def ddp_setup(requested: str) -> torch.device:
+    # LOCAL_RANK, the number of this process on its machine, picks the GPU; RANK is job-wide.
+    device = pick_device(int(os.environ["LOCAL_RANK"]), requested)
     if device.type == "cuda":
         # Before init_process_group: NCCL binds each process to the current GPU.
         torch.cuda.set_device(device)
-    # MASTER_ADDR/MASTER_PORT come from the environment (set below, or by torchrun).
-    init_process_group(backend=backend_for(device), rank=rank, world_size=world_size)
+    init_process_group(backend=backend_for(device))  # reads RANK, WORLD_SIZE, MASTER_* from env
     return device
 
 
@@ -44,10 +40,10 @@ class Trainer:
         checkpoint_path: str,
     ) -> None:
         self.device = device
-        self.rank = torch.distributed.get_rank()
+        self.rank = torch.distributed.get_rank()  # the global rank, as RANK
+        device_ids = [device.index] if device.type == "cuda" else None  # DDP rejects them on CPU
+        # .to() moves the parameters in place, so the optimizer built before still holds them.
         # DDP broadcasts rank 0's weights at construction and all-reduces gradients in backward.
-        # device_ids only for a GPU: on the CPU DDP must get none.
-        device_ids = [device.index] if device.type == "cuda" else None
         self.model = DDP(model.to(device), device_ids=device_ids)
         self.train_data = train_data
         self.optimizer = optimizer
@@ -55,45 +51,48 @@ class Trainer:
         self.checkpoint_path = checkpoint_path
 
     def _run_batch(self, source: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        self.optimizer.zero_grad()
+        self.optimizer.zero_grad()  # backward() adds to .grad: clear the last batch's gradients
         output = self.model(source)
         loss = F.mse_loss(output, targets)
         loss.backward()
         self.optimizer.step()
-        return loss.detach()
+        return loss.detach()  # without its graph: the running sum must not keep it alive
 
     def _run_epoch(self, epoch: int) -> None:
         b_sz = len(next(iter(self.train_data))[0])
-        # A new shuffle each epoch: the sampler seeds its permutation with (seed + epoch).
-        self.train_data.sampler.set_epoch(epoch)
+        self.train_data.sampler.set_epoch(epoch)  # else every epoch repeats epoch 0's order
         # Sum losses on the device; one host sync per epoch instead of one per batch.
         loss_sum = torch.zeros((), device=self.device)
         for source, targets in self.train_data:
             source, targets = source.to(self.device), targets.to(self.device)
             loss_sum += self._run_batch(source, targets)
-        # Each rank saw a different shard: average over all ranks before logging.
-        all_reduce(loss_sum)
+        all_reduce(loss_sum)  # each rank saw its own shard: sum all ranks' losses before logging
         loss = loss_sum.item() / (len(self.train_data) * torch.distributed.get_world_size())
-        if self.rank == 0:
-            print(f"[{self.device}] Epoch {epoch} | Batchsize: {b_sz} | "
-                  f"Steps: {len(self.train_data)} | Loss: {loss:.4f}")
+        if self.rank != 0:  # one log line per epoch, not one per rank
+            return
+        print(f"[{self.device}] Epoch {epoch} | Batchsize: {b_sz} | "
+              f"Steps: {len(self.train_data)} | Loss: {loss:.4f}")
 
     def _save_checkpoint(self, epoch: int) -> None:
-        # .module: the wrapped model, so the checkpoint loads without DDP.
+        if self.rank != 0:  # only rank 0 writes: every rank holds the same weights
+            return
+        # .module: the model inside the DDP wrapper, so the saved weights load without DDP.
         atomic_save(self.model.module.state_dict(), self.checkpoint_path)
         print(f"Epoch {epoch} | Training checkpoint saved at {self.checkpoint_path}")
 
     def train(self, max_epochs: int) -> None:
         for epoch in range(max_epochs):
             self._run_epoch(epoch)
-            # Only rank 0 writes: every rank holds the same weights.
-            if self.rank == 0 and ((epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs):
+            # Save every `save_every` epochs and after the last one.
+            if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
                 self._save_checkpoint(epoch)
 
 
 def load_train_objs() -> tuple[Dataset, torch.nn.Module, torch.optim.Optimizer]:
-    train_set = MyTrainDataset(2048)
+    train_set = MyTrainDataset(2048)  # 64 batches of 32 per epoch on one device
+    # (B, 20) features -> (B, 64) hidden -> (B, 1) prediction
     model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    # Momentum is optimizer state: a run that resumes needs it as much as the weights.
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
     return train_set, model, optimizer
 
@@ -103,15 +102,14 @@ def prepare_dataloader(dataset: Dataset, batch_size: int) -> DataLoader:
         dataset,
         batch_size=batch_size,
         pin_memory=torch.cuda.is_available(),  # page-locked memory speeds host->GPU copies
-        shuffle=False,  # the sampler shuffles
-        sampler=DistributedSampler(dataset),  # each rank gets its own 1/world_size of the data
-        generator=torch.Generator(),  # iterators draw from it, not from the global RNG
+        sampler=DistributedSampler(dataset),  # each rank gets its own 1/world_size, shuffled
+        generator=torch.Generator().manual_seed(0),  # seeded, never the global RNG: repeatable
     )
 
 
-def main(rank: int, world_size: int, args: argparse.Namespace) -> None:
+def main(args: argparse.Namespace) -> None:
     torch.manual_seed(0)  # the same initial weights on every run
-    device = ddp_setup(rank, world_size, args.device)
+    device = ddp_setup(args.device)
     dataset, model, optimizer = load_train_objs()
     train_data = prepare_dataloader(dataset, args.batch_size)
     trainer = Trainer(model, train_data, optimizer, device, args.save_every, args.checkpoint_path)
@@ -119,6 +117,12 @@ def main(rank: int, world_size: int, args: argparse.Namespace) -> None:
     del trainer  # release DDP before its process group: destroying it first can hang at exit
     barrier()  # no rank tears down while another still writes or communicates
     destroy_process_group()
+
+
+def spawn_rank(rank: int, world_size: int, args: argparse.Namespace) -> None:
+    # What torchrun would set; every rank runs on this machine, so the local rank is the rank.
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    main(args)
 
 
 def positive_int(text: str) -> int:
@@ -134,7 +138,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("total_epochs", nargs="?", default=50, type=positive_int,
                         help="total epochs to train the model (default: 50)")
     parser.add_argument("save_every", nargs="?", default=10, type=positive_int,
-                        help="how often to save a checkpoint, in epochs (default: 10)")
+                        help="save every this many epochs, and after the last (default: 10)")
     parser.add_argument("--batch_size", default=32, type=positive_int,
                         help="input batch size on each device (default: 32)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
@@ -142,23 +146,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--checkpoint_path", default="checkpoint.pt")
     parser.add_argument("--nproc", type=positive_int,
                         help="processes to spawn (default: one per GPU, or 2 on CPU)")
-    args = parser.parse_args(argv)
-    limit = torch.cuda.device_count() or max(4, os.cpu_count() or 1)
-    if (args.nproc or 0) > limit:
-        parser.error(f"--nproc {args.nproc} is more than this machine can run (at most {limit}: "
-                     "one process per GPU, or per CPU core)")
-    return args
+    return parser.parse_args(argv)
 
 
 if __name__ == "__main__":
     args = parse_args()
     try:
         if "RANK" in os.environ:  # started by torchrun: this process already is one rank
-            main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
+            main(args)
         else:  # started by python: spawn one process per rank, on a free rendezvous port
             os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "localhost", str(free_port())
             world_size = args.nproc or torch.cuda.device_count() or 2
+            if world_size > (limit := torch.cuda.device_count() or max(4, os.cpu_count() or 1)):
+                raise ValueError(f"--nproc {world_size} is more than this machine can run "
+                                 f"(at most {limit}: one process per GPU, or per CPU core)")
             pick_device(0, args.device)  # a bad --device fails here, not in every child
-            mp.spawn(main, args=(world_size, args), nprocs=world_size)
-    except ValueError as e:
+            torch.multiprocessing.spawn(spawn_rank, args=(world_size, args), nprocs=world_size)
+    except ValueError as e:  # bad input found after parsing (--device cuda without a GPU)
         sys.exit(f"error: {e}")

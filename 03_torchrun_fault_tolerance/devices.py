@@ -14,6 +14,8 @@ def pick_device(local_rank: int = 0, requested: str = "auto") -> torch.device:
     `requested` is "auto", "cpu" or "cuda"; asking for CUDA on a machine without it is an error
     rather than a silent fall back to the CPU.
     """
+    # A CPU-only torch wheel or a mistyped CUDA_VISIBLE_DEVICES would otherwise train on the
+    # CPU, many times slower, with nothing to say so.
     if requested == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was requested but no CUDA GPU is available")
     if requested != "cpu" and torch.cuda.is_available():
@@ -30,12 +32,15 @@ def backend_for(device: torch.device, cpu_tensors_too: bool = False) -> str:
     type gets its own backend.
     """
     if device.type != "cuda":
-        return "gloo"
+        return "gloo"  # NCCL cannot move CPU tensors; gloo can, and ships with every torch build
+    # One backend per device type: each collective goes to the backend of its tensors' device.
     return "cuda:nccl,cpu:gloo" if cpu_tensors_too else "nccl"
 
 
 def free_port() -> int:
     """Ask the OS for an unused TCP port, so two jobs on one machine never clash."""
     with socket.socket() as s:
+        # Port 0: the OS picks one that is free now. Nothing reserves it once this socket
+        # closes, so the caller hands it to the process group at once.
         s.bind(("", 0))
         return s.getsockname()[1]

@@ -21,12 +21,13 @@ class SnapshotError(RuntimeError):
 
 
 def atomic_save(obj: dict, path: str) -> None:
+    # Beside the target, not in /tmp: os.replace is atomic only within one filesystem.
     tmp = f"{path}.tmp"
     with open(tmp, "wb") as f:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())  # the bytes are on disk before the rename makes them visible
-    os.replace(tmp, path)
+    os.replace(tmp, path)  # readers see the old file or the new one, never a mix
 
 
 def load_snapshot(path: str, required: tuple[str, ...]) -> dict:
@@ -50,16 +51,17 @@ def rng_state() -> dict:
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
         "torch": torch.get_rng_state(),
+        # numpy's key as a tensor: weights_only=True loads tensors and plain types, not arrays.
         "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached),
         "python": random.getstate(),
     }
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
+        state["cuda"] = torch.cuda.get_rng_state()  # random ops on the current GPU draw from it
     return state
 
 
 def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"].cpu())
+    torch.set_rng_state(state["torch"].cpu())  # it takes a CPU ByteTensor, wherever it was loaded
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     random.setstate(state["python"])

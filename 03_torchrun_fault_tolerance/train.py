@@ -24,12 +24,12 @@ from snapshot import SnapshotError, atomic_save, load_snapshot, rng_state, set_r
 
 
 def ddp_setup(requested: str) -> torch.device:
-    # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT for every worker.
+    # LOCAL_RANK, the number of this process on its machine, picks the GPU; RANK is job-wide.
     device = pick_device(int(os.environ["LOCAL_RANK"]), requested)
     if device.type == "cuda":
         # Before init_process_group: NCCL binds each process to the current GPU.
         torch.cuda.set_device(device)
-    init_process_group(backend=backend_for(device))
+    init_process_group(backend=backend_for(device))  # reads RANK, WORLD_SIZE, MASTER_* from env
     return device
 
 
@@ -44,10 +44,10 @@ class Trainer:
         snapshot_path: str,
     ) -> None:
         self.device = device
-        self.rank = torch.distributed.get_rank()
+        self.rank = torch.distributed.get_rank()  # the global rank, as RANK
+        device_ids = [device.index] if device.type == "cuda" else None  # DDP rejects them on CPU
+        # .to() moves the parameters in place, so the optimizer built before still holds them.
         # DDP broadcasts rank 0's weights at construction and all-reduces gradients in backward.
-        # device_ids only for a GPU: on the CPU DDP must get none.
-        device_ids = [device.index] if device.type == "cuda" else None
         self.model = DDP(model.to(device), device_ids=device_ids)
         self.train_data = train_data
         self.optimizer = optimizer
@@ -70,17 +70,16 @@ class Trainer:
         print(f"[rank {self.rank}] Resuming training from snapshot at epoch {self.epochs_run}")
 
     def _run_batch(self, source: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        self.optimizer.zero_grad()
+        self.optimizer.zero_grad()  # backward() adds to .grad: clear the last batch's gradients
         output = self.model(source)
         loss = F.mse_loss(output, targets)
         loss.backward()
         self.optimizer.step()
-        return loss.detach()
+        return loss.detach()  # without its graph: the running sum must not keep it alive
 
     def _run_epoch(self, epoch: int) -> None:
         b_sz = len(next(iter(self.train_data))[0])
-        # A new shuffle each epoch: the sampler seeds its permutation with (seed + epoch).
-        self.train_data.sampler.set_epoch(epoch)
+        self.train_data.sampler.set_epoch(epoch)  # else every epoch repeats epoch 0's order
         # Sum losses on the device; one host sync per epoch instead of one per batch.
         loss_sum = torch.zeros((), device=self.device)
         for step, (source, targets) in enumerate(self.train_data):
@@ -88,12 +87,12 @@ class Trainer:
                 inject_fault(epoch)
             source, targets = source.to(self.device), targets.to(self.device)
             loss_sum += self._run_batch(source, targets)
-        # Each rank saw a different shard: average over all ranks before logging.
-        all_reduce(loss_sum)
+        all_reduce(loss_sum)  # each rank saw its own shard: sum all ranks' losses before logging
         loss = loss_sum.item() / (len(self.train_data) * torch.distributed.get_world_size())
-        if self.rank == 0:
-            print(f"[{self.device}] Epoch {epoch} | Batchsize: {b_sz} | "
-                  f"Steps: {len(self.train_data)} | Loss: {loss:.4f}")
+        if self.rank != 0:  # one log line per epoch, not one per rank
+            return
+        print(f"[{self.device}] Epoch {epoch} | Batchsize: {b_sz} | "
+              f"Steps: {len(self.train_data)} | Loss: {loss:.4f}")
 
     def _save_snapshot(self, epoch: int) -> None:
         # Every rank's RNG state goes into the one file rank 0 writes, so each rank resumes its own.
@@ -101,8 +100,9 @@ class Trainer:
         torch.distributed.all_gather_object(rng_states, rng_state())
         if self.rank != 0:  # only rank 0 writes: every rank holds the same weights
             return
+        # .module: the model inside the DDP wrapper, so the saved weights load without DDP.
         snapshot = {
-            "MODEL_STATE": self.model.module.state_dict(),  # .module: loads without DDP
+            "MODEL_STATE": self.model.module.state_dict(),
             "OPTIMIZER_STATE": self.optimizer.state_dict(),
             "EPOCHS_RUN": epoch + 1,  # the next epoch to run: resume must not redo this one
             "RNG_STATES": rng_states,
@@ -113,13 +113,16 @@ class Trainer:
     def train(self, max_epochs: int) -> None:
         for epoch in range(self.epochs_run, max_epochs):
             self._run_epoch(epoch)
+            # Save every `save_every` epochs and after the last one.
             if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
                 self._save_snapshot(epoch)
 
 
 def load_train_objs() -> tuple[Dataset, torch.nn.Module, torch.optim.Optimizer]:
-    train_set = MyTrainDataset(2048)
+    train_set = MyTrainDataset(2048)  # 64 batches of 32 per epoch on one device
+    # (B, 20) features -> (B, 64) hidden -> (B, 1) prediction
     model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    # Momentum is optimizer state: a run that resumes needs it as much as the weights.
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
     return train_set, model, optimizer
 
@@ -129,9 +132,8 @@ def prepare_dataloader(dataset: Dataset, batch_size: int) -> DataLoader:
         dataset,
         batch_size=batch_size,
         pin_memory=torch.cuda.is_available(),  # page-locked memory speeds host->GPU copies
-        shuffle=False,  # the sampler shuffles
-        sampler=DistributedSampler(dataset),  # each rank gets its own 1/world_size of the data
-        generator=torch.Generator(),  # iterators draw from it, not from the global RNG
+        sampler=DistributedSampler(dataset),  # each rank gets its own 1/world_size, shuffled
+        generator=torch.Generator().manual_seed(0),  # seeded, never the global RNG: repeatable
     )
 
 
@@ -160,14 +162,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("total_epochs", nargs="?", default=50, type=positive_int,
                         help="total epochs to train the model (default: 50)")
     parser.add_argument("save_every", nargs="?", default=10, type=positive_int,
-                        help="how often to save a snapshot, in epochs (default: 10)")
+                        help="save every this many epochs, and after the last (default: 10)")
     parser.add_argument("--batch_size", default=32, type=positive_int,
                         help="input batch size on each device (default: 32)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                         help="auto: a GPU when there is one, else the CPU")
     parser.add_argument("--snapshot_path", default="snapshot.pt")
     if "LOCAL_RANK" not in os.environ:
-        parser.error("launch with torchrun: torchrun --standalone --nproc_per_node=2 train.py")
+        parser.error(f"launch with torchrun: see the commands at the top of {__file__}")
     return parser.parse_args(argv)
 
 
@@ -175,5 +177,5 @@ if __name__ == "__main__":
     args = parse_args()
     try:
         main(args)
-    except (ValueError, SnapshotError) as e:
+    except (ValueError, SnapshotError) as e:  # bad input, or a snapshot that cannot be used
         sys.exit(f"error: {e}")

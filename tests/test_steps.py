@@ -109,7 +109,8 @@ class DevicePicked(Exception):
 def test_step02_gpu_index_is_the_local_rank(monkeypatch, env, rank, gpu):
     train = import_step("02_multigpu", "train")
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")  # recorded, so what spawn_rank sets is undone afterwards
+        monkeypatch.delenv(name)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     asked = []
@@ -119,8 +120,12 @@ def test_step02_gpu_index_is_the_local_rank(monkeypatch, env, rank, gpu):
         raise DevicePicked
 
     monkeypatch.setattr(train, "pick_device", recording_pick_device)
-    with pytest.raises(DevicePicked):  # as the file's __main__ calls it under torchrun
-        train.main(rank, 4, train.parse_args(["--device", "cuda"]))
+    args = train.parse_args(["--device", "cuda"])
+    with pytest.raises(DevicePicked):
+        if env:  # as the file's __main__ calls it under torchrun
+            train.main(args)
+        else:  # as mp.spawn calls it in rank 1's process
+            train.spawn_rank(rank, 4, args)
     assert asked == [(gpu, "cuda")]  # cuda:1, not cuda:3 (a node with 2 GPUs has no cuda:3)
 
 
