@@ -28,8 +28,10 @@ FORKED_HELPERS = {
                            "the middle of a snapshot save (FAULT_AT_SAVE)",
 }
 # Changed lines (added + removed, blank lines not counted) of train.py against the previous
-# step. Step 03 teaches two ideas (torchrun, snapshots), so it gets two steps' worth.
-DIFF_BUDGET = {"02_multigpu": 80, "03_torchrun_fault_tolerance": 120, "04_multinode": 60}
+# step: STYLE.md allows about 60 per step, and step 03, whose README splits its diff into two
+# ideas (torchrun, snapshots), up to two steps' worth. Each budget is what the step reaches
+# today, so any growth is a decision taken here, not drift.
+DIFF_BUDGET = {"02_multigpu": 60, "03_torchrun_fault_tolerance": 80, "04_multinode": 27}
 MARKDOWN = sorted(p for p in REPO.rglob("*.md") if ".venv" not in p.parts
                   and ".pytest_cache" not in p.parts)
 
