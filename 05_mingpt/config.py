@@ -105,6 +105,9 @@ def _compose(overrides: list[str]) -> DictConfig:
     if hydra_keys:  # compose would drop them silently
         raise ValueError(f"{hydra_keys[0]}: hydra's own settings are not used here; the run "
                          "directory is run_dir=PATH (default runs/<run_name>)")
+    # The compose API, not @hydra.main: no outputs/ folder or log files from every rank, and
+    # errors come back as exceptions to turn into one line. An absolute config_dir works from
+    # any working directory; version_base=None takes this hydra's defaults without a warning.
     with initialize_config_dir(config_dir=str(HERE), version_base=None):
         try:
             return compose(CONFIG_NAME, overrides=overrides)
@@ -132,6 +135,8 @@ def validate(cfg: DictConfig) -> None:
     for name, schema in SECTIONS.items():
         if not isinstance(cfg.get(name), DictConfig):
             raise ValueError(f"{name} must be a group of keys, got {cfg.get(name)!r}")
+        # A structured merge rather than hand-written type checks: the dataclasses above stay
+        # the one place that says each key's type.
         try:  # type check: '3' -> 3 is fine, 'abc' for an int is not; unknown keys are rejected
             typed = OmegaConf.merge(OmegaConf.structured(schema),
                                     OmegaConf.to_container(cfg[name], resolve=False))
@@ -141,7 +146,7 @@ def validate(cfg: DictConfig) -> None:
         except OmegaConfBaseException as e:  # a value of the wrong type
             key = f"{name}.{e.full_key}" if getattr(e, "full_key", None) else name
             raise ValueError(f"{key}: {str(e).splitlines()[0]}") from None
-        cfg[name] = typed
+        cfg[name] = typed  # the typed values (grad_clip=1 -> 1.0) for the checks and the run
     t, o = cfg.trainer_config, cfg.optimizer_config
     for key in ("max_steps", "batch_size", "grad_accum_steps", "log_every", "eval_batches"):
         _check(t[key] >= 1, f"trainer_config.{key}", "a positive integer", t[key])
@@ -153,6 +158,7 @@ def validate(cfg: DictConfig) -> None:
     _check(t.precision in PRECISIONS, "trainer_config.precision",
            f"one of {', '.join(PRECISIONS)}", t.precision)
     _check(t.device in DEVICES, "trainer_config.device", f"one of {', '.join(DEVICES)}", t.device)
+    # Here rather than when the device is picked: before any process group or file exists.
     _check(t.device != "cuda" or torch.cuda.is_available(), "trainer_config.device",
            "auto or cpu on a machine without a CUDA GPU", t.device)
     _check(not t.cpu_offload or t.distributed_method == "fsdp", "trainer_config.cpu_offload",

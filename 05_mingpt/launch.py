@@ -23,6 +23,8 @@ HERE = Path(__file__).resolve().parent
 
 def on_cpu(overrides: list[str]) -> bool:
     """Whether main.py will train on the CPU: no GPU here, or trainer_config.device=cpu."""
+    # A plain look at the overrides, not config.load: every worker composes and checks the
+    # config itself, and launch.py needs only this one answer to size the job.
     return "trainer_config.device=cpu" in overrides or not torch.cuda.is_available()
 
 
@@ -47,7 +49,9 @@ def worker_env(nproc: int, cpu: bool, env: Mapping[str, str] | None = None) -> d
     if cpu:
         # gloo: a restarted worker group must not reuse the first group's TCP store.
         env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-        # Processes sharing the CPU: one thread each, instead of each using every core.
+        # Processes sharing the CPU: each gets its share of the cores. Not a thread per core in
+        # every process (they would fight over the cores), nor torchrun's default when this is
+        # unset: 1 thread each, with a warning, leaving cores idle when there are more of them.
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     return env
 
@@ -55,6 +59,7 @@ def worker_env(nproc: int, cpu: bool, env: Mapping[str, str] | None = None) -> d
 def torchrun_command(nproc: int, max_restarts: int, overrides: list[str]) -> list[str]:
     """`torchrun --standalone ... main.py overrides`, as this interpreter's module (so it is the
     torchrun of this environment, venv or notebook kernel)."""
+    # --standalone: a rendezvous on this machine at a free port, so no address or port to pick.
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}",
             str(HERE / "main.py"), *overrides]
@@ -80,7 +85,9 @@ def main(argv: list[str]) -> None:
         # A readable run directory (plain torchrun --standalone names it by a random id).
         overrides = [*overrides, f"run_name={time.strftime('%Y-%m-%d_%H-%M-%S')}"]
     command = torchrun_command(nproc, args.max_restarts, overrides)
-    print(" ".join(command), flush=True)
+    print(" ".join(command), flush=True)  # flushed now: execve drops Python's unwritten buffers
+    # exec, not a subprocess: Ctrl-C and a scheduler's SIGTERM reach torchrun itself, which
+    # stops its workers, and torchrun's exit code is the job's.
     os.execve(sys.executable, command, worker_env(nproc, cpu))
 
 

@@ -94,6 +94,8 @@ def load_train_objs(cfg: DictConfig, device: torch.device) -> tuple:
 
 def fail(error: Exception) -> None:
     """One `error:` line (from rank 0: every rank hits the same config/data error) and exit 2."""
+    # RANK from torchrun's environment, not dist.get_rank(): config errors come before the
+    # process group exists.
     if os.environ.get("RANK", "0") == "0":
         print(f"error: {error}", file=sys.stderr, flush=True)
     sys.exit(2)
@@ -117,7 +119,7 @@ def run(cfg: DictConfig) -> None:
         try:
             model, optimizer, train_set, val_set, data, snapshot_meta, flops = \
                 load_train_objs(cfg, device)
-            save_config(cfg)
+            save_config(cfg)  # only now: a run refused for its data or model leaves no folder
             trainer = Trainer(cfg.trainer_config, model, optimizer, train_set, val_set, device,
                               cfg.run_dir, snapshot_meta, flops)
             # Every rank reads the snapshot, if there is one (only rank 0 ever writes files).

@@ -27,7 +27,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(2)  # argparse's code for a usage error; a bad model config exits 1
 
 
 def positive_int(text: str) -> int:
@@ -92,6 +92,7 @@ def size_row(preset: str, vocab_size: int, block_size: int) -> dict[str, object]
         "params": f"{n_params:,}",
         "non-emb": human_count(model.num_params(non_embedding=True)),
         "GFLOP/tok": f"{model.flops_per_token() / 1e9:.3f}",
+        # bf16: what a bf16 copy for inference needs; fp32: the master weights training keeps.
         "bf16": human_bytes(n_params * BYTES_BF16),
         "fp32": human_bytes(n_params * BYTES_FP32),
         "train snapshot": human_bytes(n_params * BYTES_TRAIN_SNAPSHOT),

@@ -8,6 +8,8 @@ policy FSDP uses to gather parameters and reduce gradients.
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+# bf16 keeps fp32's 8 exponent bits (only the mantissa is shorter), so small gradients do not
+# underflow and it needs no loss scaling; fp16 has 5 exponent bits and does (grad_scaler).
 PRECISIONS = ("fp32", "bf16", "fp16")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -30,4 +32,6 @@ def fsdp_policy(precision: str) -> MixedPrecisionPolicy | None:
     low-precision gradients loses bits); None for fp32, FSDP's default."""
     if precision == "fp32":
         return None
+    # Only the gathered copies used for compute are cast: the sharded parameters the optimizer
+    # updates stay fp32, so small updates are not rounded away.
     return MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)

@@ -60,6 +60,8 @@ def load_model(path: str, device: torch.device) -> tuple[GPT, dict]:
         raise ValueError(f"no snapshot at {path}")
     state = snapshot.load_train_state(path, kind)
     meta = state["data_meta"]
+    # The snapshot's own model config, not gpt2_train_cfg.yaml's: the yaml may have changed
+    # since, and only the saved config fits the saved weights.
     model = GPT(GPTConfig(**state["model_config"])).to(device)
     if kind == "ddp":
         model.load_state_dict(state["model"])
@@ -79,6 +81,7 @@ def newest_snapshot() -> str:
     if not found:
         raise ValueError("no runs/*/snapshot here; train first (python main.py) or pass "
                          "--snapshot PATH")
+    # By modification time, not by name: run_name can be anything, not only a timestamp.
     return max(found, key=os.path.getmtime)
 
 
@@ -105,7 +108,7 @@ def main(argv: list[str]) -> None:
     device = pick_device(0)
     try:
         path = args.snapshot or newest_snapshot()
-        if "://" not in path:
+        if "://" not in path:  # Path would turn s3://bucket into s3:/bucket
             path = str(Path(path))
         model, meta = load_model(path, device)
         if meta.get("kind") != "char":

@@ -102,6 +102,8 @@ def load_file(url: str) -> dict:
     try:
         with fsspec.open(url, "rb") as f:
             data = f.read()
+        # To the CPU whatever device saved it: RNG states must be CPU tensors, and
+        # load_state_dict moves each weight to its parameter's device (module docstring).
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:  # truncated, corrupt, not a torch file, unreadable
         raise SnapshotError(f"cannot load snapshot {url} ({_reason(e)}): it is corrupt or not a "
@@ -199,6 +201,9 @@ def save_sharded(url: str, step: int, model: torch.nn.Module, optimizer: torch.o
     # Sharded state dicts: each rank only holds (and writes) its own shards, no gather.
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=_writer(f"{url}/{name}"))
+    # dcp.save is collective: it returns only once every rank's shards are written and rank 0
+    # (its coordinator) has written .metadata, so the step directory is complete here. One
+    # writer commits, so `latest` never sees two ranks' writes at once.
     if dist.get_rank() == 0:
         save_file(f"{url}/{name}/{TRAIN_STATE}", train_state)
         if before_commit:
@@ -233,6 +238,8 @@ def load_train_state(url: str, kind: str) -> dict:
 def load_sharded(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """FSDP: each rank reads the pieces of every saved shard that its own shards need."""
     checkpoint = latest_sharded(url)
+    # Every rank must call this: DCP plans the reads collectively (the ranks exchange what
+    # they need), so a rank that stayed away would leave the others waiting.
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     try:
@@ -241,6 +248,8 @@ def load_sharded(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimi
     except (Exception, CheckpointException) as e:  # missing or truncated shards, bad metadata
         raise SnapshotError(f"cannot load sharded snapshot {checkpoint} ({_reason(e)}): it is "
                             "corrupt; move it away or set trainer_config.snapshot_path") from None
+    # The optimizer state is keyed by parameter name; set_state_dict puts it back under this
+    # optimizer's own parameters.
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
 
@@ -316,6 +325,7 @@ def load(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.O
                             "trainer_config.snapshot_path on storage all nodes share")
     check_compatible(state, meta["model_config"], meta["data_meta"], url, match_keys)
     if kind == "ddp":  # load_state_dict copies each tensor to where its parameter lives
+        # pop: the state returned to the trainer must not keep a second copy of the weights.
         unwrap(model).load_state_dict(state.pop("model"))
         optimizer.load_state_dict(state.pop("optimizer"))
     else:

@@ -1,0 +1,348 @@
+"""Fast in-process checks of 05_mingpt's distributed pieces: the lr schedule, parallelize,
+set_grad_sync, and snapshot compatibility and round trips, in a one-rank gloo group with an
+in-memory store. The gradient-sync checks that need two ranks run in two spawned processes:
+the default process group is one per process, so two threads cannot be two ranks."""
+import copy
+import json
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from mingpt_helpers import mingpt_imported
+
+CPU = torch.device("cpu")
+VOCAB, BLOCK = 11, 8
+
+
+@pytest.fixture(scope="module")
+def m():
+    with mingpt_imported() as modules:
+        yield modules
+
+
+@pytest.fixture(scope="module")
+def group(m):
+    """A one-rank gloo group (an in-memory store, no port), as `python main.py` makes one."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def tiny_gpt(m, seed: int = 0, **config) -> torch.nn.Module:
+    """A 2-layer GPT without dropout, so two forward passes over the same weights agree."""
+    torch.manual_seed(seed)
+    fields = dict(model_type=None, n_layer=2, n_head=2, n_embd=16, vocab_size=VOCAB,
+                  block_size=BLOCK, dropout=0.0) | config
+    return m["model"].GPT(m["model"].GPTConfig(**fields))
+
+
+def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, VOCAB, (4, BLOCK), generator=g),
+            torch.randint(0, VOCAB, (4, BLOCK), generator=g))
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor from a parameter, gradient or optimizer state (DTensor under FSDP)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+# --- lr_factor --------------------------------------------------------------------------------
+
+def test_lr_factor_warms_up_then_follows_the_cosine_down_to_min_lr_ratio(m):
+    lr = m["trainer"].lr_factor
+    f = [lr(s, warmup_steps=4, max_steps=14, min_lr_ratio=0.1) for s in range(20)]
+    assert f[:4] == [0.25, 0.5, 0.75, 1.0]  # linear, and never 0: step 0 already learns
+    assert f[4] == 1.0  # the peak where the decay starts
+    assert f[9] == pytest.approx(0.55)  # halfway through the decay: halfway to min_lr_ratio
+    assert f[4:15] == sorted(f[4:15], reverse=True)
+    assert f[14:] == [pytest.approx(0.1)] * 6  # min_lr_ratio at max_steps and after
+    # No warmup: the full lr at step 0; min_lr_ratio=0 decays to exactly 0 only at the end.
+    assert lr(0, warmup_steps=0, max_steps=10, min_lr_ratio=0.0) == 1.0
+    assert lr(10, warmup_steps=0, max_steps=10, min_lr_ratio=0.0) == pytest.approx(0.0)
+    assert lr(5, warmup_steps=0, max_steps=10, min_lr_ratio=0.0) == pytest.approx(0.5)
+
+
+# --- parallelize ------------------------------------------------------------------------------
+
+def test_ddp_wraps_the_model_and_unwrap_gives_it_back(m, group):
+    plain = tiny_gpt(m)
+    model = m["parallelize"].parallelize(plain, CPU, "ddp")
+    assert isinstance(model, DDP)
+    assert m["parallelize"].unwrap(model) is plain
+    assert list(model.state_dict())[0].startswith("module.")  # why snapshots save unwrap()'s
+
+
+def test_fsdp_shards_every_block_and_the_root(m, group):
+    model = m["parallelize"].parallelize(tiny_gpt(m), CPU, "fsdp")
+    assert isinstance(model, FSDPModule)
+    assert all(isinstance(block, FSDPModule) for block in model.blocks)
+    assert m["parallelize"].unwrap(model) is model
+    params = dict(model.named_parameters())
+    assert params and all(isinstance(p, DTensor) for p in params.values()), [
+        name for name, p in params.items() if not isinstance(p, DTensor)]
+    assert list(params) == [name for name, _ in tiny_gpt(m).named_parameters()]
+
+
+@pytest.mark.parametrize("method", ["ddp", "fsdp"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_wrapped_model_computes_the_plain_models_loss_and_gradients(m, group, method,
+                                                                    checkpointing):
+    p = m["parallelize"]
+    plain = tiny_gpt(m)
+    model = p.parallelize(copy.deepcopy(plain), CPU, method,
+                          activation_checkpointing=checkpointing)
+    # The wrapper hides itself from state_dict keys, so snapshots load with and without it.
+    assert list(p.unwrap(model).state_dict()) == list(plain.state_dict())
+    x, y = batch(1)
+    _, expected = plain(x, y)
+    _, loss = model(x, y)
+    torch.testing.assert_close(loss, expected, rtol=0, atol=1e-6)
+    expected.backward()
+    loss.backward()
+    for (name, a), b in zip(p.unwrap(model).named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(full(a.grad), b.grad, rtol=0, atol=1e-6, msg=name)
+
+
+def test_fsdp_bf16_computes_in_bf16_and_keeps_fp32_shards(m, group):
+    policy = m["precision"].fsdp_policy("bf16")
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+    assert m["precision"].fsdp_policy("fp32") is None  # FSDP's default: no casts
+    model = m["parallelize"].parallelize(tiny_gpt(m), CPU, "fsdp", precision="bf16")
+    states = [module._get_fsdp_state() for module in model.modules()
+              if isinstance(module, FSDPModule)]
+    assert len(states) == 3  # two blocks and the root
+    assert all(state._mp_policy == policy for state in states)
+    assert {param.dtype for param in model.parameters()} == {torch.float32}  # what AdamW updates
+    logits, _ = model(*batch(1))
+    assert logits.dtype == torch.bfloat16
+    fp32 = m["parallelize"].parallelize(tiny_gpt(m), CPU, "fsdp", precision="fp32")
+    assert fp32(*batch(1))[0].dtype == torch.float32
+
+
+# --- set_grad_sync (one rank: the switches; two ranks: the gradients, further down) ----------
+
+def test_set_grad_sync_uses_ddp_no_sync_for_one_micro_step(m, group):
+    set_grad_sync = m["parallelize"].set_grad_sync
+    model = m["parallelize"].parallelize(tiny_gpt(m), CPU, "ddp")
+    assert model.require_backward_grad_sync
+    with set_grad_sync(model, sync=False):
+        assert not model.require_backward_grad_sync  # this backward skips the all-reduce
+    assert model.require_backward_grad_sync  # only for that one micro-step
+    with set_grad_sync(model, sync=True):
+        assert model.require_backward_grad_sync
+
+
+def test_set_grad_sync_switches_fsdp_gradient_reduction_until_changed(m, group):
+    set_grad_sync = m["parallelize"].set_grad_sync
+    model = m["parallelize"].parallelize(tiny_gpt(m), CPU, "fsdp")
+    groups = [module._get_fsdp_state()._fsdp_param_group for module in model.modules()
+              if isinstance(module, FSDPModule)]
+    assert len(groups) == 3 and all(g.reduce_grads for g in groups)
+    x, y = batch(1)
+    with set_grad_sync(model, sync=False):
+        model(x, y)[1].backward()
+    # FSDP2's switch stays set after the context: every block, not only the root, and no
+    # gradient has been reduced into the shards yet.
+    assert not any(g.reduce_grads for g in groups)
+    assert all(param.grad is None for param in model.parameters())
+    with set_grad_sync(model, sync=True):
+        model(x, y)[1].backward()
+    assert all(g.reduce_grads for g in groups)
+    # The held-back micro-step was accumulated, not lost: twice one step's gradient.
+    plain = tiny_gpt(m)
+    plain(x, y)[1].backward()
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(full(a.grad), 2 * b.grad, rtol=0, atol=1e-6)
+
+
+def _two_rank_worker(rank: int, store_path: str, out_dir: str) -> None:
+    """One of two ranks: two micro-steps, the first without gradient sync, for DDP and FSDP."""
+    torch.set_num_threads(1)  # two processes share the cores
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank,
+                            world_size=2, timeout=timedelta(seconds=60))
+    with mingpt_imported() as m:
+        p = m["parallelize"]
+        micro = [batch(10 + rank), batch(20 + rank)]  # each rank its own data
+        plain = tiny_gpt(m)
+        for x, y in micro:
+            plain(x, y)[1].backward()
+        mine = torch.cat([g.grad.flatten() for g in plain.parameters()])
+
+        def gathered(t: torch.Tensor) -> list[torch.Tensor]:
+            out = [torch.empty_like(t) for _ in range(2)]
+            dist.all_gather(out, t)
+            return out
+
+        expected = torch.stack(gathered(mine)).mean(0)  # DDP and FSDP average over ranks
+        result = {}
+        for method in ("ddp", "fsdp"):
+            model = p.parallelize(tiny_gpt(m), CPU, method)
+            with p.set_grad_sync(model, sync=False):
+                model(*micro[0])[1].backward()
+            grads = [full(g.grad).flatten() for g in model.parameters() if g.grad is not None]
+            before = gathered(torch.cat(grads)) if grads else None
+            with p.set_grad_sync(model, sync=True):
+                model(*micro[1])[1].backward()
+            after = gathered(torch.cat([full(g.grad).flatten() for g in model.parameters()]))
+            result[method] = {
+                "unsynced_grads": len(grads),
+                "ranks_differ_before": None if before is None else
+                (before[0] - before[1]).abs().max().item(),
+                "ranks_differ_after": (after[0] - after[1]).abs().max().item(),
+                "error": (after[rank] - expected).abs().max().item(),
+                "scale": expected.abs().max().item(),
+            }
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def test_two_ranks_average_gradients_only_on_the_synced_micro_step(tmp_path):
+    try:
+        mp.start_processes(_two_rank_worker, args=(str(tmp_path / "store"), str(tmp_path)),
+                           nprocs=2, start_method="spawn")
+    except mp.ProcessExitedException as e:
+        # gloo's rare abort at process exit (see conftest.run): harmless once both ranks
+        # have written their results.
+        if e.signal_name != "SIGABRT" or len(list(tmp_path.glob("rank*.json"))) < 2:
+            raise
+        warnings.warn(f"rank {e.error_index} aborted at exit after its work", stacklevel=1)
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        ddp, fsdp = result["ddp"], result["fsdp"]
+        # DDP under no_sync: each rank keeps its own gradients, so the ranks disagree.
+        assert ddp["ranks_differ_before"] > 1e-3, ddp
+        # FSDP2 holds the unsharded gradients back: nothing reaches the shards yet.
+        assert fsdp["unsynced_grads"] == 0, fsdp
+        for r in (ddp, fsdp):
+            # The synced step averages both micro-steps of both ranks, identically everywhere.
+            assert r["ranks_differ_after"] == 0.0, r
+            assert r["error"] < 1e-6 * max(1.0, r["scale"]), r
+
+
+# --- snapshot compatibility -------------------------------------------------------------------
+
+MODEL = {"model_type": None, "n_layer": 2, "n_head": 2, "n_embd": 16, "vocab_size": VOCAB,
+         "block_size": BLOCK, "dropout": 0.0, "bias": True}
+DATA = {"kind": "char", "vocab_size": VOCAB, "block_size": BLOCK, "itos": list("abcdefghijk"),
+        "path": "data/input.txt"}  # char_dataset's meta
+
+
+def saved(model: dict | None = None, data: dict | None = None) -> dict:
+    return {"step": 4, "model_config": MODEL | (model or {}), "data_meta": DATA | (data or {})}
+
+
+def check(m, state: dict) -> None:
+    """SnapshotError unless a char-data run with MODEL and DATA may resume from `state`."""
+    return m["snapshot"].check_compatible(state, MODEL, DATA, "snap.pt",
+                                          m["char_dataset"].MATCH_KEYS)
+
+
+def test_another_model_width_is_refused_naming_both_values(m):
+    snapshot = m["snapshot"]
+    with pytest.raises(snapshot.SnapshotError) as e:
+        check(m, saved({"n_embd": 32}))
+    assert "snapshot snap.pt holds a different model (n_embd=32 there, 16 here)" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_dropout_and_the_preset_name_may_change_on_resume(m):
+    # Neither changes a weight's shape: resuming with other dropout (or a preset spelled out
+    # as sizes) is allowed.
+    state = saved({"dropout": 0.2, "model_type": "gpt-nano"})
+    assert check(m, state) is None
+
+
+@pytest.mark.parametrize("data, key", [({"itos": list("abcdefghijz")}, "itos"),
+                                       ({"vocab_size": 12}, "vocab_size"),
+                                       ({"kind": "cifar10"}, "kind")])
+def test_other_data_is_refused(m, data, key):
+    snapshot = m["snapshot"]
+    with pytest.raises(snapshot.SnapshotError, match=rf"different data \({key} differs\)"):
+        check(m, saved(data=data))
+
+
+def test_data_keys_outside_match_keys_are_ignored(m):
+    # The same text found at another path: the vocabulary, which the weights depend on, fits.
+    state = saved(data={"path": "/elsewhere/input.txt"})
+    assert check(m, state) is None
+
+
+# --- snapshot.save / snapshot.load ------------------------------------------------------------
+
+def trained(m, method: str, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A wrapped tiny GPT and its AdamW after one step, so the optimizer has state to save."""
+    model = m["parallelize"].parallelize(tiny_gpt(m, seed), CPU, method)
+    optimizer = torch.optim.AdamW(m["parallelize"].unwrap(model).optim_groups(0.1), lr=1e-2)
+    model(*batch(seed))[1].backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return model, optimizer
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """AdamW's step, exp_avg and exp_avg_sq of every parameter, in parameter order."""
+    return [full(optimizer.state[p][key]) for group in optimizer.param_groups
+            for p in group["params"] for key in sorted(optimizer.state[p])]
+
+
+@pytest.mark.parametrize("method, name", [("ddp", "snap.pt"), ("fsdp", "snap")])
+def test_save_then_load_restores_weights_and_optimizer(m, group, tmp_path, method, name):
+    snapshot, keys = m["snapshot"], m["char_dataset"].MATCH_KEYS
+    url = str(tmp_path / name)
+    meta = {"model_config": MODEL, "data_meta": DATA}
+    model, optimizer = trained(m, method, seed=1)
+    snapshot.save(url, method, model, optimizer, {"step": 7, "note": "mine", **meta})
+    assert snapshot.snapshot_kind(url) == method  # a file for ddp, a directory for fsdp
+
+    fresh, fresh_optimizer = trained(m, method, seed=2)  # other weights, other moments
+    assert not all(torch.equal(full(a), full(b))
+                   for a, b in zip(fresh.parameters(), model.parameters(), strict=True))
+    state = snapshot.load(url, method, fresh, fresh_optimizer, meta, keys)
+    # The rest of the state comes back; weights and optimizer went into the objects.
+    assert state["step"] == 7 and state["note"] == "mine"
+    assert "model" not in state and "optimizer" not in state
+    for a, b in zip(fresh.parameters(), model.parameters(), strict=True):
+        assert torch.equal(full(a), full(b))
+    saved_state, loaded_state = optimizer_tensors(optimizer), optimizer_tensors(fresh_optimizer)
+    assert len(saved_state) == len(loaded_state) == 3 * len(list(model.parameters()))
+    for a, b in zip(loaded_state, saved_state, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_load_finds_nothing_or_refuses_the_other_layout(m, group, tmp_path):
+    snapshot, keys = m["snapshot"], m["char_dataset"].MATCH_KEYS
+    meta = {"model_config": MODEL, "data_meta": DATA}
+    objects = {method: trained(m, method, seed=1) for method in ("ddp", "fsdp")}
+    for method, (model, optimizer) in objects.items():
+        missing = str(tmp_path / "none" / method)
+        assert snapshot.load(missing, method, model, optimizer, meta, keys) is None
+        snapshot.save(str(tmp_path / method), method, model, optimizer, {"step": 7, **meta})
+    for saved_as, loaded_as in (("ddp", "fsdp"), ("fsdp", "ddp")):
+        url = str(tmp_path / saved_as)
+        with pytest.raises(snapshot.SnapshotError) as e:
+            snapshot.load(url, loaded_as, *objects[loaded_as], meta, keys)
+        assert str(e.value) == (f"{url} holds a {saved_as} snapshot, but distributed_method="
+                                f"{loaded_as}; use {saved_as} or another snapshot_path")
+
+
+def test_another_model_is_refused_before_any_weight_changes(m, group, tmp_path):
+    snapshot, keys = m["snapshot"], m["char_dataset"].MATCH_KEYS
+    url = str(tmp_path / "snap.pt")
+    model, optimizer = trained(m, "ddp", seed=1)
+    snapshot.save(url, "ddp", model, optimizer,
+                  {"step": 7, "model_config": MODEL | {"n_layer": 3}, "data_meta": DATA})
+    fresh, fresh_optimizer = trained(m, "ddp", seed=2)
+    before = [p.clone() for p in fresh.parameters()]
+    with pytest.raises(snapshot.SnapshotError, match=r"n_layer=3 there, 2 here"):
+        snapshot.load(url, "ddp", fresh, fresh_optimizer,
+                      {"model_config": MODEL, "data_meta": DATA}, keys)
+    assert all(torch.equal(a, b) for a, b in zip(before, fresh.parameters(), strict=True))
