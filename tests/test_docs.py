@@ -1,8 +1,10 @@
 """The docs and the tree are tested like code: copies agree, diffs are small, links resolve."""
 import difflib
 import filecmp
+import io
 import re
 import subprocess
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -49,6 +51,21 @@ def test_copied_helpers_are_identical(helper):
         assert filecmp.cmp(master, copy, shallow=False), (
             f"{copy.relative_to(REPO)} differs from {master.relative_to(REPO)}; "
             f"fix with: cp {master.relative_to(REPO)} {copy.relative_to(REPO)}")
+
+
+SOURCES = sorted(p for folder in [*STEPS, "05_mingpt", "notebooks"]
+                 for p in (REPO / folder).glob("*.py"))
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(REPO)))
+def test_comment_lines_are_at_least_a_tenth(path):
+    # `#` comments (docstrings not counted): the why next to the code, as STYLE.md asks.
+    source = path.read_text()
+    comments = {token.start[0] for token in tokenize.generate_tokens(io.StringIO(source).readline)
+                if token.type == tokenize.COMMENT}
+    lines = [i for i, line in enumerate(source.splitlines(), 1) if line.strip()]
+    ratio = len(comments & set(lines)) / len(lines)
+    assert ratio >= 0.10, f"{path.relative_to(REPO)}: {ratio:.1%} comment lines (at least 10%)"
 
 
 def test_every_helper_is_a_copy_or_a_recorded_fork():
