@@ -36,7 +36,7 @@ DISTRIBUTED_METHODS = ("ddp", "fsdp")
 DEVICES = ("auto", "cpu", "cuda")
 # data_config.name -> the module that reads that data. The only list of data kinds: each module
 # has build_datasets(), check_config() for its own keys, and MATCH_KEYS for resuming.
-DATA_MODULES = {"char": "char_dataset", "cifar10": "image_dataset"}
+DATA_MODULES = {"char": "char_dataset", "cifar10": "image_dataset", "bpe": "bpe_dataset"}
 
 
 @dataclass

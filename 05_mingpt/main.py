@@ -133,9 +133,10 @@ def run(cfg: DictConfig) -> None:
         val_loss = trainer.train()
         print0(f"final val loss {val_loss:.4f} (run dir {cfg.run_dir})")
         meta = snapshot_meta["data_meta"]
-        if meta["kind"] == "char" and cfg.trainer_config.sample_tokens:
+        if meta["kind"] in ("char", "bpe") and cfg.trainer_config.sample_tokens:
             # Every rank generates (FSDP needs all of them for each forward); rank 0 prints.
-            prompt = "\n" if "\n" in meta["itos"] else meta["itos"][0]
+            # A newline: any BPE encodes it, a char vocabulary may lack it.
+            prompt = "\n" if "\n" in meta.get("itos", "\n") else meta["itos"][0]
             text = generate_text(unwrap(model), meta, prompt, cfg.trainer_config.sample_tokens,
                                  temperature=0.8, top_k=10, device=device)
             print0(f"sample:\n{text.strip()}")

@@ -5,7 +5,8 @@
     python sample.py --snapshot s3://bucket/run1/snapshot   # AWS_* variables as for training
 
 Without --snapshot it uses the newest runs/*/snapshot under the current directory. The
-vocabulary comes from the snapshot itself, so the text file is not needed. A ddp snapshot file
+vocabulary comes from the snapshot itself, so the text file is not needed (BPE snapshots name
+their tokenizer, which must still be where prepare.py found it). A ddp snapshot file
 is read with weights_only=True; an fsdp directory's DCP .metadata is unpickled, which can run
 code, so loading one prints a `warning:` line on stderr: sample only snapshots you trust.
 """
@@ -17,12 +18,15 @@ from pathlib import Path
 
 import torch
 
+import bpe_dataset
 import snapshot
 from devices import pick_device
 from model import GPT, GPTConfig
 
 
 def encode(text: str, meta: dict) -> list[int]:
+    if meta.get("kind") == "bpe":  # GPT-2 BPE: the tokenizer the data was prepared with
+        return bpe_dataset.tokenizer(meta).encode_ordinary(text)
     stoi = {ch: i for i, ch in enumerate(meta["itos"])}
     unknown = sorted(set(text) - set(stoi))
     if unknown:
@@ -30,10 +34,16 @@ def encode(text: str, meta: dict) -> list[int]:
     return [stoi[ch] for ch in text]
 
 
+def decode(ids: list[int], meta: dict) -> str:
+    if meta.get("kind") == "bpe":
+        return bpe_dataset.tokenizer(meta).decode(ids)  # bytes cut mid-character become U+FFFD
+    return "".join(meta["itos"][i] for i in ids)
+
+
 def generate_text(model: torch.nn.Module, meta: dict, prompt: str, num_tokens: int,
                   temperature: float = 1.0, top_k: int | None = None, seed: int = 0,
                   device: torch.device | None = None) -> str:
-    """The prompt and `num_tokens` generated characters, decoded with the snapshot's vocabulary.
+    """The prompt and `num_tokens` generated tokens, decoded with the snapshot's vocabulary.
 
     With FSDP every rank must call this (each forward gathers the sharded weights); the same
     seed on every rank makes them all generate the same text.
@@ -47,7 +57,7 @@ def generate_text(model: torch.nn.Module, meta: dict, prompt: str, num_tokens: i
         torch.manual_seed(seed)
         out = model.generate(idx, num_tokens, temperature=temperature, top_k=top_k)  # (1, T+n)
     model.train(was_training)
-    return "".join(meta["itos"][i] for i in out[0].tolist())
+    return decode(out[0].tolist(), meta)
 
 
 def load_model(path: str, device: torch.device) -> tuple[GPT, dict]:
@@ -89,7 +99,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--snapshot", help="snapshot path or URL (default: newest runs/*/snapshot)")
     parser.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
-    parser.add_argument("--num-tokens", type=int, default=500, help="characters to generate")
+    parser.add_argument("--num-tokens", type=int, default=500, help="tokens to generate")
     parser.add_argument("--temperature", type=float, default=1.0, help="< 1: more conservative")
     parser.add_argument("--top-k", type=int, default=None, help="sample from the k likeliest")
     parser.add_argument("--seed", type=int, default=0)
@@ -111,7 +121,7 @@ def main(argv: list[str]) -> None:
         if "://" not in path:  # Path would turn s3://bucket into s3:/bucket
             path = str(Path(path))
         model, meta = load_model(path, device)
-        if meta.get("kind") != "char":
+        if meta.get("kind") not in ("char", "bpe"):
             raise ValueError(f"{path} was trained on {meta.get('kind')} data; sample.py writes "
                              "text (see notebooks/ for images)")
         text = generate_text(model, meta, args.prompt, args.num_tokens, args.temperature,
