@@ -72,8 +72,9 @@ class OptimizerConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
 
 
-# gpt_config: the model's own dataclass, less vocab_size (that always comes from the data).
-GPT_KEYS = tuple(f.name for f in fields(GPTConfig) if f.name != "vocab_size")
+# gpt_config: the model's own dataclass, less vocab_size (that always comes from the data),
+# plus init_from: where the starting weights come from is not architecture (pretrained.py).
+GPT_KEYS = (*(f.name for f in fields(GPTConfig) if f.name != "vocab_size"), "init_from")
 SECTIONS = {"trainer_config": TrainerConfig, "optimizer_config": OptimizerConfig}
 TOP_LEVEL = ("run_name", "run_dir", "gpt_config", "data_config", "trainer_config",
              "optimizer_config")
@@ -180,10 +181,17 @@ def validate(cfg: DictConfig) -> None:
     if unknown:
         key = f"gpt_config.{unknown[0]}"
         raise ValueError(f"unknown key {key}; {_allowed(key)}")
+    settings = OmegaConf.to_container(gpt)
+    init_from = settings.pop("init_from", None)
+    _check(init_from is None or isinstance(init_from, str) and init_from.strip() != "",
+           "gpt_config.init_from", "null, gpt2, gpt2-medium, gpt2-large, gpt2-xl or a directory",
+           init_from)
+    if init_from is not None:  # the pretrained model's sizes: pretrained.gpt_config_from
+        settings.update(model_type=None, n_layer=1, n_head=1, n_embd=1)  # checks them later
     # The model's own check (presets, n_embd % n_head, dropout, ...); vocab_size is a stand-in
     # here because it is only known once the data is read.
     try:
-        resolve_config(GPTConfig(**OmegaConf.to_container(gpt), vocab_size=1))
+        resolve_config(GPTConfig(**settings, vocab_size=1))
     except (TypeError, ValueError) as e:  # TypeError: e.g. a list where a number belongs
         raise ValueError(f"gpt_config: {e}") from None
 

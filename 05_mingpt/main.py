@@ -68,13 +68,24 @@ def load_train_objs(cfg: DictConfig, device: torch.device) -> tuple:
     train_set, val_set, meta = data.build_datasets(cfg.data_config, cfg.gpt_config.block_size,
                                                    cfg.trainer_config.seed)
     # The vocabulary (and block size) come from the data, the rest from gpt_config.
-    gpt_config = GPTConfig(**{**OmegaConf.to_container(cfg.gpt_config, resolve=True),
-                              "vocab_size": meta["vocab_size"],
-                              "block_size": meta["block_size"]})
+    settings = OmegaConf.to_container(cfg.gpt_config, resolve=True)
+    init_from = settings.pop("init_from", None)
+    if init_from:  # GPT-2 weights: transformers is imported only for them
+        import pretrained
+        gpt_config = pretrained.gpt_config_from(init_from, settings, meta["vocab_size"],
+                                                meta["block_size"], cfg.data_config.name)
+    else:
+        gpt_config = GPTConfig(**settings, vocab_size=meta["vocab_size"],
+                               block_size=meta["block_size"])
     # The same seed on every rank: FSDP shards each rank's own copy of the initial weights,
     # so all copies must be equal (DDP would broadcast rank 0's, FSDP does not).
     torch.manual_seed(cfg.trainer_config.seed)
     model = GPT(gpt_config).to(device)
+    if init_from:
+        # Into the plain model, before wrapping: every rank reads the whole checkpoint (on the
+        # CPU) and copies it in; FSDP then keeps each rank's shards (README: FSDP and memory).
+        pretrained.load_pretrained(model, init_from)
+        print0(f"weights from {init_from}")
     print0(f"model: {model.num_params():,} parameters ({model.config.n_layer} layers, "
            f"{model.config.n_head} heads, {model.config.n_embd} wide, vocab "
            f"{model.config.vocab_size}, block {model.config.block_size})")

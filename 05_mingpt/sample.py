@@ -3,6 +3,7 @@
     python sample.py --prompt "ROMEO:" --num-tokens 300 --temperature 0.8 --top-k 20
     python sample.py --snapshot runs/<run_name>/snapshot --prompt "O God, O God!"
     python sample.py --snapshot s3://bucket/run1/snapshot   # AWS_* variables as for training
+    python sample.py --init-from gpt2 --prompt "Hello, I'm a language model,"  # GPT-2 itself
 
 Without --snapshot it uses the newest runs/*/snapshot under the current directory. The
 vocabulary comes from the snapshot itself, so the text file is not needed (BPE snapshots name
@@ -98,6 +99,8 @@ def newest_snapshot() -> str:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--snapshot", help="snapshot path or URL (default: newest runs/*/snapshot)")
+    parser.add_argument("--init-from", help="GPT-2 weights instead of a snapshot: gpt2, "
+                        "gpt2-medium, ... or a save_pretrained directory with its tokenizer")
     parser.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
     parser.add_argument("--num-tokens", type=int, default=500, help="tokens to generate")
     parser.add_argument("--temperature", type=float, default=1.0, help="< 1: more conservative")
@@ -117,10 +120,15 @@ def main(argv: list[str]) -> None:
     args = parse_args(argv)
     device = pick_device(0)
     try:
-        path = args.snapshot or newest_snapshot()
-        if "://" not in path:  # Path would turn s3://bucket into s3:/bucket
-            path = str(Path(path))
-        model, meta = load_model(path, device)
+        if args.init_from:  # pretrained weights as released (pretrained.py)
+            import pretrained
+            model, meta = pretrained.load_for_sampling(args.init_from)
+            model, path = model.to(device), args.init_from
+        else:
+            path = args.snapshot or newest_snapshot()
+            if "://" not in path:  # Path would turn s3://bucket into s3:/bucket
+                path = str(Path(path))
+            model, meta = load_model(path, device)
         if meta.get("kind") not in ("char", "bpe"):
             raise ValueError(f"{path} was trained on {meta.get('kind')} data; sample.py writes "
                              "text (see notebooks/ for images)")
