@@ -11,8 +11,9 @@ import os
 import sys
 
 import torch
+import torch.distributed.nn  # noqa: F401  before init_process_group, or it keeps the group alive
 import torch.nn.functional as F
-from torch.distributed import all_reduce, barrier, destroy_process_group, init_process_group
+from torch.distributed import all_reduce, destroy_process_group, init_process_group
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
@@ -144,9 +145,8 @@ def main(args: argparse.Namespace) -> None:
     train_data = prepare_dataloader(dataset, args.batch_size)
     trainer = Trainer(model, train_data, optimizer, device, args.save_every, args.snapshot_path)
     trainer.train(args.total_epochs)
-    del trainer  # release DDP before its process group: destroying it first can hang at exit
-    barrier()  # no rank tears down while another still writes or communicates
-    destroy_process_group()
+    del trainer  # DDP holds the group too: release it, so that destroy_process_group frees it ...
+    destroy_process_group()  # ... and joins gloo's threads: none may still run as Python exits
 
 
 def positive_int(text: str) -> int:

@@ -10,6 +10,7 @@ Every key of gpt2_train_cfg.yaml can be overridden as `section.key=value`. Each 
 into runs/<run_name>/ (config.yaml, TensorBoard logs, snapshot); a relaunch with the same
 run_name resumes from its snapshot.
 """
+import gc
 import os
 import platform
 import sys
@@ -20,6 +21,7 @@ import omegaconf
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.device_mesh import DeviceMesh
 
 import config
 import snapshot
@@ -151,6 +153,15 @@ def run(cfg: DictConfig) -> None:
             text = generate_text(unwrap(model), meta, prompt, cfg.trainer_config.sample_tokens,
                                  temperature=0.8, top_k=10, device=device)
             print0(f"sample:\n{text.strip()}")
+        # destroy_process_group joins gloo's worker threads only when it drops the group's last
+        # reference, and a worker still freeing a collective's tensors as Python exits aborts
+        # the finished run. So first release all else that holds the group: DDP or FSDP (whose
+        # modules form reference cycles, freed by gc.collect), and every DeviceMesh (torch's
+        # DTensor caches keep FSDP's alive after the model is gone).
+        del trainer, model, optimizer
+        for mesh in [o for o in gc.get_objects() if isinstance(o, DeviceMesh)]:
+            getattr(mesh, "_pg_registry", {}).clear()  # private: the mesh's own group references
+        gc.collect()
     finally:
         dist.destroy_process_group()
 

@@ -1,0 +1,36 @@
+"""Run a training entry point as `python SCRIPT ARGS` would, then count gloo's threads at exit.
+
+    torchrun --standalone --nproc_per_node=2 tests/teardown_probe.py 02_multigpu/train.py 1 1
+
+When Python starts to shut down (atexit: the last moment it still runs Python code), each rank
+prints `[rank R] gloo threads at exit: N`. N must be 0: destroy_process_group joins gloo's
+worker threads when it frees the group, and a worker still running while Python shuts down can
+abort the process (tests/test_teardown.py).
+"""
+import atexit
+import os
+import runpy
+import sys
+
+
+def gloo_threads() -> int:
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read())
+        except FileNotFoundError:  # the thread ended meanwhile
+            pass
+    return sum("gloo" in name for name in names)  # pt_gloo_runloop, gloo_tcp_loop
+
+
+def report() -> None:
+    line = f"[rank {os.environ.get('RANK', 0)}] gloo threads at exit: {gloo_threads()}\n"
+    os.write(1, line.encode())  # one write: the ranks share stdout, print() writes twice
+
+
+atexit.register(report)
+script = os.path.abspath(sys.argv[1])
+sys.argv = [script, *sys.argv[2:]]
+sys.path.insert(0, os.path.dirname(script))  # the step's own helpers, as `python script` has
+runpy.run_path(script, run_name="__main__")
