@@ -77,8 +77,8 @@ def load_train_objs(cfg: DictConfig, device: torch.device) -> tuple:
         gpt_config = pretrained.gpt_config_from(init_from, settings, meta["vocab_size"],
                                                 meta["block_size"], cfg.data_config.name)
     else:
-        gpt_config = GPTConfig(**settings, vocab_size=meta["vocab_size"],
-                               block_size=meta["block_size"])
+        gpt_config = GPTConfig(**{**settings, "vocab_size": meta["vocab_size"],
+                                  "block_size": meta["block_size"]})
     # The same seed on every rank: FSDP shards each rank's own copy of the initial weights,
     # so all copies must be equal (DDP would broadcast rank 0's, FSDP does not).
     torch.manual_seed(cfg.trainer_config.seed)
@@ -159,7 +159,8 @@ def run(cfg: DictConfig) -> None:
         # modules form reference cycles, freed by gc.collect), and every DeviceMesh (torch's
         # DTensor caches keep FSDP's alive after the model is gone).
         del trainer, model, optimizer
-        for mesh in [o for o in gc.get_objects() if isinstance(o, DeviceMesh)]:
+        # (type(), not isinstance: gc also finds dead weakref proxies, which isinstance reads)
+        for mesh in [o for o in gc.get_objects() if issubclass(type(o), DeviceMesh)]:
             getattr(mesh, "_pg_registry", {}).clear()  # private: the mesh's own group references
         gc.collect()
     finally:

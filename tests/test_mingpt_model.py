@@ -34,14 +34,14 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def tiny(dropout: float = 0.0, **kw) -> "M.GPT":
+def tiny_model(dropout: float = 0.0, **kw) -> "M.GPT":
     torch.manual_seed(0)
     cfg = dict(model_type="gpt-nano", vocab_size=11, block_size=16, dropout=dropout) | kw
     return M.GPT(M.GPTConfig(**cfg))
 
 
 def test_forward_shapes_and_loss():
-    model = tiny()
+    model = tiny_model()
     idx = torch.randint(0, 11, (2, 16))
     logits, loss = model(idx)
     assert logits.shape == (2, 16, 11) and loss is None
@@ -81,7 +81,7 @@ def future_leak(model) -> float:
 
 
 def test_causal_no_future_leak(monkeypatch):
-    model = tiny(dropout=0.1)  # eval() must also switch attention dropout off
+    model = tiny_model(dropout=0.1)  # eval() must also switch attention dropout off
     assert future_leak(model) == 0.0  # bitwise: the past never sees the future
     # The check can fail: the same model without the causal mask leaks.
     sdpa = F.scaled_dot_product_attention
@@ -91,7 +91,7 @@ def test_causal_no_future_leak(monkeypatch):
 
 
 def test_overfits_one_batch():
-    model = tiny()
+    model = tiny_model()
     torch.manual_seed(2)
     x = torch.randint(0, 11, (4, 16))
     y = torch.roll(x, -1, dims=1)
@@ -107,7 +107,7 @@ def test_overfits_one_batch():
 
 
 def test_weight_tying_and_init():
-    model = tiny(model_type="gpt-mini", vocab_size=512, block_size=64)
+    model = tiny_model(model_type="gpt-mini", vocab_size=512, block_size=64)
     assert model.wte.weight is model.lm_head.weight
     assert model.wte.weight.data_ptr() == model.lm_head.weight.data_ptr()
     n_layer = model.config.n_layer
@@ -122,12 +122,12 @@ def test_weight_tying_and_init():
         else:
             assert name.endswith("bias") and torch.equal(p, torch.zeros_like(p)), name
     # bias=False removes every bias (Linear and LayerNorm).
-    no_bias = tiny(bias=False)
+    no_bias = tiny_model(bias=False)
     assert not any(n.endswith("bias") for n, _ in no_bias.named_parameters())
 
 
 def test_generate():
-    model = tiny(dropout=0.1).eval()
+    model = tiny_model(dropout=0.1).eval()
     idx = torch.randint(0, 11, (2, 3))
     # Longer than block_size (16): the context is cropped, generation goes on.
     greedy = model.generate(idx, 20, do_sample=False)
@@ -166,7 +166,7 @@ def generate_by_recomputing(model, idx, max_new_tokens, **kwargs):
     (20, 5),  # a prompt longer than block_size: cropped, then recomputing at once
 ])
 def test_generate_with_kv_cache_equals_recomputing(prompt, new):
-    model = tiny(dropout=0.1).eval()
+    model = tiny_model(dropout=0.1).eval()
     idx = torch.randint(0, 11, (2, prompt))
     for kwargs in ({"do_sample": False}, {}, {"top_k": 5}, {"temperature": 2.0}):
         torch.manual_seed(7)
@@ -176,7 +176,7 @@ def test_generate_with_kv_cache_equals_recomputing(prompt, new):
 
 
 def test_generate_processes_the_prompt_once_then_one_token_per_step():
-    model = tiny().eval()
+    model = tiny_model().eval()
     lengths = []  # the sequence length each forward of the first block sees
     model.blocks[0].register_forward_pre_hook(lambda _, args: lengths.append(args[0].size(1)))
     model.generate(torch.zeros(2, 3, dtype=torch.long), 20)
@@ -186,7 +186,7 @@ def test_generate_processes_the_prompt_once_then_one_token_per_step():
 
 
 def test_forward_with_kv_cache_equals_full_forward():
-    model = tiny().eval()
+    model = tiny_model().eval()
     idx = torch.randint(0, 11, (2, 16))
     with torch.no_grad():
         full, _ = model(idx)  # (2, 16, 11)
@@ -230,7 +230,7 @@ def test_resolve_config_presets():
 
 
 def test_optim_groups():
-    model = tiny()
+    model = tiny_model()
     decay, no_decay = model.optim_groups(0.1)
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     ids = [id(p) for p in decay["params"] + no_decay["params"]]
@@ -260,7 +260,7 @@ def independent_param_count(V: int, T: int, L: int, C: int) -> int:
 
 
 def test_num_params_and_flops():
-    model = tiny(model_type="gpt-micro", vocab_size=65, block_size=128)
+    model = tiny_model(model_type="gpt-micro", vocab_size=65, block_size=128)
     n = independent_param_count(65, 128, 4, 128)
     assert model.num_params() == n
     assert model.num_params(non_embedding=True) == n - 128 * 128
