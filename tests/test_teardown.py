@@ -29,14 +29,15 @@ linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"),
 
 
 def launch(tmp_path, target: str, *prefix: str, **env: str):
-    """torchrun, 2 processes, of a step's train.py or of 05's main.py (`05-ddp`, `05-fsdp`)."""
+    """torchrun, 2 processes, of a step's train.py or of 05's main.py (`05-ddp`, `05-fsdp`,
+    `05-fsdp-compile`)."""
     cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", *prefix]
     if target.startswith("05-"):
-        method = target.removeprefix("05-")
-        cwd = copy_mingpt(tmp_path)
-        return run([*cmd, "main.py", *tiny(f"run_name={method}", *MINGPT_ARGS,
-                                           f"trainer_config.distributed_method={method}")],
-                   cwd=cwd, check=False, **env)
+        method, *compile_ = target.removeprefix("05-").split("-")
+        overrides = [f"trainer_config.distributed_method={method}",
+                     *(["trainer_config.compile=True"] if compile_ else [])]
+        return run([*cmd, "main.py", *tiny(f"run_name={method}", *MINGPT_ARGS, *overrides)],
+                   cwd=copy_mingpt(tmp_path), check=False, **env)
     return run([*cmd, str(REPO / target / "train.py"), *STEP_ARGS], cwd=tmp_path, check=False,
                **env)
 
@@ -48,7 +49,7 @@ def assert_clean_exit(proc) -> None:
 
 @linux_only
 @pytest.mark.parametrize("target", ["02_multigpu", "03_torchrun_fault_tolerance", "04_multinode",
-                                    "05-ddp", "05-fsdp"])
+                                    "05-ddp", "05-fsdp", "05-fsdp-compile"])
 def test_no_gloo_thread_is_left_at_exit(tmp_path, target):
     proc = launch(tmp_path, target, str(REPO / "tests/teardown_probe.py"))
     assert_clean_exit(proc)
