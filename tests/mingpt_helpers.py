@@ -72,15 +72,17 @@ MINGPT_MODULES = ("config", "char_dataset", "devices", "faults", "metrics", "mod
 
 
 @contextlib.contextmanager
-def mingpt_imported():
-    """05_mingpt's modules, imported by name as its scripts do. The steps have modules of the
-    same names (snapshot, devices), so whatever was imported before is put back afterwards."""
-    saved = {name: sys.modules.pop(name) for name in MINGPT_MODULES if name in sys.modules}
+def mingpt_imported(*extra: str):
+    """05_mingpt's modules (and the `extra` ones named), imported by name as its scripts do.
+    The steps have modules of the same names (snapshot, devices), so whatever was imported
+    before is put back afterwards."""
+    names = (*MINGPT_MODULES, *extra)
+    saved = {name: sys.modules.pop(name) for name in names if name in sys.modules}
     sys.path.insert(0, str(MINGPT))
     try:
-        yield {name: importlib.import_module(name) for name in MINGPT_MODULES}
+        yield {name: importlib.import_module(name) for name in names}
     finally:
         sys.path.remove(str(MINGPT))
-        for name in MINGPT_MODULES:
+        for name in names:
             sys.modules.pop(name, None)
         sys.modules.update(saved)

@@ -1,10 +1,8 @@
 """05_mingpt's BPE data: prepare.py (text -> tiktoken tokens -> train.bin / val.bin) and
 bpe_dataset.py (windows of the memory-mapped tokens), with a small tokenizer learnt here in
 GPT-2's file layout (the real GPT-2 files need the network)."""
-import importlib
 import json
 import pickle
-import sys
 
 import numpy as np
 import pytest
@@ -25,10 +23,8 @@ OWN = ("prepare", "bpe_dataset")
 @pytest.fixture(scope="module")
 def mods():
     """config, prepare and bpe_dataset as the scripts import them (and removed afterwards)."""
-    with mingpt_imported() as modules:
-        yield {**modules, **{name: importlib.import_module(name) for name in OWN}}
-        for name in OWN:
-            sys.modules.pop(name, None)
+    with mingpt_imported(*OWN) as modules:
+        yield modules
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,6 @@ vocabulary in the same directory, as a saved Hugging Face GPT-2 model would have
 
 The slowest tests (several torchrun launches each) have `slowest` in their names.
 """
-import importlib
-import sys
 
 import pytest
 import torch
@@ -29,10 +27,8 @@ VOCAB = 457  # 256 bytes + 200 merges + <|endoftext|>
 
 @pytest.fixture(scope="module")
 def mods():
-    with mingpt_imported() as modules:
-        yield {**modules, **{name: importlib.import_module(name) for name in OWN}}
-        for name in OWN:
-            sys.modules.pop(name, None)
+    with mingpt_imported(*OWN) as modules:
+        yield modules
 
 
 @pytest.fixture(autouse=True, scope="module")
