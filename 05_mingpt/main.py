@@ -105,7 +105,7 @@ def load_train_objs(cfg: DictConfig, device: torch.device) -> tuple:
     return model, optimizer, train_set, val_set, data, snapshot_meta, flops_per_token
 
 
-def fail(error: Exception) -> None:
+def fail(error: Exception | str) -> None:
     """One `error:` line (from rank 0: every rank hits the same config/data error) and exit 2."""
     # RANK from torchrun's environment, not dist.get_rank(): config errors come before the
     # process group exists.
@@ -121,50 +121,66 @@ def save_config(cfg: DictConfig) -> None:
         OmegaConf.save(cfg, os.path.join(cfg.run_dir, "config.yaml"))
 
 
+def train(cfg: DictConfig, device: torch.device) -> str | None:
+    """Build, resume and train; the message of a data, config or snapshot error, else None.
+
+    Everything that holds the process group (DDP or FSDP, the optimizer, the trainer) lives in
+    this frame only, so it is gone once this returns, on either path (see release_group)."""
+    print_versions(device)
+    print0(OmegaConf.to_yaml(cfg).rstrip())
+    try:
+        model, optimizer, train_set, val_set, data, snapshot_meta, flops = \
+            load_train_objs(cfg, device)
+        save_config(cfg)  # only now: a run refused for its data or model leaves no folder
+        trainer = Trainer(cfg.trainer_config, model, optimizer, train_set, val_set, device,
+                          cfg.run_dir, snapshot_meta, flops)
+        # Every rank reads the snapshot, if there is one (only rank 0 ever writes files).
+        t = cfg.trainer_config
+        state = snapshot.load(t.snapshot_path, t.distributed_method, model, optimizer,
+                              snapshot_meta, data.MATCH_KEYS)
+        if state is not None:
+            trainer.load_state_dict(state)
+    except ValueError as e:  # bad data, model config, or an unusable snapshot
+        return str(e)  # the text only: the exception's traceback would keep this frame alive
+    val_loss = trainer.train()
+    print0(f"final val loss {val_loss:.4f} (run dir {cfg.run_dir})")
+    meta = snapshot_meta["data_meta"]
+    if meta["kind"] in ("char", "bpe") and cfg.trainer_config.sample_tokens:
+        # Every rank generates (FSDP needs all of them for each forward); rank 0 prints.
+        # A newline: any BPE encodes it, a char vocabulary may lack it.
+        prompt = "\n" if "\n" in meta.get("itos", "\n") else meta["itos"][0]
+        text = generate_text(unwrap(model), meta, prompt, cfg.trainer_config.sample_tokens,
+                             temperature=0.8, top_k=10, device=device)
+        print0(f"sample:\n{text.strip()}")
+    return None
+
+
+def release_group() -> None:
+    """Drop every reference to the process group, then destroy it.
+
+    destroy_process_group joins gloo's worker threads only when it drops the group's last
+    reference, and a worker still freeing a collective's tensors as Python exits aborts the
+    finished run. train() has returned, so DDP or FSDP are unreachable; FSDP's modules form
+    reference cycles (freed by gc.collect), and torch's DTensor caches keep every DeviceMesh,
+    whose registry holds the group, alive after the model is gone."""
+    # (type(), not isinstance: gc also finds dead weakref proxies, which isinstance reads)
+    for mesh in [o for o in gc.get_objects() if issubclass(type(o), DeviceMesh)]:
+        getattr(mesh, "_pg_registry", {}).clear()  # private: the mesh's own group references
+    gc.collect()
+    dist.destroy_process_group()
+
+
 def run(cfg: DictConfig) -> None:
     try:
         device = ddp_setup(cfg.trainer_config.device, cfg.trainer_config.cpu_offload)
     except ValueError as e:
         fail(e)
     try:
-        print_versions(device)
-        print0(OmegaConf.to_yaml(cfg).rstrip())
-        try:
-            model, optimizer, train_set, val_set, data, snapshot_meta, flops = \
-                load_train_objs(cfg, device)
-            save_config(cfg)  # only now: a run refused for its data or model leaves no folder
-            trainer = Trainer(cfg.trainer_config, model, optimizer, train_set, val_set, device,
-                              cfg.run_dir, snapshot_meta, flops)
-            # Every rank reads the snapshot, if there is one (only rank 0 ever writes files).
-            t = cfg.trainer_config
-            state = snapshot.load(t.snapshot_path, t.distributed_method, model, optimizer,
-                                  snapshot_meta, data.MATCH_KEYS)
-            if state is not None:
-                trainer.load_state_dict(state)
-        except ValueError as e:  # bad data, model config, or an unusable snapshot
-            fail(e)
-        val_loss = trainer.train()
-        print0(f"final val loss {val_loss:.4f} (run dir {cfg.run_dir})")
-        meta = snapshot_meta["data_meta"]
-        if meta["kind"] in ("char", "bpe") and cfg.trainer_config.sample_tokens:
-            # Every rank generates (FSDP needs all of them for each forward); rank 0 prints.
-            # A newline: any BPE encodes it, a char vocabulary may lack it.
-            prompt = "\n" if "\n" in meta.get("itos", "\n") else meta["itos"][0]
-            text = generate_text(unwrap(model), meta, prompt, cfg.trainer_config.sample_tokens,
-                                 temperature=0.8, top_k=10, device=device)
-            print0(f"sample:\n{text.strip()}")
-        # destroy_process_group joins gloo's worker threads only when it drops the group's last
-        # reference, and a worker still freeing a collective's tensors as Python exits aborts
-        # the finished run. So first release all else that holds the group: DDP or FSDP (whose
-        # modules form reference cycles, freed by gc.collect), and every DeviceMesh (torch's
-        # DTensor caches keep FSDP's alive after the model is gone).
-        del trainer, model, optimizer
-        # (type(), not isinstance: gc also finds dead weakref proxies, which isinstance reads)
-        for mesh in [o for o in gc.get_objects() if issubclass(type(o), DeviceMesh)]:
-            getattr(mesh, "_pg_registry", {}).clear()  # private: the mesh's own group references
-        gc.collect()
+        error = train(cfg, device)
     finally:
-        dist.destroy_process_group()
+        release_group()
+    if error is not None:
+        fail(error)
 
 
 def main(argv: list[str]) -> None:

@@ -74,3 +74,18 @@ def late_worker_shim(tmp_path_factory):
 @pytest.mark.parametrize("target", ["02_multigpu", "05-fsdp"])
 def test_late_gloo_worker_cannot_abort_a_finished_run(tmp_path, target, late_worker_shim):
     assert_clean_exit(launch(tmp_path, target, LD_PRELOAD=str(late_worker_shim)))
+
+
+@linux_only
+def test_a_refused_run_leaves_no_gloo_thread_either(tmp_path):
+    """The error path (exit 2 after the model exists: here a ddp snapshot where FSDP expects shards) releases
+    FSDP and its meshes before destroy_process_group, as a finished run does."""
+    mingpt = copy_mingpt(tmp_path)
+    (mingpt / "bad.pt").write_bytes(b"not a snapshot")
+    proc = run([TORCHRUN, "--standalone", "--nproc_per_node=2", str(REPO / "tests/teardown_probe.py"),
+                "main.py", *tiny("run_name=bad", "trainer_config.distributed_method=fsdp",
+                                 "trainer_config.snapshot_path=bad.pt")],
+               cwd=mingpt, check=False)
+    assert TEARDOWN_ABORT not in proc.stderr, proc.stderr[-3000:]
+    assert "error: bad.pt holds a ddp snapshot" in proc.stderr, proc.stderr[-3000:]
+    assert re.findall(r"gloo threads at exit: (\d+)", proc.stdout) == ["0", "0"], proc.stdout
