@@ -5,6 +5,7 @@
 
 Order matters: activation checkpointing and torch.compile wrap each block first, then DDP or
 FSDP wraps the result, and the optimizer is built last, from the wrapped model's parameters.
+One function per strategy (apply_ddp, apply_fsdp); `parallelize` picks one by name.
 """
 from contextlib import AbstractContextManager, nullcontext
 
@@ -22,10 +23,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from precision import fsdp_policy
 
 
-def parallelize(model: nn.Module, device: torch.device, method: str = "ddp",
-                precision: str = "fp32", cpu_offload: bool = False,
-                activation_checkpointing: bool = False, compile: bool = False) -> nn.Module:
-    """DDP or FSDP2 around `model`, whose `blocks` (a ModuleList) are the units of wrapping."""
+def wrap_blocks(model: nn.Module, activation_checkpointing: bool, compile: bool) -> None:
+    """Activation checkpointing and compile, per block and in place, before any strategy."""
     blocks = model.blocks
     for i, block in enumerate(blocks):
         if activation_checkpointing:
@@ -36,13 +35,20 @@ def parallelize(model: nn.Module, device: torch.device, method: str = "ddp",
         if compile:
             block.compile()  # in place: parameter names (and snapshots) do not change
         blocks[i] = block
-    if method == "ddp":
-        # DDP broadcasts rank 0's weights at construction and all-reduces gradients in backward.
-        # device_ids only for a GPU: on the CPU DDP must get none.
-        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    # FSDP2: shard every block on its own, then the root (embeddings, final LayerNorm). Each
-    # block's parameters are all-gathered just before it runs and freed right after, so only
-    # one block is ever whole in memory. Compute in `precision`, reduce gradients in fp32.
+
+
+def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:
+    """DDP: a whole replica per rank, gradients all-reduced in backward."""
+    # DDP broadcasts rank 0's weights at construction and all-reduces gradients in backward.
+    # device_ids only for a GPU: on the CPU DDP must get none.
+    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def apply_fsdp(model: nn.Module, device: torch.device, precision: str = "fp32",
+               cpu_offload: bool = False) -> nn.Module:
+    """FSDP2: every block sharded on its own, then the root (embeddings, final LayerNorm)."""
+    # Each block's parameters are all-gathered just before it runs and freed right after, so
+    # only one block is ever whole in memory. Compute in `precision`, reduce gradients in fp32.
     # A 1-D mesh over all ranks, on this process's device type: pure data-parallel sharding.
     kwargs: dict = {"mesh": init_device_mesh(device.type, (dist.get_world_size(),))}
     if precision != "fp32":
@@ -51,10 +57,20 @@ def parallelize(model: nn.Module, device: torch.device, method: str = "ddp",
         # Shards, gradients and optimizer state live in CPU memory and are copied over for each
         # use. Pinned memory speeds up those copies but needs an accelerator to exist.
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
-    for block in blocks:
+    for block in model.blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+def parallelize(model: nn.Module, device: torch.device, method: str = "ddp",
+                precision: str = "fp32", cpu_offload: bool = False,
+                activation_checkpointing: bool = False, compile: bool = False) -> nn.Module:
+    """`model` wrapped by `method` (ddp or fsdp); its `blocks` (a ModuleList) are the units."""
+    wrap_blocks(model, activation_checkpointing, compile)
+    if method == "ddp":
+        return apply_ddp(model, device)
+    return apply_fsdp(model, device, precision, cpu_offload)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
