@@ -14,6 +14,7 @@ import gc
 import os
 import platform
 import sys
+from contextlib import nullcontext
 from dataclasses import asdict
 
 import hydra
@@ -28,7 +29,7 @@ import snapshot
 from devices import backend_for, pick_device
 from metrics import print0
 from model import GPT, GPTConfig
-from parallelize import parallelize, unwrap
+from parallelize import init_sharded, parallelize, unwrap
 from sample import generate_text
 from trainer import Trainer
 
@@ -79,10 +80,19 @@ def load_train_objs(cfg: DictConfig, device: torch.device) -> tuple:
     else:
         gpt_config = GPTConfig(**{**settings, "vocab_size": meta["vocab_size"],
                                   "block_size": meta["block_size"]})
+    t = cfg.trainer_config
+    # FSDP without pretrained weights: build on the meta device (shapes, no memory), shard,
+    # then give each rank storage for its shards only and draw the weights into them
+    # (init_sharded), so no rank ever holds the whole model. The pretrained weights are
+    # copied into a whole model first (pretrained.load_pretrained), so init_from does not.
+    on_meta = t.distributed_method == "fsdp" and not init_from
     # The same seed on every rank: FSDP shards each rank's own copy of the initial weights,
     # so all copies must be equal (DDP would broadcast rank 0's, FSDP does not).
-    torch.manual_seed(cfg.trainer_config.seed)
-    model = GPT(gpt_config).to(device)
+    torch.manual_seed(t.seed)
+    with torch.device("meta") if on_meta else nullcontext():
+        model = GPT(gpt_config)
+    if not on_meta:
+        model = model.to(device)
     if init_from:
         # Into the plain model, before wrapping: every rank reads the whole checkpoint (on the
         # CPU) and copies it in; FSDP then keeps each rank's shards (README: FSDP and memory).
@@ -93,9 +103,10 @@ def load_train_objs(cfg: DictConfig, device: torch.device) -> tuple:
            f"{model.config.vocab_size}, block {model.config.block_size})")
     snapshot_meta = {"model_config": asdict(model.config), "data_meta": meta}
     flops_per_token = model.flops_per_token()
-    t = cfg.trainer_config
     model = parallelize(model, device, t.distributed_method, t.precision, t.cpu_offload,
                         t.activation_checkpointing, t.compile)
+    if on_meta:  # the weights GPT(gpt_config) would have drawn, bit for bit, in shards
+        init_sharded(model, device, t.cpu_offload)
     # Built after wrapping: FSDP has replaced every parameter with its sharded version.
     o = cfg.optimizer_config
     optimizer = torch.optim.AdamW(unwrap(model).optim_groups(o.weight_decay), lr=o.lr,

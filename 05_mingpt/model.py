@@ -9,7 +9,9 @@ weights are stored transposed).
     model = GPT(GPTConfig(model_type="gpt-mini", vocab_size=65, block_size=128))
 """
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -113,7 +115,7 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.n_head = config.n_head
+        self.head_size = config.n_embd // config.n_head  # hs: channels per head
         self.dropout = config.dropout
         # One matmul computes queries, keys and values for all heads at once.
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
@@ -123,12 +125,18 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """x (B, T, C) -> (B, T, C). With a cache, x holds only the positions after the cached
         ones: they also attend to the cached keys and values, and their own are added to it."""
-        B, T, C = x.size()  # batch, sequence length, n_embd
-        q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
+        B, T, _ = x.size()  # batch, sequence length, n_embd
+        qkv = self.c_attn(x)  # (B, T, 3 * C)
+        # C is this process's share of the heads' channels: n_embd, or n_embd / tp when a
+        # tensor-parallel wrapper split the heads over tp processes (tensor_parallel.py). So
+        # the head count nh comes from the width, never from the config.
+        C = qkv.size(2) // 3
+        nh = C // self.head_size
+        q, k, v = qkv.split(C, dim=2)  # 3 x (B, T, C)
         # Split channels into heads and move heads next to batch: attention runs per head.
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        q = q.view(B, T, nh, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, nh, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, nh, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
         past = 0  # positions before x's first one
         if cache is not None:
             past = cache.length
@@ -208,22 +216,36 @@ class GPT(nn.Module):
         # Weight tying: the output layer reuses the token embedding (one tensor, fewer parameters,
         # and the same vector both reads and writes a token).
         self.wte.weight = self.lm_head.weight
-        self.apply(self._init_weights)
+        self.init_weights()
+
+    def init_weights(self, fill: Callable[[torch.Tensor, Callable], object] | None = None
+                     ) -> None:
+        """GPT-2's initialisation, drawn from torch's global RNG in a fixed order.
+
+        `fill(param, init)` gives `param` its values; `init` fills a tensor of the parameter's
+        full shape in place (e.g. `nn.init.normal_` with GPT-2's std). The default runs it on
+        the parameter itself. A model whose parameters are shards (built on the meta device,
+        then sharded) passes a `fill` that draws the full tensor and keeps its own part, so
+        every rank gets exactly the numbers this model would hold (parallelize.py).
+        """
+        fill = fill or (lambda param, init: init(param))
+        # N(0, 0.02) weights, zero biases; LayerNorm ones/zeros (its defaults: no draws, but a
+        # model built on the meta device has no values at all until now). modules() visits
+        # them in the order they were built, so the draws come in a fixed order. The tied
+        # wte/lm_head weight is drawn twice (as wte, then as lm_head): the second draw stays.
+        for module in self.modules():
+            if isinstance(module, nn.Linear | nn.Embedding):
+                fill(module.weight, partial(nn.init.normal_, mean=0.0, std=0.02))
+            elif isinstance(module, nn.LayerNorm):
+                fill(module.weight, nn.init.ones_)
+            if isinstance(module, nn.Linear | nn.LayerNorm) and module.bias is not None:
+                fill(module.bias, nn.init.zeros_)
         # GPT-2: each block adds two residual projections to the stream; scale them down so the
         # variance of the residual stream does not grow with depth.
+        std = 0.02 / math.sqrt(2 * self.config.n_layer)
         for name, param in self.named_parameters():
             if name.endswith("c_proj.weight"):
-                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
-
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        # GPT-2 init: N(0, 0.02) weights, zero biases (LayerNorm keeps its ones/zeros default).
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+                fill(param, partial(nn.init.normal_, mean=0.0, std=std))
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
                 caches: list[KVCache] | None = None

@@ -7,6 +7,8 @@ Order matters: activation checkpointing and torch.compile wrap each block first,
 FSDP wraps the result, and the optimizer is built last, from the wrapped model's parameters.
 One function per strategy (apply_ddp, apply_fsdp); `parallelize` picks one by name.
 """
+import copy
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
@@ -18,6 +20,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from precision import fsdp_policy
@@ -92,3 +95,65 @@ def set_grad_sync(model: nn.Module, sync: bool) -> AbstractContextManager:
     if isinstance(model, DDP) and not sync:
         return model.no_sync()
     return nullcontext()
+
+
+# --- FSDP from the meta device: no rank ever holds the whole model --------------------------
+
+def _replay_constructor_draws(module: nn.Module) -> None:
+    """Draw from torch's RNG what building `module` outside the meta device drew, and drop it.
+
+    nn.Linear and nn.Embedding initialise themselves when built (reset_parameters: Kaiming-
+    uniform weights, uniform biases, N(0, 1) embeddings). GPT-2's init overwrites those values,
+    but the draws moved the RNG on: on the meta device nothing is drawn, so without this replay
+    the init would start from another RNG state and give other weights than the plain path.
+    """
+    params = dict(module.named_parameters(recurse=False))
+    if not params or not hasattr(module, "reset_parameters"):
+        return
+    # A shallow copy keeps the module's class and settings (in/out features, padding_idx);
+    # its parameters become full-size plain CPU tensors (a DTensor's shape is the global one),
+    # on the CPU because GPT(config) is built on the CPU: its draws come from the CPU generator.
+    twin = copy.copy(module)
+    # (None entries too: a Linear without bias still has `bias`, set to None.)
+    twin._parameters = {name: p if p is None else nn.Parameter(torch.empty(p.shape, dtype=p.dtype))
+                        for name, p in module._parameters.items()}
+    twin.reset_parameters()  # the constructor's own code: the same draws, into scratch memory
+
+
+def _fill_shard(param: torch.Tensor, init: Callable[[torch.Tensor], object]) -> None:
+    """`init` on a full-size CPU tensor, then keep this rank's part of it (model.init_weights)."""
+    full = torch.empty(param.shape, dtype=param.dtype)  # one full parameter at a time
+    init(full)
+    if isinstance(param, DTensor):
+        # Cut it as the parameter is cut (FSDP: dim 0 in world-size chunks, the last one
+        # shorter). src_data_rank=None: every rank drew the same tensor, so each takes its
+        # chunk locally instead of receiving it from rank 0.
+        local = distribute_tensor(full, param.device_mesh, param.placements,
+                                  src_data_rank=None).to_local()
+        param.to_local().copy_(local)
+    else:
+        param.copy_(full)
+
+
+@torch.no_grad()
+def init_sharded(model: nn.Module, device: torch.device, cpu_offload: bool = False) -> None:
+    """Storage and initial weights for a model built on the meta device and sharded there.
+
+        torch.manual_seed(seed)
+        with torch.device("meta"):
+            model = GPT(config)          # shapes only, no memory, no RNG draws
+        model = parallelize(model, device, "fsdp")
+        init_sharded(model, device)      # == GPT(config) after the same seed, sharded
+
+    `to_empty` gives each rank memory for its own shards only (uninitialised); then every
+    parameter is drawn full-size on the CPU, in the plain path's order, and each rank keeps its
+    chunk. So the weights equal the plain path's bit for bit (DDP and FSDP runs stay
+    comparable), and at most one full parameter (the embedding, the largest) exists at a time.
+    The model needs `init_weights(fill)` (model.GPT) and no buffers (to_empty leaves them
+    uninitialised too).
+    """
+    # FSDP keeps its tied parameters tied (wte and lm_head share one sharded tensor after this).
+    model.to_empty(device="cpu" if cpu_offload else device)
+    for module in model.modules():  # in the order they were built
+        _replay_constructor_draws(module)
+    model.init_weights(fill=_fill_shard)
