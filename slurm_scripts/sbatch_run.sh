@@ -25,12 +25,15 @@ set -euo pipefail
 export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"
 
 # The head node: every agent meets there, by the name Slurm knows it by. (`hostname
-# --ip-address` can answer 127.0.1.1, which the other nodes cannot reach.) sed, not head: it
-# reads the whole list, so a long one cannot fail with a broken pipe. Port from the job id
-# avoids clashes.
-head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
+# --ip-address` can answer 127.0.1.1, which the other nodes cannot reach.) The whole list is
+# read into a variable first: a pipe into `head` could break on a long one. Port from the job
+# id avoids clashes.
+nodes=$(scontrol show hostnames "$SLURM_JOB_NODELIST")
+head_node=${nodes%%$'\n'*}
 port=$((29500 + SLURM_JOB_ID % 1000))
-gpus_per_node=${SLURM_GPUS_ON_NODE:-4}
+# One process per GPU Slurm gave this node. NPROC_PER_NODE overrides it where there are none
+# (a CPU partition, or slurm_scripts/local_cluster.sh, submitted with --gpus-per-node=0).
+gpus_per_node=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-4}}
 
 case "${STEP:-multinode}" in
   multinode) script=04_multinode/train.py ;;
@@ -38,7 +41,7 @@ case "${STEP:-multinode}" in
   *) echo "error: STEP must be multinode or mingpt, got '$STEP'" >&2; exit 2 ;;
 esac
 
-echo "head node: $head_node:$port, nodes: $SLURM_NNODES, GPUs/node: $gpus_per_node"
+echo "head node: $head_node:$port, nodes: $SLURM_NNODES (${nodes//$'\n'/ }), processes/node: $gpus_per_node"
 # Snapshots are written relative to this folder: it must be on storage every node shares.
 # --kill-on-bad-exit=1: if one node's agent fails for good, stop the others instead of letting
 # them wait at the rendezvous until the time limit.

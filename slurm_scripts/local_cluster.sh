@@ -1,0 +1,183 @@
+#!/usr/bin/env bash
+# A real Slurm cluster on this one machine: munged, slurmctld and two slurmd that stand in for
+# two nodes (node1, node2). sbatch_run.sh runs on it exactly as on a cluster; only the GPU and
+# CPU requests are overridden on the sbatch command line (a laptop has neither 4 GPUs nor 16
+# CPUs per "node"). Needs root (the daemons and apt-get); nothing is started through systemd.
+#
+#   bash slurm_scripts/local_cluster.sh start      # installs slurm-wlm and munge if missing
+#   export SLURM_CONF=/tmp/ddp-series-slurm/slurm.conf
+#   bash slurm_scripts/local_cluster.sh submit 120 --cpus-per-task=1 --gpus-per-node=0 \
+#       --export=ALL,NPROC_PER_NODE=1 slurm_scripts/sbatch_run.sh 5 2 --device cpu
+#   bash slurm_scripts/local_cluster.sh stop
+#
+# SLURM_LOCAL_DIR (default /tmp/ddp-series-slurm) holds the config, state, logs and pid files;
+# SLURM_LOCAL_PORT (default 17000) is slurmctld's port, the two slurmd listen on the next two.
+# Each directory is its own cluster (own munged socket, own ports): two can run side by side.
+set -euo pipefail
+
+dir="${SLURM_LOCAL_DIR:-/tmp/ddp-series-slurm}"
+port="${SLURM_LOCAL_PORT:-17000}"
+conf="$dir/slurm.conf"
+host=$(hostname -s)  # slurmctld and slurmd check that they run on the host the config names
+
+die() { echo "error: $*" >&2; exit 1; }
+# Exit 3: this machine cannot run the cluster (not root, no apt-get, no network); a test skips.
+unavailable() { echo "error: $*" >&2; exit 3; }
+
+install() {
+  # Skipped where the tools are there already: a second run costs nothing.
+  local tool missing=0
+  for tool in munged slurmctld slurmd sbatch; do
+    command -v "$tool" >/dev/null || missing=1
+  done
+  [ "$missing" -eq 1 ] || return 0
+  [ "$(id -u)" -eq 0 ] || unavailable "installing slurm-wlm and munge needs root"
+  command -v apt-get >/dev/null || unavailable "no apt-get: install slurm-wlm and munge yourself"
+  # --no-install-recommends: 9 packages instead of dozens (no mail server, no docs);
+  # policy-rc.d may refuse to start the services: we start the daemons ourselves below.
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y -q --no-install-recommends slurm-wlm munge >"$dir/apt.log" 2>&1 || {
+    # A fresh machine may have no package lists yet: fetch them once and retry.
+    apt-get update -q >>"$dir/apt.log" 2>&1 \
+      && apt-get install -y -q --no-install-recommends slurm-wlm munge >>"$dir/apt.log" 2>&1
+  } || unavailable "apt-get install slurm-wlm munge failed: $(tail -n 3 "$dir/apt.log" | tr '\n' ' ')"
+}
+
+write_config() {
+  # Everything lives under $dir: no file in /etc is edited, and stop removes nothing else.
+  cat >"$conf" <<EOF
+ClusterName=ddp-series
+SlurmctldHost=$host(127.0.0.1)
+SlurmctldPort=$port
+SlurmUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket=$dir/munge/munge.socket
+StateSaveLocation=$dir/slurmctld
+SlurmdSpoolDir=$dir/slurmd-%n
+SlurmctldPidFile=$dir/slurmctld.pid
+SlurmdPidFile=$dir/slurmd-%n.pid
+SlurmctldLogFile=$dir/slurmctld.log
+SlurmdLogFile=$dir/slurmd-%n.log
+# No cgroups in a container: track job processes through /proc, bind no CPUs.
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+MpiDefault=none
+# CR_CPU: two small jobs may share a node, as on a real cluster's CPU partition.
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SchedulerType=sched/builtin
+ReturnToService=2
+# scancel sends SIGTERM, then SIGKILL after KillWait seconds (default 30).
+KillWait=2
+# sbatch --wait polls every 2 s, then 8 s, then 32 s, unless a finished job may be forgotten
+# (MinJobAge, default 300 s) before the next poll: 6 s keeps it at 2 s.
+MinJobAge=6
+# Two slurmd on one host: each gets a node name (slurmd -N) and a port of its own.
+NodeName=node[1-2] NodeHostname=$host NodeAddr=127.0.0.1 Port=[$((port + 1))-$((port + 2))] CPUs=$(nproc) State=UNKNOWN
+PartitionName=local Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+EOF
+}
+
+resolve_node_names() {
+  # sbatch_run.sh meets at the first node by its Slurm name, as on a cluster whose DNS knows
+  # every node; here /etc/hosts must. The line is left in place: harmless, and another local
+  # cluster may be using it.
+  getent hosts node1 node2 >/dev/null 2>&1 && [ "$(getent hosts node1 node2 | wc -l)" -eq 2 ] \
+    || echo "127.0.0.1 node1 node2  # slurm_scripts/local_cluster.sh" >>/etc/hosts \
+    || unavailable "node1 and node2 do not resolve and /etc/hosts is not writable"
+}
+
+start() {
+  [ "$(id -u)" -eq 0 ] || unavailable "the local cluster needs root (munged, slurmctld, slurmd)"
+  [ ! -e "$dir/slurmctld.pid" ] || die "$dir holds a running cluster: run '$0 stop' first"
+  mkdir -p "$dir"
+  chmod 755 "$dir"  # munged (user munge) must reach its socket directory inside it
+  install
+  write_config
+  resolve_node_names
+  # munged refuses a socket directory that others can write to or that munge does not own.
+  mkdir -p "$dir/munge" "$dir/slurmctld"
+  chown munge:munge "$dir/munge"
+  chmod 755 "$dir/munge"
+  mkdir -p /run/munge && chown munge:munge /run/munge  # the package's default, checked too
+  runuser -u munge -- munged --socket="$dir/munge/munge.socket" \
+    --pid-file="$dir/munge/munged.pid" --log-file="$dir/munge/munged.log" \
+    --seed-file="$dir/munge/munged.seed" || die "munged did not start: $dir/munge/munged.log"
+  # -c: a clean start, no jobs or node states from an earlier cluster in this directory.
+  slurmctld -c -f "$conf" || die "slurmctld did not start: see $dir/slurmctld.log"
+  for node in node1 node2; do
+    slurmd -N "$node" -f "$conf" || die "slurmd -N $node did not start: see $dir/slurmd-$node.log"
+  done
+  # Ready when both nodes report idle (about 2 s): a job submitted before would wait.
+  for _ in $(seq 100); do
+    idle=$(SLURM_CONF="$conf" sinfo -h -N -t idle -o %N 2>/dev/null | sort -u | wc -l)
+    [ "$idle" -eq 2 ] && { echo "local cluster up: export SLURM_CONF=$conf"; return; }
+    sleep 0.2
+  done
+  SLURM_CONF="$conf" sinfo -N >&2 || true
+  die "the nodes did not become idle within 20 s: see $dir/*.log"
+}
+
+submit() {
+  # sbatch --wait waits forever for a request the cluster can never satisfy (too many CPUs, a
+  # GPU): bound it, and cancel the job so that it does not run later on.
+  local limit="$1"; shift
+  # Without its config sbatch retries for 60 s before it fails: say so at once.
+  [ -e "$conf" ] || die "no cluster in $dir: run '$0 start' (and set SLURM_LOCAL_DIR alike)"
+  export SLURM_CONF="$conf"
+  local status=0 job out
+  out=$(mktemp)
+  # --parsable prints the job id at submission; it is read back only after the wait.
+  timeout "$limit" sbatch --wait --parsable "$@" >"$out" || status=$?
+  job=$(cut -d';' -f1 "$out")
+  rm -f "$out"
+  if [ "$status" -eq 124 ]; then
+    [ -z "$job" ] || scancel "$job"
+    echo "error: job ${job:-?} did not finish within $limit s; cancelled." \
+      "Its state: $(scontrol show job "$job" 2>/dev/null | grep -o 'JobState=[^ ]*\|Reason=[^ ]*' | tr '\n' ' ')" >&2
+  fi
+  echo "$job"
+  return "$status"
+}
+
+stop() {
+  export SLURM_CONF="$conf"
+  # Jobs first, so that each slurmstepd ends with its job instead of outliving its slurmd.
+  if [ -e "$dir/slurmctld.pid" ]; then
+    scancel --full --quiet --partition=local 2>/dev/null || true
+    for _ in $(seq 50); do
+      [ -z "$(squeue -h -o %i 2>/dev/null)" ] && break
+      sleep 0.1
+    done
+  fi
+  # Only the processes this directory's pid files name: never other clusters' daemons.
+  local pids=()
+  for f in "$dir"/slurmd-node1.pid "$dir"/slurmd-node2.pid "$dir"/slurmctld.pid \
+      "$dir"/munge/munged.pid; do
+    [ -e "$f" ] && pids+=("$(cat "$f")") && rm -f "$f"
+  done
+  [ "${#pids[@]}" -gt 0 ] || return 0
+  kill "${pids[@]}" 2>/dev/null || true
+  local pid alive
+  for _ in $(seq 50); do
+    alive=0
+    for pid in "${pids[@]}"; do
+      kill -0 "$pid" 2>/dev/null && alive=1
+    done
+    [ "$alive" -eq 1 ] || return 0
+    sleep 0.1
+  done
+  kill -9 "${pids[@]}" 2>/dev/null || true  # one that ignored SIGTERM for 5 s
+}
+
+case "${1:-}" in
+  install) mkdir -p "$dir"; install ;;
+  start) start ;;
+  submit) shift; [ $# -ge 2 ] || die "usage: $0 submit SECONDS [sbatch options] SCRIPT [args]"
+          submit "$@" ;;
+  stop) stop ;;
+  *) echo "usage: $0 install|start|submit SECONDS SBATCH_ARGS...|stop" >&2; exit 2 ;;
+esac
