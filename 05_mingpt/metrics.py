@@ -1,7 +1,9 @@
-"""What the logs report, for every module: rank-0 printing, model FLOPs utilisation, peak memory.
+"""What the logs report, for every module: rank-0 printing, model FLOPs utilisation, memory.
 
     print0("only global rank 0 prints this")
     mfu = flops_per_token * tokens_per_s / (peak_flops(gpu_name, "bf16") * world_size)
+    setup = peak_memory_mb(device); reset_peak_memory(device)  # then train: a training peak
+    model_state_bytes(model, optimizer)  # this rank's parameters, gradients, optimizer state
 """
 import re
 import resource
@@ -9,6 +11,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from tqdm import tqdm
 
 # Dense peak FLOP/s per GPU and precision, from the vendors' datasheets: bf16/fp16 on tensor
@@ -53,8 +56,26 @@ def device_name(device: torch.device) -> str | None:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else None
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak, so that training's peak is not the setup's (building, loading).
+
+    CUDA: the allocator's counter. CPU (Linux): writing 5 to /proc/self/clear_refs resets the
+    kernel's high-water mark of the resident set (and ru_maxrss with it) to the current RSS.
+    Elsewhere the CPU peak stays the peak since the process started.
+    """
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
 def peak_memory_mb(device: torch.device) -> list[float]:
-    """Peak memory of every rank (a collective): CUDA allocations, or peak RSS on a CPU."""
+    """Peak memory of every rank since its last reset_peak_memory (a collective): CUDA
+    allocations, or peak RSS on a CPU (what the process touched, freed or not; see README)."""
     if device.type == "cuda":
         mb = torch.cuda.max_memory_allocated(device) / 2**20
     else:
@@ -62,3 +83,31 @@ def peak_memory_mb(device: torch.device) -> list[float]:
     gathered = [torch.zeros(1, device=device) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, torch.tensor([mb], device=device))
     return [t.item() for t in gathered]
+
+
+def local_bytes(tensor: torch.Tensor) -> int:
+    """Bytes this rank stores for `tensor`: a DTensor's numel() is the global size, its
+    to_local() the rank's own shard."""
+    if hasattr(tensor, "to_local"):  # a DTensor (FSDP, TP)
+        tensor = tensor.to_local()
+    return tensor.numel() * tensor.element_size()
+
+
+def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer
+                      ) -> dict[str, int]:
+    """This rank's bytes of parameters, gradients and optimizer state, counted from the
+    tensors it holds (local shards), not from a formula: model_size.py predicts these.
+
+    Gradients count only while they exist (between backward and zero_grad). ZeRO's optimizer
+    keeps the state of this rank's parameters in its local optimizer (`.optim`).
+    """
+    local_optimizer = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) \
+        else optimizer
+    params = list(model.parameters())  # each tied tensor once
+    return {
+        "parameters": sum(local_bytes(p) for p in params),
+        "gradients": sum(local_bytes(p.grad) for p in params if p.grad is not None),
+        # AdamW: exp_avg and exp_avg_sq (each the parameter's size) and a scalar step.
+        "optimizer": sum(local_bytes(v) for state in local_optimizer.state.values()
+                         for v in state.values() if isinstance(v, torch.Tensor)),
+    }

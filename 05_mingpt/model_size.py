@@ -1,13 +1,20 @@
-"""How big is each GPT preset: parameters, training FLOPs per token, and snapshot size on disk.
+"""How big is each GPT preset: parameters, training FLOPs per token, and snapshot size on disk;
+with --memory, what one rank holds in training under each strategy.
 
     python model_size.py                      # every preset, GPT-2 vocabulary and context
     python model_size.py --preset gpt2-xl     # one preset
     python model_size.py --vocab_size 65 --block_size 256
+    python model_size.py --memory --preset gpt2-medium --vocab_size 65 --block_size 256 \
+        --world_size 2 --tp_size 2 --batch_size 4   # per-rank bytes: ddp, zero, fsdp, tp, fsdp_tp
 
 The models are built on the `meta` device: modules get shapes but no storage, so counting the
-parameters of the 1.5B-parameter gpt2-xl takes no memory and no time.
+parameters of the 1.5B-parameter gpt2-xl takes no memory and no time. The memory predictions
+are formulas over those shapes (how each strategy splits each parameter), so they do not
+depend on parallelize.py; tests/test_mingpt_memory.py compares them with the local shards of
+real runs, and bench_memory.py with measured peaks.
 """
 import argparse
+import math
 import sys
 
 import torch
@@ -49,7 +56,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="context length (default: 1024)")
     parser.add_argument("--preset", default=None,
                         help=f"show one preset only: {', '.join(PRESETS)}")
+    parser.add_argument("--memory", action="store_true",
+                        help="per-rank training memory of each strategy instead")
+    parser.add_argument("--world_size", type=positive_int, default=2,
+                        help="--memory: number of ranks (default: 2)")
+    parser.add_argument("--tp_size", type=positive_int, default=2,
+                        help="--memory: tensor-parallel group size for tp, fsdp_tp (default: 2)")
+    parser.add_argument("--batch_size", type=positive_int, default=4,
+                        help="--memory: sequences per rank per micro-step (default: 4)")
     args = parser.parse_args(argv)
+    if args.memory and args.world_size % args.tp_size:
+        parser.error(f"--world_size {args.world_size} must be divisible by --tp_size "
+                     f"{args.tp_size}")
     # Checked here rather than with `choices=` so the message lists the presets on one line.
     if args.preset is not None and args.preset not in PRESETS:
         parser.error(f"unknown preset {args.preset!r}; allowed: {', '.join(PRESETS)}")
@@ -114,10 +132,145 @@ def print_table(rows: list[dict[str, object]]) -> None:
         print(line([row[h] for h in headers]))
 
 
+# --- per-rank training memory, per strategy (--memory) ----------------------------------------
+
+STRATEGIES = ("ddp", "zero", "fsdp", "tp", "fsdp_tp")
+# How tensor parallelism splits a block's weights (tensor_parallel.py, Megatron-LM's layout):
+# q/k/v and the MLP's widening matmul column-wise (dim 0 of an nn.Linear weight, and its
+# bias), both output projections row-wise (dim 1; their biases stay whole). Every other
+# parameter (embeddings, LayerNorms, the tied lm_head) is whole on every rank.
+TP_DIM = {"attn.c_attn.weight": 0, "attn.c_attn.bias": 0, "mlp.c_fc.weight": 0,
+          "mlp.c_fc.bias": 0, "attn.c_proj.weight": 1, "mlp.c_proj.weight": 1}
+
+
+def chunk(n: int, parts: int, index: int) -> int:
+    """Length of part `index` of n cut by torch.chunk, as FSDP2 and DTensor's Shard cut: parts
+    of ceil(n / parts), the last one shorter (FSDP pads it for its collectives), maybe empty."""
+    size = -(-n // parts)
+    return max(0, min(n, (index + 1) * size) - index * size)
+
+
+def local_shape(name: str, shape: tuple[int, ...], strategy: str, world_size: int,
+                tp_size: int, rank: int) -> tuple[int, ...]:
+    """The shape of parameter `name` that `rank` stores under `strategy`."""
+    shape = list(shape)
+    dp_rank, tp_rank = divmod(rank, tp_size)  # a (dp, tp) mesh: TP groups are neighbours
+    if strategy in ("tp", "fsdp_tp"):
+        dim = next((d for suffix, d in TP_DIM.items() if name.endswith(suffix)), None)
+        if dim is not None:
+            shape[dim] = chunk(shape[dim], tp_size, tp_rank)
+    if strategy == "fsdp":  # dim 0 over all ranks
+        shape[0] = chunk(shape[0], world_size, rank)
+    if strategy == "fsdp_tp":  # TP inside, then dim 0 of the TP shard over the dp ranks
+        shape[0] = chunk(shape[0], world_size // tp_size, dp_rank)
+    return tuple(shape)
+
+
+def zero_partition(model: GPT, world_size: int) -> list[set[str]]:
+    """Which parameters' optimizer state each rank keeps under ZeroRedundancyOptimizer.
+
+    Its rule: group by group (optim_groups: decayed, then not), largest parameter first, each
+    to the rank with the fewest elements so far. Whole parameters, so the split is uneven.
+    """
+    names = {id(p): name for name, p in model.named_parameters()}
+    owned: list[set[str]] = [set() for _ in range(world_size)]
+    sizes = [0] * world_size
+    for group in model.optim_groups(weight_decay=0.1):
+        for p in sorted(group["params"], key=lambda t: t.numel(), reverse=True):
+            rank = sizes.index(min(sizes))
+            owned[rank].add(names[id(p)])
+            sizes[rank] += p.numel()
+    return owned
+
+
+def activation_bytes(model: GPT, batch_size: int, tp_size: int = 1) -> int:
+    """A rough estimate of what autograd keeps for backward in one fp32 micro-step.
+
+    Per block and token: 16 fp32 vectors of width C (LayerNorm inputs and outputs, q/k/v,
+    attention output, MLP hidden before and after GELU; 12 of them split by TP) and two 1-byte
+    dropout masks; attention on the math path (dropout during training) keeps probabilities,
+    mask and dropped probabilities per head: 9 bytes x T x T. Outside the blocks: embeddings,
+    final LayerNorm, and the logits plus cross-entropy's log-softmax (8 bytes x vocab).
+    """
+    cfg = model.config
+    tokens, seq, heads = batch_size * cfg.block_size, cfg.block_size, cfg.n_head // tp_size
+    block = 4 * tokens * cfg.n_embd * (4 + 12 / tp_size) + 2 * tokens * cfg.n_embd \
+        + 9 * batch_size * heads * seq * seq
+    outside = 17 * tokens * cfg.n_embd + 8 * tokens * cfg.vocab_size
+    return int(cfg.n_layer * block + outside)
+
+
+def buffer_bytes(model: GPT, strategy: str, tp_size: int) -> int:
+    """Communication and gathering buffers besides the model state (fp32).
+
+    DDP (and ZeRO, which is DDP plus a sharded optimizer) keeps every gradient a second time in
+    its all-reduce buckets. FSDP gathers the root (embeddings, last LayerNorm: whole for the
+    whole step), the running block and the prefetched next one, and one block's unsharded
+    gradient before its reduce-scatter. TP moves activations only.
+    """
+    total = model.num_params()
+    block = sum(p.numel() for p in model.blocks[0].parameters())
+    if strategy in ("ddp", "zero"):
+        return BYTES_FP32 * total
+    if strategy in ("fsdp", "fsdp_tp"):
+        root = total - model.config.n_layer * block
+        return BYTES_FP32 * (root + 3 * block // (tp_size if strategy == "fsdp_tp" else 1))
+    return 0
+
+
+def memory_row(model: GPT, strategy: str, world_size: int, tp_size: int, batch_size: int,
+               rank: int = 0) -> dict[str, int]:
+    """Bytes `rank` holds under `strategy`: fp32 parameters and gradients, AdamW's state (two
+    moments per element and a 4-byte step per parameter it updates), buffers, activations."""
+    named = list(model.named_parameters())  # the tied wte/lm_head weight once
+    local = {name: math.prod(local_shape(name, tuple(p.shape), strategy, world_size, tp_size,
+                                         rank)) for name, p in named}
+    updated = zero_partition(model, world_size)[rank] if strategy == "zero" else set(local)
+    row = {
+        "parameters": BYTES_FP32 * sum(local.values()),
+        "gradients": BYTES_FP32 * sum(local.values()),
+        "optimizer": sum(2 * BYTES_FP32 * local[name] + BYTES_FP32 for name in updated),
+    }
+    row["model state"] = sum(row.values())
+    row["buffers"] = buffer_bytes(model, strategy, tp_size)
+    row["activations"] = activation_bytes(model, batch_size,
+                                          tp_size if strategy in ("tp", "fsdp_tp") else 1)
+    row["total"] = row["model state"] + row["buffers"] + row["activations"]
+    return row
+
+
+def memory_rows(model: GPT, world_size: int, tp_size: int, batch_size: int
+                ) -> list[dict[str, object]]:
+    """One row per strategy: rank 0's bytes (the largest share where shards are uneven)."""
+    rows = []
+    for strategy in STRATEGIES:
+        if strategy in ("tp", "fsdp_tp") and (model.config.n_head % tp_size
+                                              or model.config.n_embd % tp_size):
+            continue  # TP needs the heads and the width to split evenly
+        layout = f"{world_size} ranks" if strategy in ("ddp", "zero", "fsdp") else \
+            f"tp {tp_size} x dp {world_size // tp_size}"
+        sizes = memory_row(model, strategy, world_size, tp_size, batch_size)
+        rows.append({"strategy": strategy, "layout": layout,
+                     **{key: human_bytes(value) for key, value in sizes.items()}})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     presets = [args.preset] if args.preset else list(PRESETS)
     try:
+        if args.memory:
+            for preset in presets:
+                model = build_on_meta(preset, args.vocab_size, args.block_size)
+                print(f"{preset}: {model.num_params():,} parameters, vocab_size="
+                      f"{args.vocab_size}, block_size={args.block_size}, batch_size="
+                      f"{args.batch_size} per rank, fp32, AdamW; bytes per rank (rank 0)")
+                print_table(memory_rows(model, args.world_size, args.tp_size, args.batch_size))
+                print()
+            print("model state = parameters + gradients + optimizer (exp_avg, exp_avg_sq); "
+                  "buffers: DDP's gradient buckets, FSDP's gathered blocks; activations: a "
+                  "rough estimate (model_size.activation_bytes)")
+            return 0
         rows = [size_row(p, args.vocab_size, args.block_size) for p in presets]
     except ValueError as err:  # an invalid model config: one line, no traceback
         print(f"error: {err}", file=sys.stderr)

@@ -23,7 +23,14 @@ from tqdm import tqdm
 
 import snapshot
 from faults import inject_fault
-from metrics import device_name, peak_flops, peak_memory_mb, print0
+from metrics import (
+    device_name,
+    model_state_bytes,
+    peak_flops,
+    peak_memory_mb,
+    print0,
+    reset_peak_memory,
+)
 from parallelize import set_grad_sync
 from precision import autocast, grad_scaler
 
@@ -93,6 +100,10 @@ class Trainer:
         self.loss_count, self.tokens_since_log = 0, 0
         self.t_log = time.perf_counter()  # start of the current log interval
         self.bar: tqdm | None = None  # the progress bar, while train() runs
+        # Memory: this rank's model-state bytes (counted once, at the first step's end, when
+        # gradients and optimizer state exist) and every rank's setup peak (train() sets it).
+        self.model_state: dict[str, int] | None = None
+        self.setup_peak_mb: list[float] = []
         self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard")) if self.rank == 0 \
             else None
 
@@ -185,6 +196,8 @@ class Trainer:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.scaler.step(self.optimizer)  # fp16: skipped if gradients overflowed
         self.scaler.update()
+        if self.model_state is None:  # gradients are freed next: count them now
+            self.model_state = model_state_bytes(self.model, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
 
@@ -291,12 +304,32 @@ class Trainer:
             # evaluated when it was saved (evaluating it again would log that step twice).
             self._log_eval()
         # A progress bar on rank 0 only, and only on a terminal (log files get the log lines).
+        # The peak so far is the setup's (model, snapshot, first evaluation); from here on the
+        # peaks logged are training's, so DDP and FSDP compare on what training needs.
+        self.setup_peak_mb = peak_memory_mb(self.device)
+        reset_peak_memory(self.device)
         self.bar = tqdm(total=cfg.max_steps, initial=self.step, disable=True if self.rank
                         else None, dynamic_ncols=True, leave=False)
         self.t_log = time.perf_counter()
         while self.step < cfg.max_steps:
             self._run_epoch()
         self.bar.close()
+        self._log_memory()
         if self.writer:
             self.writer.close()
         return self.last_val[1]
+
+    def _log_memory(self) -> None:
+        """Every rank's setup and training peaks and model-state bytes, one row each (MB)."""
+        states: list = [None] * self.world_size
+        dist.all_gather_object(states, self.model_state)  # None where no step ran
+        rows = {"setup peak": self.setup_peak_mb, "training peak": peak_memory_mb(self.device)}
+        for key in ("parameters", "gradients", "optimizer"):
+            rows[key] = [s[key] / 2**20 if s else 0.0 for s in states]
+        print0("memory per rank (MB; peaks: " + ("CUDA allocated" if self.device.type == "cuda"
+                                                 else "resident set size") + "):")
+        for name, values in rows.items():
+            print0(f"  {name:<14}" + "".join(f"{v:>12,.1f}" for v in values))
+        if self.writer:
+            for r, mb in enumerate(self.setup_peak_mb):
+                self.writer.add_scalar(f"memory/setup_peak_mb_rank{r}", mb, self.step)
