@@ -29,10 +29,13 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from model import GPTConfig, resolve_config
 from precision import PRECISIONS
+from tensor_parallel import check_tp
 
 HERE = Path(__file__).resolve().parent
 CONFIG_NAME = "gpt2_train_cfg"
-DISTRIBUTED_METHODS = ("ddp", "fsdp")
+# README "Strategies" says what each buys; parallelize.py has one function per method.
+DISTRIBUTED_METHODS = ("ddp", "fsdp", "zero", "tp", "fsdp_tp", "dp")
+TP_METHODS = ("tp", "fsdp_tp")  # the methods that split each block's matmuls (tp_size)
 DEVICES = ("auto", "cpu", "cuda")
 # data_config.name -> the module that reads that data. The only list of data kinds: each module
 # has build_datasets(), check_config() for its own keys, and MATCH_KEYS for resuming.
@@ -47,6 +50,7 @@ class TrainerConfig:
     batch_size: int = MISSING
     grad_accum_steps: int = MISSING
     distributed_method: str = MISSING
+    tp_size: int = MISSING
     precision: str = MISSING
     cpu_offload: bool = MISSING
     activation_checkpointing: bool = MISSING
@@ -128,6 +132,22 @@ def _compose(overrides: list[str]) -> DictConfig:
             raise ValueError(" ".join(str(e).split())) from None
 
 
+def _check_dp(method: str, device: str) -> None:
+    """nn.DataParallel needs CUDA GPUs and exactly one process; say so before anything starts."""
+    if method != "dp":
+        return
+    if device == "cpu" or not torch.cuda.is_available():
+        raise ValueError("distributed_method=dp (nn.DataParallel) splits each batch across CUDA "
+                         "GPUs from one process, and this run has none (device=cpu or no GPU); "
+                         "use ddp, which runs on CPUs and GPUs")
+    # torchrun sets WORLD_SIZE; here, before the process group exists, it is the only source.
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        raise ValueError(f"distributed_method=dp runs in ONE process that drives every GPU, but "
+                         f"{world} processes were started: use python main.py, not torchrun "
+                         "(or use ddp, one process per GPU)")
+
+
 def validate(cfg: DictConfig) -> None:
     """Raise ValueError (one line) unless every key is known and every value is allowed."""
     unknown = sorted(set(cfg.keys()) - set(TOP_LEVEL))
@@ -156,6 +176,11 @@ def validate(cfg: DictConfig) -> None:
         _check(t[key] >= 0, f"trainer_config.{key}", "an integer >= 0", t[key])
     _check(t.distributed_method in DISTRIBUTED_METHODS, "trainer_config.distributed_method",
            f"one of {', '.join(DISTRIBUTED_METHODS)}", t.distributed_method)
+    _check(t.tp_size >= 0, "trainer_config.tp_size", "an integer >= 0 (0: every rank)",
+           t.tp_size)
+    _check(t.tp_size == 0 or t.distributed_method in TP_METHODS, "trainer_config.tp_size",
+           f"0 unless distributed_method is {' or '.join(TP_METHODS)}", t.tp_size)
+    _check_dp(t.distributed_method, t.device)
     _check(t.precision in PRECISIONS, "trainer_config.precision",
            f"one of {', '.join(PRECISIONS)}", t.precision)
     _check(t.device in DEVICES, "trainer_config.device", f"one of {', '.join(DEVICES)}", t.device)
@@ -191,9 +216,12 @@ def validate(cfg: DictConfig) -> None:
     # The model's own check (presets, n_embd % n_head, dropout, ...); vocab_size is a stand-in
     # here because it is only known once the data is read.
     try:
-        resolve_config(GPTConfig(**settings, vocab_size=1))
+        sizes = resolve_config(GPTConfig(**settings, vocab_size=1))
     except (TypeError, ValueError) as e:  # TypeError: e.g. a list where a number belongs
         raise ValueError(f"gpt_config: {e}") from None
+    if t.tp_size and init_from is None:  # tp_size 0 (every rank): checked once ranks exist
+        # Every TP rank computes n_head / tp_size heads and n_embd / tp_size MLP columns.
+        check_tp(sizes.n_head, sizes.n_embd, t.tp_size)
 
 
 def load(overrides: list[str]) -> DictConfig:

@@ -29,7 +29,7 @@ import snapshot
 from devices import backend_for, pick_device
 from metrics import print0
 from model import GPT, GPTConfig
-from parallelize import init_sharded, parallelize, unwrap
+from parallelize import build_optimizer, data_parallel, init_sharded, parallelize, unwrap
 from sample import generate_text
 from trainer import Trainer
 
@@ -104,15 +104,15 @@ def load_train_objs(cfg: DictConfig, device: torch.device) -> tuple:
     snapshot_meta = {"model_config": asdict(model.config), "data_meta": meta}
     flops_per_token = model.flops_per_token()
     model = parallelize(model, device, t.distributed_method, t.precision, t.cpu_offload,
-                        t.activation_checkpointing, t.compile)
+                        t.activation_checkpointing, t.compile, t.tp_size)
     if on_meta:  # the weights GPT(gpt_config) would have drawn, bit for bit, in shards
         init_sharded(model, device, t.cpu_offload)
     # Built after wrapping: FSDP has replaced every parameter with its sharded version.
     o = cfg.optimizer_config
-    optimizer = torch.optim.AdamW(unwrap(model).optim_groups(o.weight_decay), lr=o.lr,
-                                  betas=tuple(o.betas))
-    # From here on each rank draws its own dropout masks (a resume restores these streams).
-    torch.manual_seed(cfg.trainer_config.seed + dist.get_rank())
+    optimizer = build_optimizer(model, t.distributed_method, o.lr, o.betas, o.weight_decay)
+    # From here on each rank draws its own dropout masks (a resume restores these streams),
+    # except that one tensor-parallel group's ranks draw the same: they hold the same activations.
+    torch.manual_seed(cfg.trainer_config.seed + data_parallel(model)[0])
     return model, optimizer, train_set, val_set, data, snapshot_meta, flops_per_token
 
 

@@ -1,14 +1,19 @@
 """Wrap a freshly built model for distributed training; the model itself knows nothing of it.
 
     model = parallelize(GPT(config).to(device), device, method="fsdp", precision="bf16")
-    optimizer = AdamW(unwrap(model).optim_groups(0.1))  # only now: FSDP replaces the parameters
+    optimizer = build_optimizer(model, "fsdp", lr=3e-3)  # only now: FSDP replaces parameters
 
-Order matters: activation checkpointing and torch.compile wrap each block first, then DDP or
-FSDP wraps the result, and the optimizer is built last, from the wrapped model's parameters.
-One function per strategy (apply_ddp, apply_fsdp); `parallelize` picks one by name.
+Order matters: activation checkpointing and torch.compile wrap each block first, then the
+strategy wraps the result, and the optimizer is built last, from the wrapped model's
+parameters. One function per strategy; `parallelize` picks one by name (README: Strategies):
+- ddp: a whole replica per rank, gradients all-reduced.   zero: ddp + sharded optimizer state.
+- fsdp: parameters, gradients and optimizer state sharded over all ranks (FSDP2).
+- tp: every block's matmuls split over all ranks (tensor_parallel.py).
+- fsdp_tp: a 2-D mesh, dp x tp: TP inside each group of tp_size ranks, FSDP across groups.
+- dp: nn.DataParallel, one process driving every GPU (the legacy contrast to ddp).
 """
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
@@ -18,12 +23,17 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
     checkpoint_wrapper,
 )
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from precision import fsdp_policy
+from tensor_parallel import apply_tp
+
+# The strategies that split each block's matmuls: they keep a (dp, tp) mesh on the model.
+TP_METHODS = ("tp", "fsdp_tp")
 
 
 def wrap_blocks(model: nn.Module, activation_checkpointing: bool, compile: bool) -> None:
@@ -41,19 +51,22 @@ def wrap_blocks(model: nn.Module, activation_checkpointing: bool, compile: bool)
 
 
 def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:
-    """DDP: a whole replica per rank, gradients all-reduced in backward."""
+    """DDP (and zero): a whole replica per rank, gradients all-reduced in backward."""
     # DDP broadcasts rank 0's weights at construction and all-reduces gradients in backward.
     # device_ids only for a GPU: on the CPU DDP must get none.
     return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
 
 def apply_fsdp(model: nn.Module, device: torch.device, precision: str = "fp32",
-               cpu_offload: bool = False) -> nn.Module:
+               cpu_offload: bool = False, mesh: DeviceMesh | None = None) -> nn.Module:
     """FSDP2: every block sharded on its own, then the root (embeddings, final LayerNorm)."""
     # Each block's parameters are all-gathered just before it runs and freed right after, so
     # only one block is ever whole in memory. Compute in `precision`, reduce gradients in fp32.
-    # A 1-D mesh over all ranks, on this process's device type: pure data-parallel sharding.
-    kwargs: dict = {"mesh": init_device_mesh(device.type, (dist.get_world_size(),))}
+    # By default a 1-D mesh over all ranks, on this process's device type: pure data-parallel
+    # sharding; fsdp_tp passes the mesh's dp dimension instead.
+    if mesh is None:
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    kwargs: dict = {"mesh": mesh}
     if precision != "fp32":
         kwargs["mp_policy"] = fsdp_policy(precision)
     if cpu_offload:
@@ -66,23 +79,125 @@ def apply_fsdp(model: nn.Module, device: torch.device, precision: str = "fp32",
     return model
 
 
+def tp_mesh(device: torch.device, tp_size: int) -> DeviceMesh:
+    """A (dp, tp) mesh: consecutive ranks form a TP group (on one node, the fast links)."""
+    world = dist.get_world_size()
+    tp = tp_size or world  # 0: every rank in one TP group
+    if world % tp:
+        raise ValueError(f"trainer_config.tp_size={tp} must divide the world size {world} "
+                         "(the ranks form world_size / tp_size tensor-parallel groups)")
+    return init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+
+
+def apply_tensor_parallel(model: nn.Module, device: torch.device, method: str,
+                          tp_size: int = 0, precision: str = "fp32") -> nn.Module:
+    """tp: all ranks in one TP group. fsdp_tp: TP in groups of tp_size, FSDP across them."""
+    mesh = tp_mesh(device, tp_size)
+    if method == "tp" and mesh["dp"].size() > 1:
+        # Pure TP has nothing that would average gradients across TP groups.
+        raise ValueError(f"distributed_method=tp puts every rank in one tensor-parallel group, "
+                         f"so tp_size must be 0 or the world size ({dist.get_world_size()}), "
+                         f"got {tp_size}; use fsdp_tp for data parallelism across TP groups")
+    apply_tp(model, mesh["tp"])
+    if method == "fsdp_tp":
+        # FSDP over the dp dimension only: each parameter's TP shard is sharded once more.
+        apply_fsdp(model, device, precision, mesh=mesh["dp"])
+    model.dp_tp_mesh = mesh  # data_parallel() reads it: the trainer deals data out over dp
+    return model
+
+
+def apply_dp(model: nn.Module, device: torch.device) -> nn.Module:
+    """nn.DataParallel: ONE process drives all visible GPUs (the legacy way, README)."""
+    # Each forward copies the weights from the first GPU to every other one, splits the batch
+    # across them, runs the replicas in threads (under Python's GIL) and gathers the outputs
+    # back on the first GPU. DDP replaced it: one process per GPU, no per-step weight copies.
+    if device.type != "cuda":
+        raise ValueError("distributed_method=dp (nn.DataParallel) splits each batch across "
+                         "CUDA GPUs and needs at least one; on the CPU use ddp")
+    if dist.get_world_size() > 1:
+        raise ValueError(f"distributed_method=dp runs in ONE process that drives every GPU, "
+                         f"got {dist.get_world_size()} processes: start it with python main.py, "
+                         "not torchrun (or use ddp)")
+    return nn.DataParallel(model)
+
+
 def parallelize(model: nn.Module, device: torch.device, method: str = "ddp",
                 precision: str = "fp32", cpu_offload: bool = False,
-                activation_checkpointing: bool = False, compile: bool = False) -> nn.Module:
-    """`model` wrapped by `method` (ddp or fsdp); its `blocks` (a ModuleList) are the units."""
+                activation_checkpointing: bool = False, compile: bool = False,
+                tp_size: int = 0) -> nn.Module:
+    """`model` wrapped by `method`; its `blocks` (a ModuleList) are the units of wrapping.
+
+    ValueError (one line) where the world size or the model does not fit the method."""
     wrap_blocks(model, activation_checkpointing, compile)
-    if method == "ddp":
+    if method in ("ddp", "zero"):  # zero differs only in its optimizer (build_optimizer)
         return apply_ddp(model, device)
-    return apply_fsdp(model, device, precision, cpu_offload)
+    if method == "fsdp":
+        return apply_fsdp(model, device, precision, cpu_offload)
+    if method in TP_METHODS:
+        return apply_tensor_parallel(model, device, method, tp_size, precision)
+    if method == "dp":
+        return apply_dp(model, device)
+    raise ValueError(f"unknown distributed_method {method!r}")
+
+
+def build_optimizer(model: nn.Module, method: str, lr: float, betas: Iterable[float] = (0.9, 0.95),
+                    weight_decay: float = 0.1) -> torch.optim.Optimizer:
+    """AdamW over the wrapped model's parameters; for zero, each rank keeps 1/world of its state.
+
+    ZeroRedundancyOptimizer gives every parameter an owner rank: only the owner keeps its
+    AdamW moments and updates it, then broadcasts the new values. Gradients are still
+    all-reduced whole by DDP (ZeRO stage 1: optimizer state sharded, nothing else)."""
+    groups = unwrap(model).optim_groups(weight_decay)
+    if method == "zero":
+        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, lr=lr,
+                                       betas=tuple(betas))
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas))
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The model whose methods (generate, optim_groups) to call: DDP hides it in `.module`.
+    """The model whose methods (generate, optim_groups) to call: DDP and DataParallel hide it
+    in `.module`.
 
     An FSDP2 model is its own root (fully_shard changes the class in place), and must be called
-    through it: its forward hooks gather the sharded parameters.
+    through it: its forward hooks gather the sharded parameters. So is a TP model.
     """
-    return model.module if isinstance(model, DDP) else model
+    return model.module if isinstance(model, DDP | nn.DataParallel) else model
+
+
+def data_parallel(model: nn.Module) -> tuple[int, int]:
+    """(rank, size) among the ranks that see different data: the dp dimension of a TP mesh.
+
+    Every rank of one TP group computes on the same batch (each with its slice of the weights),
+    so samplers, seeds and tokens/s count data-parallel ranks, not processes."""
+    mesh = getattr(unwrap(model), "dp_tp_mesh", None)
+    if mesh is None:
+        return dist.get_rank(), dist.get_world_size()
+    return mesh["dp"].get_local_rank(), mesh["dp"].size()
+
+
+def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """torch's clip_grad_norm_, also for gradients that live on different meshes (TP).
+
+    Under TP some gradients are DTensors (sharded over the TP or the 2-D mesh), others plain
+    replicated tensors (LayerNorms, embeddings), and torch's version refuses to mix them. So
+    the norm is taken per kind, each made global (`full_tensor()` sums a sharded norm over its
+    mesh), and the squares added up."""
+    params = [p for p in parameters if p.grad is not None]
+    kinds: dict = {}  # mesh (None: plain tensors) -> its gradients, in parameter order
+    for p in params:
+        kinds.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None,
+                         []).append(p.grad)
+    if len(kinds) <= 1:  # DDP, FSDP: one kind, torch's own (fused) version
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    norms = []
+    for grads in kinds.values():  # the same order on every rank: the collectives match
+        norm = torch.nn.utils.get_total_norm(grads)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    coef = min(1.0, max_norm / (total.item() + 1e-6))  # as torch clamps it
+    for grads in kinds.values():
+        torch._foreach_mul_(grads, coef)
+    return total
 
 
 def set_grad_sync(model: nn.Module, sync: bool) -> AbstractContextManager:

@@ -5,12 +5,15 @@
 
 This module owns every layout; the trainer only gives and takes its own state dict. Two
 layouts, chosen by the distributed method (LAYOUTS):
-- ddp: every rank holds the whole model, so global rank 0 writes ONE file at `snapshot_path`
-  (model, optimizer, schedule, scaler, step, data position, every rank's RNG, configs).
-- fsdp: no rank holds the whole model. `torch.distributed.checkpoint` (DCP) has every rank write
-  its own shards in parallel into `snapshot_path/step_XXXXXXXX/`; rank 0 adds `train_state.pt`
-  (everything but model and optimizer) and then `snapshot_path/latest`, which names the newest
-  complete step directory. DCP reshards on load, so a different number of ranks can resume.
+- ddp (also zero, dp): every rank holds the whole model, so global rank 0 writes ONE file at
+  `snapshot_path` (model, optimizer, schedule, scaler, step, data position, every rank's RNG,
+  configs). ZeRO's optimizer state is spread over the ranks: it is gathered to rank 0 first
+  (consolidate_state_dict), so the file is the same as DDP's and either method resumes it.
+- fsdp (also tp, fsdp_tp): no rank holds the whole model. `torch.distributed.checkpoint`
+  (DCP) has every rank write its own shards in parallel into `snapshot_path/step_XXXXXXXX/`;
+  rank 0 adds `train_state.pt` (everything but model and optimizer) and then
+  `snapshot_path/latest`, which names the newest complete step directory. DCP reshards on
+  load, so another number of ranks, or another of these methods, can resume.
   A step directory that `latest` does not name is an interrupted save: it is never loaded.
 
 Everything is loaded to the CPU; `load_state_dict` then copies weights and optimizer state to
@@ -37,13 +40,17 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from parallelize import unwrap
+from tensor_parallel import load_strided, whole_strided
 
 TRAIN_STATE = "train_state.pt"
 LATEST = "latest"
 # distributed_method -> layout: "ddp" one file of whole tensors, "fsdp" a directory of shards.
-LAYOUTS = {"ddp": "ddp", "fsdp": "fsdp"}
+# Methods of one layout resume each other's snapshots (DCP reshards between fsdp and TP).
+LAYOUTS = {"ddp": "ddp", "zero": "ddp", "dp": "ddp", "fsdp": "fsdp", "tp": "fsdp",
+           "fsdp_tp": "fsdp"}
 # Model config keys that may differ between a snapshot and the run loading it.
 NOT_ARCHITECTURE = ("model_type", "dropout")
 
@@ -200,7 +207,8 @@ def save_sharded(url: str, step: int, model: torch.nn.Module, optimizer: torch.o
     dist.barrier()  # ... and removed before any rank writes into it again
     # Sharded state dicts: each rank only holds (and writes) its own shards, no gather.
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=_writer(f"{url}/{name}"))
+    dcp.save(whole_strided({"model": model_sd, "optim": optim_sd}),
+             storage_writer=_writer(f"{url}/{name}"))
     # dcp.save is collective: it returns only once every rank's shards are written and rank 0
     # (its coordinator) has written .metadata, so the step directory is complete here. One
     # writer commits, so `latest` never sees two ranks' writes at once.
@@ -243,7 +251,7 @@ def load_sharded(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimi
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     try:
-        dcp.load(state, storage_reader=_reader(checkpoint))
+        load_strided(state, lambda tree: dcp.load(tree, storage_reader=_reader(checkpoint)))
     # DCP raises CheckpointException, a BaseException, when any rank fails to read.
     except (Exception, CheckpointException) as e:  # missing or truncated shards, bad metadata
         raise SnapshotError(f"cannot load sharded snapshot {checkpoint} ({_reason(e)}): it is "
@@ -300,7 +308,11 @@ def save(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.O
     snapshot (a fault-injection point)."""
     if LAYOUTS[method] == "fsdp":
         save_sharded(url, state["step"], model, optimizer, state, before_commit)
-    elif dist.get_rank() == 0:  # every rank holds the same weights: one writer is enough
+        return
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        # Collective: every rank sends the state of the parameters it owns to rank 0.
+        optimizer.consolidate_state_dict(to=0)
+    if dist.get_rank() == 0:  # every rank holds the same weights: one writer is enough
         save_file(url, {**state, "model": unwrap(model).state_dict(),  # no "module." prefix
                         "optimizer": optimizer.state_dict()}, before_commit)
 
@@ -327,6 +339,7 @@ def load(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.O
     if kind == "ddp":  # load_state_dict copies each tensor to where its parameter lives
         # pop: the state returned to the trainer must not keep a second copy of the weights.
         unwrap(model).load_state_dict(state.pop("model"))
+        # ZeRO: each rank keeps the state of the parameters it owns from the whole dict.
         optimizer.load_state_dict(state.pop("optimizer"))
     else:
         load_sharded(url, model, optimizer)

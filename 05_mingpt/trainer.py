@@ -31,7 +31,7 @@ from metrics import (
     print0,
     reset_peak_memory,
 )
-from parallelize import set_grad_sync
+from parallelize import clip_grad_norm_, data_parallel, set_grad_sync
 from precision import autocast, grad_scaler
 
 # The settings that shape the lr schedule besides the base lr (LambdaLR saves none of them).
@@ -69,6 +69,9 @@ class Trainer:
         self.cfg, self.device = cfg, device
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.model, self.optimizer = model, optimizer
+        # The ranks that see different data: all of them, except under tensor parallelism,
+        # where the ranks of one TP group share each batch (samplers, seeds, tokens/s use these).
+        self.dp_rank, self.dp_size = data_parallel(model)
         self.train_set, self.val_set = train_set, val_set
         self.snapshot_meta, self.flops_per_token = snapshot_meta, flops_per_token
         self.scheduler = LambdaLR(optimizer, partial(
@@ -76,10 +79,10 @@ class Trainer:
             min_lr_ratio=cfg.min_lr_ratio))
         self.scaler = grad_scaler(device, cfg.precision)
         # An epoch must fill at least one optimizer step, or training would loop forever.
-        per_rank, needed = len(train_set) // self.world_size, cfg.batch_size * cfg.grad_accum_steps
+        per_rank, needed = len(train_set) // self.dp_size, cfg.batch_size * cfg.grad_accum_steps
         if per_rank < needed:
             raise ValueError(f"each rank gets {per_rank} samples per epoch ({len(train_set)} "
-                             f"training samples / {self.world_size} ranks); one step needs "
+                             f"training samples / {self.dp_size} ranks); one step needs "
                              f"batch_size × grad_accum_steps = {cfg.batch_size} × "
                              f"{cfg.grad_accum_steps} = {needed}: lower them, or use more data "
                              "or fewer processes")
@@ -87,10 +90,11 @@ class Trainer:
         # world size (rounded down to a multiple of it), split evenly across the ranks, so val
         # losses of runs on different numbers of processes compare.
         n_val = min(len(val_set), cfg.eval_batches * cfg.batch_size)
-        n_val = max(1, n_val // self.world_size) * self.world_size
+        n_val = max(1, n_val // self.dp_size) * self.dp_size
         chosen = torch.randperm(len(val_set), generator=torch.Generator().manual_seed(cfg.seed))
         self.val_subset = Subset(val_set, chosen[:n_val].tolist())
-        self.val_sampler = DistributedSampler(self.val_subset, shuffle=False)
+        self.val_sampler = DistributedSampler(self.val_subset, self.dp_size, self.dp_rank,
+                                              shuffle=False)
         # Position in training: the next step to run, and where in which epoch its data starts.
         self.step, self.epoch, self.samples_in_epoch = 0, 0, 0
         # The newest validation loss and its step: (step, loss), or None before the first.
@@ -135,7 +139,7 @@ class Trainer:
         if len(state["rng"]) == self.world_size:
             snapshot.set_rng_state(state["rng"][self.rank], self.device)  # our own streams
         else:  # a different number of ranks: new (but still reproducible) dropout streams
-            torch.manual_seed(self.cfg.seed + 1000 * self.step + self.rank)
+            torch.manual_seed(self.cfg.seed + 1000 * self.step + self.dp_rank)
             self.last_val = None  # evaluate the resharded weights once more, to show they load
             print0(f"snapshot saved by {len(state['rng'])} ranks, now {self.world_size}: the "
                    "rest of the epoch is dealt out anew (each sample still once), dropout "
@@ -186,6 +190,7 @@ class Trainer:
             with set_grad_sync(self.model, sync=i == n - 1):
                 with autocast(self.device, self.cfg.precision):
                     _, loss = self.model(x, y)
+                    loss = loss.mean()  # nn.DataParallel returns one loss per GPU
                 self.scaler.scale(loss / n).backward()  # mean over the micro-steps
             self.loss_sum += loss.detach().float()
             self.loss_count += 1
@@ -193,7 +198,7 @@ class Trainer:
         if self.cfg.grad_clip > 0:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not scaled ones
             # Works on FSDP's sharded (DTensor) gradients too: the norm covers all shards.
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+            clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.scaler.step(self.optimizer)  # fp16: skipped if gradients overflowed
         self.scaler.update()
         if self.model_state is None:  # gradients are freed next: count them now
@@ -206,12 +211,12 @@ class Trainer:
         cfg = self.cfg
         # A new shuffle each epoch; samples before samples_in_epoch were trained on already.
         indices = rank_indices(len(self.train_set), self.epoch, cfg.seed, self.samples_in_epoch,
-                               self.rank, self.world_size)
+                               self.dp_rank, self.dp_size)
         loader = DataLoader(
             self.train_set, batch_size=cfg.batch_size, sampler=indices, drop_last=True,
             num_workers=cfg.data_loader_workers, pin_memory=self.device.type == "cuda",
             # Its own generator: creating the iterator must not draw from the global RNG.
-            generator=torch.Generator().manual_seed(cfg.seed + self.epoch * 1000 + self.rank))
+            generator=torch.Generator().manual_seed(cfg.seed + self.epoch * 1000 + self.dp_rank))
         batches = iter(loader)
         while self.step < cfg.max_steps:
             micro_batches = list(islice(batches, cfg.grad_accum_steps))
@@ -221,7 +226,7 @@ class Trainer:
             inject_fault(self.step)
             self._run_batch(micro_batches)
             self.step += 1
-            self.samples_in_epoch += cfg.grad_accum_steps * cfg.batch_size * self.world_size
+            self.samples_in_epoch += cfg.grad_accum_steps * cfg.batch_size * self.dp_size
             self._after_step()
 
     def _after_step(self) -> None:
@@ -243,7 +248,7 @@ class Trainer:
         dist.all_reduce(totals)  # the one host sync of the train loss per log interval
         loss = (totals[0] / totals[1]).item()
         elapsed = time.perf_counter() - self.t_log
-        tokens_per_s = self.tokens_since_log * self.world_size / elapsed
+        tokens_per_s = self.tokens_since_log * self.dp_size / elapsed  # TP ranks share tokens
         memory = peak_memory_mb(self.device)
         lr = self.scheduler.get_last_lr()[0]
         line = (f"step {self.step}/{self.cfg.max_steps} | loss {loss:.4f} | lr {lr:.2e} | "
@@ -277,6 +282,7 @@ class Trainer:
             x, y = x.to(self.device), y.to(self.device)
             with autocast(self.device, self.cfg.precision):
                 _, loss = self.model(x, y)
+                loss = loss.mean()  # nn.DataParallel: one loss per GPU
             totals += torch.stack([loss.float() * y.numel(), torch.tensor(y.numel(),
                                                                           device=self.device)])
         dist.all_reduce(totals)  # sums over ranks: the mean over every evaluated token
@@ -295,10 +301,12 @@ class Trainer:
     def train(self) -> float:
         """Train up to max_steps; returns the final validation loss."""
         cfg = self.cfg
-        tokens = cfg.batch_size * cfg.grad_accum_steps * self.world_size
+        tokens = cfg.batch_size * cfg.grad_accum_steps * self.dp_size
         print0(f"training steps {self.step}..{cfg.max_steps}: {tokens} sequences per step "
-               f"(batch_size {cfg.batch_size} x grad_accum_steps {cfg.grad_accum_steps} x world "
-               f"size {self.world_size}), {len(self.train_set):,} training samples")
+               f"(batch_size {cfg.batch_size} x grad_accum_steps {cfg.grad_accum_steps} x "
+               + (f"world size {self.world_size}" if self.dp_size == self.world_size else
+                  f"{self.dp_size} data-parallel groups of {self.world_size // self.dp_size}")
+               + f"), {len(self.train_set):,} training samples")
         if self.last_val is None or self.last_val[0] != self.step:
             # Where we start from: an untrained model, or a resumed one whose snapshot was not
             # evaluated when it was saved (evaluating it again would log that step twice).

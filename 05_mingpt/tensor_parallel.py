@@ -1,0 +1,123 @@
+"""Tensor parallelism (TP) for the GPT blocks, with DTensor's `parallelize_module`.
+
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    apply_tp(model, mesh["tp"])  # then, for fsdp_tp, fully_shard over mesh["dp"]
+
+Each block's matmuls are split across the `tp` ranks of a group (Megatron-LM's layout):
+- attention: q, k and v column-wise, so every rank computes its own n_head / tp heads; the
+  output projection row-wise, so the partial results are summed by one all-reduce.
+- MLP: the widening matmul column-wise (4 * n_embd / tp columns each), GELU on the local
+  columns, the projection row-wise (one more all-reduce).
+Two all-reduces per block forward (and two in backward), so TP belongs on fast links (inside
+a node). The embeddings, LayerNorms and lm_head stay whole on every rank of the group: with a
+65-character vocabulary, sharding them would save nothing and add communication.
+
+All ranks of one TP group must see the same batch and draw the same dropout masks outside
+attention: the trainer deals data out over the `dp` mesh dimension only (data_parallel()).
+model.py knows nothing of this: its attention derives the local head count from the width of
+the q/k/v projection it gets (n_embd / tp under TP, n_embd otherwise).
+"""
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.placement_types import _StridedShard
+
+
+class QKVColwiseParallel(ColwiseParallel):
+    """Column-wise for the fused q/k/v projection `c_attn` (weight (3 * C, C), GPT-2's layout).
+
+    A plain column-wise split would give rank 0 of 2 all of q and half of k. Instead each of
+    q, k and v is split on its own and every rank gets its slice of all three: the placement
+    `_StridedShard(0, split_factor=3)` ("cut into 3 chunks, then shard each chunk") says so,
+    so the parameter names, the saved (global) weights and GPT-2 checkpoints stay as they are.
+    """
+
+    def __init__(self) -> None:
+        # The matmul's output keeps the same interleaving: locally (B, T, 3 * C / tp) = the
+        # rank's q, k and v side by side, which the attention splits in three.
+        super().__init__(output_layouts=_StridedShard(2, split_factor=3))
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh
+                             ) -> None:
+        for pname, param in module.named_parameters():
+            placement = [_StridedShard(0, split_factor=3)]
+            dist_param = nn.Parameter(distribute_tensor(param, device_mesh, placement,
+                                                        src_data_rank=self.src_data_rank),
+                                      requires_grad=param.requires_grad)
+            module.register_parameter(pname, dist_param)
+
+
+def check_tp(n_head: int, n_embd: int, tp_size: int) -> None:
+    """ValueError (one line) unless the heads and the width split evenly over `tp_size` ranks."""
+    if n_head % tp_size or n_embd % tp_size:
+        raise ValueError(f"tensor parallelism over tp_size={tp_size} ranks needs n_head and "
+                         f"n_embd divisible by {tp_size}, got n_head={n_head}, n_embd={n_embd}; "
+                         "change the model or trainer_config.tp_size")
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Shard every block's attention and MLP over `tp_mesh`, in place."""
+    check_tp(model.config.n_head, model.config.n_embd, tp_mesh.size())
+    plan = {
+        "attn.c_attn": QKVColwiseParallel(),
+        # Row-wise: the input arrives sharded on its last dim (the local heads, or the local
+        # MLP columns); the output is summed over the group and comes back whole (Replicate).
+        "attn.c_proj": RowwiseParallel(),
+        "mlp.c_fc": ColwiseParallel(),
+        "mlp.c_proj": RowwiseParallel(),
+    }
+    for block in model.blocks:
+        parallelize_module(block, tp_mesh, plan)
+
+
+def _is_strided(value: object) -> bool:
+    return isinstance(value, DTensor) and any(isinstance(p, _StridedShard)
+                                              for p in value.placements)
+
+
+def whole_strided(tree: object) -> object:
+    """`tree` (a state dict) with every strided DTensor gathered into a whole tensor.
+
+    TP's fused q/k/v weights are strided shards (tensor_parallel.py): a rank's slice is three
+    separate row ranges of the global tensor, and DCP describes a shard by one offset, so it
+    cannot save them as they are. They are saved whole instead (gathered on every rank for
+    the save; DCP writes identical tensors once): a quarter of each block's weights, and the
+    snapshot keeps GPT-2's layout, so any strategy and sample.py read it."""
+    if isinstance(tree, dict):
+        return {key: whole_strided(value) for key, value in tree.items()}
+    return tree.full_tensor() if _is_strided(tree) else tree
+
+
+def load_strided(tree: dict, load: Callable[[dict], None]) -> None:
+    """`load(tree)` with every strided DTensor read whole, then cut into this rank's slice."""
+    strided: list[tuple[dict, str, DTensor]] = []
+
+    def swap(node: dict) -> None:  # strided DTensors -> whole-size plain tensors, to read into
+        for key, value in node.items():
+            if isinstance(value, dict):
+                swap(value)
+            elif _is_strided(value):
+                strided.append((node, key, value))
+                node[key] = torch.empty(value.shape, dtype=value.dtype,
+                                        device=value.to_local().device)
+    swap(tree)
+    load(tree)
+    for node, key, value in strided:
+        # src_data_rank=None: every rank read the whole tensor, each keeps its own slice.
+        mine = distribute_tensor(node[key], value.device_mesh, value.placements,
+                                 src_data_rank=None)
+        value.to_local().copy_(mine.to_local())
+        node[key] = value
+
+
+def local_numel(param: torch.Tensor) -> int:
+    """Elements this rank stores: a DTensor's numel() is the global size."""
+    return param.to_local().numel() if hasattr(param, "to_local") else param.numel()
