@@ -1,0 +1,237 @@
+"""05_mingpt's strategies beyond DDP (zero, tp, fsdp_tp, dp): the same loss trajectory as DDP,
+exact resume, snapshots that other strategies and sample.py load, and one-line errors.
+
+All multi-rank checks run in ONE pair of spawned gloo processes (a process group is one per
+process), which train every strategy in-process through main.load_train_objs and the Trainer,
+as main.py does. The rest runs in this process (a one-rank group) or is plain config checking.
+"""
+import contextlib
+import gc
+import io
+import json
+import re
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  imported before any group exists (test_teardown.py)
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from conftest import REPO, TORCHRUN, run
+from mingpt_helpers import copy_mingpt, mingpt_imported, tiny, train_losses, val_losses
+
+CPU = torch.device("cpu")
+# method -> (batch_size per data-parallel rank, tp_size). On 2 ranks, ddp, zero and fsdp split
+# each step's 8 sequences 4 + 4; tp and fsdp_tp (dp=1 x tp=2) give both ranks all 8. The
+# trainer deals the same permutation over the dp ranks, so every method trains on the same
+# 8 sequences per step and the loss trajectories compare.
+METHODS = {"ddp": (4, 0), "zero": (4, 0), "fsdp": (4, 0), "tp": (8, 0), "fsdp_tp": (8, 2)}
+# Train losses (log lines, 4 decimals) of every method within this of DDP's, at every step:
+# the sums run in another order (sharded matmuls, all-reduce), which moves the 6th-7th digit.
+LOSS_TOLERANCE = 2e-4
+STEPS, HALF = 4, 2
+
+
+def overrides(method: str, run_dir: Path, text: Path, max_steps: int) -> list[str]:
+    batch, tp_size = METHODS[method]
+    return tiny(f"run_dir={run_dir}", f"data_config.path={text}",
+                f"trainer_config.distributed_method={method}", f"trainer_config.tp_size={tp_size}",
+                f"trainer_config.batch_size={batch}", f"trainer_config.max_steps={max_steps}",
+                # No dropout: TP's ranks draw other masks than DDP's. A constant lr after the
+                # warmup: the 3-step run is exactly the first half of the 6-step one.
+                "gpt_config.dropout=0.0", "trainer_config.min_lr_ratio=1.0",
+                "trainer_config.log_every=1", "trainer_config.save_every=0",
+                "trainer_config.eval_batches=2", "trainer_config.sample_tokens=0")
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def fit(m: dict, args: list[str]) -> tuple[str, dict]:
+    """main.train's steps in this process: build, resume, train; (rank 0's log, full weights)."""
+    cfg = m["config"].load(args)
+    t = cfg.trainer_config
+    model, optimizer, train_set, val_set, data, meta, flops = \
+        m["main"].load_train_objs(cfg, CPU)
+    trainer = m["trainer"].Trainer(t, model, optimizer, train_set, val_set, CPU, cfg.run_dir,
+                                   meta, flops)
+    state = m["snapshot"].load(t.snapshot_path, t.distributed_method, model, optimizer, meta,
+                               data.MATCH_KEYS)
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        if state is not None:
+            trainer.load_state_dict(state)
+        trainer.train()
+    # Collective for DTensors (tp, fsdp): every rank gathers each whole tensor in turn.
+    weights = {k: full(v).clone() for k, v in m["parallelize"].unwrap(model).state_dict().items()}
+    return log.getvalue(), weights
+
+
+def _worker(rank: int, store: str, out: str, text: str) -> None:
+    torch.set_num_threads(1)  # two processes share the cores
+    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,
+                            timeout=timedelta(seconds=120))
+    out_dir, result = Path(out), {}
+    with mingpt_imported("main", "tensor_parallel") as m:
+        for method in METHODS:
+            whole, half = out_dir / f"{method}_whole", out_dir / f"{method}_half"
+            log, weights = fit(m, overrides(method, whole, text, STEPS))
+            fit(m, overrides(method, half, text, HALF))  # saves at step HALF ...
+            resumed_log, resumed = fit(m, overrides(method, half, text, STEPS))  # ... resumes
+            result[method] = {"log": log, "resumed_log": resumed_log,
+                              "resumed_equal": all(torch.equal(weights[k], resumed[k])
+                                                   for k in weights)}
+            if rank == 0:
+                torch.save(weights, out_dir / f"{method}.pt")
+        # Another strategy of the same layout resumes each snapshot: DCP reshards tp's into
+        # fsdp's shards (and fsdp's into tp's); zero's file is ddp's and the other way round.
+        for method, into in (("tp", "fsdp"), ("zero", "ddp")):
+            args = overrides(into, out_dir / f"{method}_whole", text, STEPS)
+            _, weights = fit(m, args)
+            saved = torch.load(out_dir / f"{method}.pt") if rank == 0 else None
+            result[f"{method}->{into}"] = rank != 0 or all(
+                torch.equal(weights[k], saved[k]) for k in weights)
+        result["errors"] = mesh_errors(m)
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+    # As main.release_group: free the meshes' group references so gloo's threads are joined.
+    for mesh in [o for o in gc.get_objects() if issubclass(type(o), DeviceMesh)]:
+        getattr(mesh, "_pg_registry", {}).clear()
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def mesh_errors(m: dict) -> dict[str, str]:
+    """The one-line ValueErrors where the world size (2) or the model does not fit the mesh."""
+    model = m["model"]
+    cases = {"tp_size=3": ("fsdp_tp", 3, 2), "tp over half": ("tp", 1, 2),
+             "n_head=3": ("tp", 0, 3)}
+    errors = {}
+    for name, (method, tp_size, n_head) in cases.items():
+        gpt = model.GPT(model.GPTConfig(model_type=None, n_layer=1, n_head=n_head,
+                                        n_embd=8 * n_head, vocab_size=5, block_size=4))
+        try:
+            m["parallelize"].parallelize(gpt, CPU, method, tp_size=tp_size)
+        except ValueError as e:
+            errors[name] = str(e)
+    return errors
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    """Both ranks' results; the weights are in out/<method>.pt, snapshots in out/<method>_*."""
+    out = tmp_path_factory.mktemp("strategies")
+    text = out / "input.txt"  # 40,000 characters of the usual text: fast to read, same vocab
+    text.write_text((REPO / "05_mingpt/data/input.txt").read_text()[:40_000])
+    mp.start_processes(_worker, args=(str(out / "store"), str(out), str(text)), nprocs=2,
+                       start_method="spawn")  # any failure, an abort at exit too, raises
+    return out, [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_every_strategy_follows_ddps_loss_trajectory(spawned):
+    _, (result, _) = spawned
+    ddp = train_losses(result["ddp"]["log"])
+    assert sorted(ddp) == list(range(1, STEPS + 1)) and ddp[STEPS] < ddp[1] - 0.1, ddp
+    for method in METHODS:
+        losses = train_losses(result[method]["log"])
+        assert sorted(losses) == sorted(ddp), (method, losses)
+        worst = max(abs(losses[s] - ddp[s]) for s in ddp)
+        assert worst <= LOSS_TOLERANCE, (method, losses, ddp)
+
+
+def test_every_strategy_resumes_bitwise(spawned):
+    for rank, result in enumerate(spawned[1]):
+        for method in METHODS:
+            r = result[method]
+            assert r["resumed_equal"], method  # the final weights, bit for bit, on each rank
+            if rank:
+                continue  # the log lines come from rank 0
+            whole, resumed = train_losses(r["log"]), train_losses(r["resumed_log"])
+            assert sorted(resumed) == list(range(HALF + 1, STEPS + 1)), (method, resumed)
+            assert all(resumed[s] == whole[s] for s in resumed), (method, resumed, whole)
+            assert val_losses(r["resumed_log"])[STEPS] == val_losses(r["log"])[STEPS], method
+            assert "resumed from" in r["resumed_log"], method
+
+
+def test_snapshots_load_into_another_strategy_of_their_layout(spawned):
+    for result in spawned[1]:
+        for pair in ("tp->fsdp", "zero->ddp"):
+            assert result[pair] is True, pair
+
+
+def test_sample_loads_every_strategys_snapshot(spawned):
+    out, _ = spawned
+    with mingpt_imported("tensor_parallel") as m:
+        for method in METHODS:
+            weights = torch.load(out / f"{method}.pt")
+            model, meta = m["sample"].load_model(str(out / f"{method}_whole/snapshot"), CPU)
+            loaded = model.state_dict()
+            assert all(torch.equal(loaded[k], weights[k]) for k in weights), method
+            text = m["sample"].generate_text(model, meta, "\n", 5, device=CPU)
+            assert len(text) == 6, (method, text)
+
+
+def test_mesh_errors_are_one_line(spawned):
+    errors = spawned[1][0]["errors"]
+    assert errors == {
+        "tp_size=3": "trainer_config.tp_size=3 must divide the world size 2 (the ranks form "
+                     "world_size / tp_size tensor-parallel groups)",
+        "tp over half": "distributed_method=tp puts every rank in one tensor-parallel group, "
+                        "so tp_size must be 0 or the world size (2), got 1; use fsdp_tp for "
+                        "data parallelism across TP groups",
+        "n_head=3": "tensor parallelism over tp_size=2 ranks needs n_head and n_embd divisible "
+                    "by 2, got n_head=3, n_embd=24; change the model or trainer_config.tp_size",
+    }
+
+
+# --- in this process: config checks, the TP model, clipping ----------------------------------
+
+@pytest.mark.parametrize("args, message", [
+    (["trainer_config.distributed_method=tp", "trainer_config.tp_size=3"],
+     "tensor parallelism over tp_size=3 ranks needs n_head and n_embd divisible by 3, got "
+     "n_head=2, n_embd=32; change the model or trainer_config.tp_size"),
+    (["trainer_config.tp_size=2"],
+     "trainer_config.tp_size must be 0 unless distributed_method is tp or fsdp_tp, got 2"),
+    (["trainer_config.distributed_method=fsdp_tp", "trainer_config.tp_size=-1"],
+     "trainer_config.tp_size must be an integer >= 0 (0: every rank), got -1"),
+])
+def test_config_refuses_tp_sizes_that_do_not_fit(args, message):
+    with mingpt_imported("tensor_parallel") as m:
+        with pytest.raises(ValueError) as e:
+            m["config"].load(tiny(*args))
+    assert str(e.value) == message
+
+
+@pytest.mark.parametrize("args, env, message", [
+    (["trainer_config.device=cpu"], {}, "from one process, and this run has none (device=cpu "
+     "or no GPU); use ddp, which runs on CPUs and GPUs"),
+    ([], {"WORLD_SIZE": "2"}, "runs in ONE process that drives every GPU, but 2 processes "
+     "were started: use python main.py, not torchrun (or use ddp, one process per GPU)"),
+])
+def test_dp_says_why_it_cannot_run(monkeypatch, args, env, message):
+    """Checked with the config, before any process group, run folder or model exists."""
+    if env and not torch.cuda.is_available():
+        pytest.skip("the process-count check follows the GPU check; needs a CUDA GPU")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with mingpt_imported("tensor_parallel") as m:
+        with pytest.raises(ValueError) as e:
+            m["config"].load(tiny("trainer_config.distributed_method=dp", *args))
+    assert str(e.value).startswith("distributed_method=dp ") and str(e.value).endswith(message)
+
+
+def test_torchrun_refuses_heads_that_do_not_split_over_the_ranks(tmp_path):
+    """tp_size 0 (every rank) is only known once the ranks exist: main.py's one error line."""
+    mingpt = copy_mingpt(tmp_path)
+    proc = run([TORCHRUN, "--standalone", "--nproc_per_node=2", "main.py",
+                *tiny("trainer_config.distributed_method=tp", "gpt_config.n_head=3",
+                      "gpt_config.n_embd=48")], cwd=mingpt, check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: tensor parallelism over tp_size=2 ranks needs n_head and n_embd "
+                      "divisible by 2, got n_head=3, n_embd=48; change the model or "
+                      "trainer_config.tp_size"], proc.stderr[-3000:]
+    assert re.search(r"exitcode\s*:\s*2", proc.stderr), proc.stderr[-3000:]
