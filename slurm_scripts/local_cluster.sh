@@ -44,6 +44,8 @@ install() {
 }
 
 write_config() {
+  local cpus
+  cpus=$(getconf _NPROCESSORS_ONLN)
   # Everything lives under $dir: no file in /etc is edited, and stop removes nothing else.
   cat >"$conf" <<EOF
 ClusterName=ddp-series
@@ -68,15 +70,17 @@ MpiDefault=none
 # CR_CPU: two small jobs may share a node, as on a real cluster's CPU partition.
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
-SchedulerType=sched/builtin
+SchedulerType=sched/backfill
+SchedulerParameters=bf_interval=1
 ReturnToService=2
 # scancel sends SIGTERM, then SIGKILL after KillWait seconds (default 30).
 KillWait=2
 # sbatch --wait polls every 2 s, then 8 s, then 32 s, unless a finished job may be forgotten
 # (MinJobAge, default 300 s) before the next poll: 6 s keeps it at 2 s.
 MinJobAge=6
-# Two slurmd on one host: each gets a node name (slurmd -N) and a port of its own.
-NodeName=node[1-2] NodeHostname=$host NodeAddr=127.0.0.1 Port=[$((port + 1))-$((port + 2))] CPUs=$(nproc) State=UNKNOWN
+# Two slurmd on one host: each gets a node name (slurmd -N) and a port of its own, and all the
+# host's CPUs (getconf, not nproc: nproc counts OMP_NUM_THREADS, often 1 in a test).
+NodeName=node[1-2] NodeHostname=$host NodeAddr=127.0.0.1 Port=[$((port + 1))-$((port + 2))] CPUs=$cpus State=UNKNOWN
 PartitionName=local Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
 }
@@ -135,9 +139,13 @@ submit() {
   job=$(cut -d';' -f1 "$out")
   rm -f "$out"
   if [ "$status" -eq 124 ]; then
+    # Why it waited (Reason=PartitionConfig: more CPUs or nodes than the partition has), read
+    # before scancel replaces it.
+    local why=""
+    [ -z "$job" ] || why=$(scontrol show job "$job" 2>/dev/null \
+      | grep -o 'JobState=[^ ]*\|Reason=[^ ]*' | tr '\n' ' ')
     [ -z "$job" ] || scancel "$job"
-    echo "error: job ${job:-?} did not finish within $limit s; cancelled." \
-      "Its state: $(scontrol show job "$job" 2>/dev/null | grep -o 'JobState=[^ ]*\|Reason=[^ ]*' | tr '\n' ' ')" >&2
+    echo "error: job ${job:-?} did not finish within $limit s (${why% }); cancelled" >&2
   fi
   echo "$job"
   return "$status"
