@@ -120,3 +120,50 @@ def test_mingpt_resume_keeps_adam_step_counts_on_the_cpu(tmp_path):
     for state in resumed.state.values():
         assert state["step"].device.type == "cpu"
         assert state["exp_avg"].device.type == "cuda"
+
+
+@pytest.mark.parametrize("cpu_offload", [False, True])
+def test_mingpt_fsdp_built_on_meta_holds_the_plain_weights_on_the_gpu(cpu_offload):
+    """main.py's FSDP path on CUDA: built on meta, sharded, init_sharded. The weights are drawn
+    on the CPU (as GPT(config) draws them), cut, and copied into shards on the GPU (or kept in
+    CPU memory with offload), bit for bit the plain model's; the first forward matches it.
+    Also: reset_peak_memory starts CUDA's peak counter afresh."""
+    import gc
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)  # before the NCCL group, as main.ddp_setup does
+    backend = "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with mingpt_imported() as m:
+            config = m["model"].GPTConfig(model_type=None, n_layer=2, n_head=2, n_embd=16,
+                                          vocab_size=11, block_size=8, dropout=0.0)
+            torch.manual_seed(0)
+            reference = m["model"].GPT(config)
+            torch.manual_seed(0)
+            with torch.device("meta"):
+                model = m["model"].GPT(config)
+            model = m["parallelize"].parallelize(model, device, "fsdp", cpu_offload=cpu_offload)
+            m["parallelize"].init_sharded(model, device, cpu_offload)
+            for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+                local = a.to_local()  # one rank: its shard is the whole parameter
+                assert local.device.type == ("cpu" if cpu_offload else "cuda")
+                assert torch.equal(local.cpu(), b)
+            assert model.wte.weight is model.lm_head.weight
+            x = torch.randint(0, 11, (2, 8))
+            loss = model(x.to(device), x.to(device))[1]
+            torch.testing.assert_close(loss.cpu(), reference(x, x)[1], rtol=1e-4, atol=1e-5)
+            big = torch.ones(2**28, device=device)  # 1 GiB
+            del big
+            m["metrics"].reset_peak_memory(device)
+            assert m["metrics"].peak_memory_mb(device)[0] < 512
+            del model
+    finally:
+        # Free what holds the group first (tests/test_teardown.py: gloo threads at exit).
+        for mesh in [o for o in gc.get_objects() if issubclass(type(o), DeviceMesh)]:
+            getattr(mesh, "_pg_registry", {}).clear()
+        gc.collect()
+        dist.destroy_process_group()
