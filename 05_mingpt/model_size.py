@@ -146,7 +146,8 @@ TP_DIM = {"attn.c_attn.weight": 0, "attn.c_attn.bias": 0, "mlp.c_fc.weight": 0,
 def chunk(n: int, parts: int, index: int) -> int:
     """Length of part `index` of n cut by torch.chunk, as FSDP2 and DTensor's Shard cut: parts
     of ceil(n / parts), the last one shorter (FSDP pads it for its collectives), maybe empty."""
-    size = -(-n // parts)
+    size = -(-n // parts)  # ceil(n / parts), in integers
+    # Part `index` starts at index * size; parts past the end are empty, not negative.
     return max(0, min(n, (index + 1) * size) - index * size)
 
 
@@ -174,10 +175,12 @@ def zero_partition(model: GPT, world_size: int) -> list[set[str]]:
     """
     names = {id(p): name for name, p in model.named_parameters()}
     owned: list[set[str]] = [set() for _ in range(world_size)]
-    sizes = [0] * world_size
+    sizes = [0] * world_size  # elements owned so far, per rank, over all groups
+    # The groups main.py builds (the weight-decay value does not matter, only the grouping).
     for group in model.optim_groups(weight_decay=0.1):
+        # sorted() is stable: equal sizes keep the model's order, as in ZeRO's own sort.
         for p in sorted(group["params"], key=lambda t: t.numel(), reverse=True):
-            rank = sizes.index(min(sizes))
+            rank = sizes.index(min(sizes))  # the first of the least-loaded ranks
             owned[rank].add(names[id(p)])
             sizes[rank] += p.numel()
     return owned
@@ -193,6 +196,7 @@ def activation_bytes(model: GPT, batch_size: int, tp_size: int = 1) -> int:
     final LayerNorm, and the logits plus cross-entropy's log-softmax (8 bytes x vocab).
     """
     cfg = model.config
+    # TP splits the heads (and the MLP's hidden width) but every rank sees the whole batch.
     tokens, seq, heads = batch_size * cfg.block_size, cfg.block_size, cfg.n_head // tp_size
     block = 4 * tokens * cfg.n_embd * (4 + 12 / tp_size) + 2 * tokens * cfg.n_embd \
         + 9 * batch_size * heads * seq * seq
@@ -209,6 +213,7 @@ def buffer_bytes(model: GPT, strategy: str, tp_size: int) -> int:
     gradient before its reduce-scatter. TP moves activations only.
     """
     total = model.num_params()
+    # All blocks are the same size: FSDP's units are the blocks, plus the root's leftovers.
     block = sum(p.numel() for p in model.blocks[0].parameters())
     if strategy in ("ddp", "zero"):
         return BYTES_FP32 * total
@@ -223,6 +228,8 @@ def memory_row(model: GPT, strategy: str, world_size: int, tp_size: int, batch_s
     """Bytes `rank` holds under `strategy`: fp32 parameters and gradients, AdamW's state (two
     moments per element and a 4-byte step per parameter it updates), buffers, activations."""
     named = list(model.named_parameters())  # the tied wte/lm_head weight once
+    # Gradients have their parameters' shapes (and shards); AdamW's moments too, but ZeRO
+    # keeps them only for the parameters this rank owns.
     local = {name: math.prod(local_shape(name, tuple(p.shape), strategy, world_size, tp_size,
                                          rank)) for name, p in named}
     updated = zero_partition(model, world_size)[rank] if strategy == "zero" else set(local)
@@ -243,6 +250,7 @@ def memory_rows(model: GPT, world_size: int, tp_size: int, batch_size: int
                 ) -> list[dict[str, object]]:
     """One row per strategy: rank 0's bytes (the largest share where shards are uneven)."""
     rows = []
+    # Rank 0 stands for all: FSDP's uneven chunks give it the most, ZeRO's partition nearly so.
     for strategy in STRATEGIES:
         if strategy in ("tp", "fsdp_tp") and (model.config.n_head % tp_size
                                               or model.config.n_embd % tp_size):
@@ -250,6 +258,7 @@ def memory_rows(model: GPT, world_size: int, tp_size: int, batch_size: int
         layout = f"{world_size} ranks" if strategy in ("ddp", "zero", "fsdp") else \
             f"tp {tp_size} x dp {world_size // tp_size}"
         sizes = memory_row(model, strategy, world_size, tp_size, batch_size)
+        # Human-readable sizes for the table; memory_row keeps the exact bytes for tests.
         rows.append({"strategy": strategy, "layout": layout,
                      **{key: human_bytes(value) for key, value in sizes.items()}})
     return rows
