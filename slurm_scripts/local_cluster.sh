@@ -14,6 +14,7 @@
 # SLURM_LOCAL_PORT (default 17000) is slurmctld's port, the two slurmd listen on the next two.
 # Each directory is its own cluster (own munged socket, own ports): two can run side by side.
 set -euo pipefail
+PATH="$PATH:/usr/sbin:/sbin"  # the daemons and runuser live there; a user's PATH may lack them
 
 dir="${SLURM_LOCAL_DIR:-/tmp/ddp-series-slurm}"
 port="${SLURM_LOCAL_PORT:-17000}"
@@ -106,14 +107,15 @@ start() {
   mkdir -p "$dir/munge" "$dir/slurmctld"
   chown munge:munge "$dir/munge"
   chmod 755 "$dir/munge"
-  mkdir -p /run/munge && chown munge:munge /run/munge  # the package's default, checked too
+  # Its own socket, pid and seed files: no /run/munge needed (the package's default, which
+  # must exist and belong to munge), and never the munged of another cluster or the system.
   runuser -u munge -- munged --socket="$dir/munge/munge.socket" \
     --pid-file="$dir/munge/munged.pid" --log-file="$dir/munge/munged.log" \
-    --seed-file="$dir/munge/munged.seed" || die "munged did not start: $dir/munge/munged.log"
+    --seed-file="$dir/munge/munged.seed" || failed "munged did not start: $dir/munge/munged.log"
   # -c: a clean start, no jobs or node states from an earlier cluster in this directory.
-  slurmctld -c -f "$conf" || die "slurmctld did not start: see $dir/slurmctld.log"
+  slurmctld -c -f "$conf" || failed "slurmctld did not start: see $dir/slurmctld.log"
   for node in node1 node2; do
-    slurmd -N "$node" -f "$conf" || die "slurmd -N $node did not start: see $dir/slurmd-$node.log"
+    slurmd -N "$node" -f "$conf" || failed "slurmd -N $node did not start: $dir/slurmd-$node.log"
   done
   # Ready when both nodes report idle (about 2 s): a job submitted before would wait.
   for _ in $(seq 100); do
@@ -122,7 +124,13 @@ start() {
     sleep 0.2
   done
   SLURM_CONF="$conf" sinfo -N >&2 || true
-  die "the nodes did not become idle within 20 s: see $dir/*.log"
+  failed "the nodes did not become idle within 20 s: see $dir/*.log"
+}
+
+failed() {
+  # A half-started cluster is stopped again: no daemon outlives a failed start.
+  stop >/dev/null 2>&1 || true
+  die "$@"
 }
 
 submit() {
