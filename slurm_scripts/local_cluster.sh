@@ -12,12 +12,14 @@
 #
 # SLURM_LOCAL_DIR (default /tmp/ddp-series-slurm) holds the config, state, logs and pid files;
 # SLURM_LOCAL_PORT (default 17000) is slurmctld's port, the two slurmd listen on the next two.
+# SLURM_LOCAL_FIRST_JOB_ID (default 1): sbatch_run.sh's rendezvous port is 29500 + job id % 1000.
 # Each directory is its own cluster (own munged socket, own ports): two can run side by side.
 set -euo pipefail
 PATH="$PATH:/usr/sbin:/sbin"  # the daemons and runuser live there; a user's PATH may lack them
 
 dir="${SLURM_LOCAL_DIR:-/tmp/ddp-series-slurm}"
 port="${SLURM_LOCAL_PORT:-17000}"
+first_job="${SLURM_LOCAL_FIRST_JOB_ID:-1}"
 conf="$dir/slurm.conf"
 host=$(hostname -s)  # slurmctld and slurmd check that they run on the host the config names
 
@@ -36,11 +38,13 @@ install() {
   command -v apt-get >/dev/null || unavailable "no apt-get: install slurm-wlm and munge yourself"
   # --no-install-recommends: 9 packages instead of dozens (no mail server, no docs);
   # policy-rc.d may refuse to start the services: we start the daemons ourselves below.
+  # The lock timeout: another apt-get (or a second cluster starting) may hold dpkg's lock.
   export DEBIAN_FRONTEND=noninteractive
-  apt-get install -y -q --no-install-recommends slurm-wlm munge >"$dir/apt.log" 2>&1 || {
-    # A fresh machine may have no package lists yet: fetch them once and retry.
-    apt-get update -q >>"$dir/apt.log" 2>&1 \
-      && apt-get install -y -q --no-install-recommends slurm-wlm munge >>"$dir/apt.log" 2>&1
+  local apt=(apt-get -y -q -o DPkg::Lock::Timeout=120)
+  "${apt[@]}" install --no-install-recommends slurm-wlm munge >"$dir/apt.log" 2>&1 || {
+    # A fresh machine may have no package lists yet (or stale ones): fetch them and retry.
+    "${apt[@]}" update >>"$dir/apt.log" 2>&1 \
+      && "${apt[@]}" install --no-install-recommends slurm-wlm munge >>"$dir/apt.log" 2>&1
   } || unavailable "apt-get install slurm-wlm munge failed: $(tail -n 3 "$dir/apt.log" | tr '\n' ' ')"
 }
 
@@ -79,6 +83,7 @@ KillWait=2
 # sbatch --wait polls every 2 s, then 8 s, then 32 s, unless a finished job may be forgotten
 # (MinJobAge, default 300 s) before the next poll: 6 s keeps it at 2 s.
 MinJobAge=6
+FirstJobId=$first_job
 # Two slurmd on one host: each gets a node name (slurmd -N) and a port of its own, and all the
 # host's CPUs (getconf, not nproc: nproc counts OMP_NUM_THREADS, often 1 in a test).
 NodeName=node[1-2] NodeHostname=$host NodeAddr=127.0.0.1 Port=[$((port + 1))-$((port + 2))] CPUs=$cpus State=UNKNOWN

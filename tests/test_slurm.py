@@ -6,6 +6,7 @@ agents Slurm starts on two nodes meet, train as one job, and leave one snapshot 
 global rank 0. Needs root and apt (slurm-wlm, munge): without them the tests skip and say why.
 """
 import os
+import random
 import re
 import shutil
 import signal
@@ -13,6 +14,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -32,10 +34,9 @@ EPOCHS_04 = 2
 STEPS_05 = 4
 
 
-def free_ports(count: int) -> int:
+def free_ports(count: int, candidates: Iterable[int] | None = None) -> int:
     """The first of `count` consecutive ports free on 127.0.0.1 (slurmctld, node1, node2)."""
-    for _ in range(50):
-        base = free_port()
+    for base in candidates or (free_port() for _ in range(50)):
         try:
             for port in range(base, base + count):
                 with socket.socket() as s:
@@ -55,7 +56,11 @@ def cluster(request) -> dict[str, str]:
     # Not pytest's tmp_path: its parents are private to root, and munged (user munge) must
     # reach its socket directory.
     state = tempfile.mkdtemp(prefix="ddp-series-slurm-")
-    env = {"SLURM_LOCAL_DIR": state, "SLURM_LOCAL_PORT": str(free_ports(3))}
+    # sbatch_run.sh's rendezvous port is 29500 + job id % 1000: the first job id is chosen so
+    # that the three jobs' ports are free (job ids 1, 2, 3 would always take 29501-29503).
+    rdzv_port = free_ports(3, random.sample(range(29510, 30490), 50))
+    env = {"SLURM_LOCAL_DIR": state, "SLURM_LOCAL_PORT": str(free_ports(3)),
+           "SLURM_LOCAL_FIRST_JOB_ID": str(rdzv_port - 29500 + 1000)}
 
     def stop() -> None:
         pids = [int(p.read_text()) for p in Path(state).glob("**/*.pid")]
