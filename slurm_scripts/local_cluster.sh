@@ -6,8 +6,8 @@
 #
 #   bash slurm_scripts/local_cluster.sh start      # installs slurm-wlm and munge if missing
 #   export SLURM_CONF=/tmp/ddp-series-slurm/slurm.conf
-#   bash slurm_scripts/local_cluster.sh submit 120 --cpus-per-task=1 --gpus-per-node=0 \
-#       --export=ALL,NPROC_PER_NODE=1 slurm_scripts/sbatch_run.sh 5 2 --device cpu
+#   NPROC_PER_NODE=1 bash slurm_scripts/local_cluster.sh submit 300 --cpus-per-task=1 \
+#       --gpus-per-node=0 slurm_scripts/sbatch_run.sh 5 2 --device cpu
 #   bash slurm_scripts/local_cluster.sh stop
 #
 # SLURM_LOCAL_DIR (default /tmp/ddp-series-slurm) holds the config, state, logs and pid files;
@@ -51,7 +51,7 @@ install() {
 write_config() {
   local cpus
   cpus=$(getconf _NPROCESSORS_ONLN)
-  # Everything lives under $dir: no file in /etc is edited, and stop removes nothing else.
+  # Everything lives under $dir: no Slurm or munge file in /etc is read or edited.
   cat >"$conf" <<EOF
 ClusterName=ddp-series
 SlurmctldHost=$host(127.0.0.1)
@@ -174,15 +174,21 @@ stop() {
       sleep 0.1
     done
   fi
-  # Only the processes this directory's pid files name: never other clusters' daemons.
-  local pids=()
+  # Only the processes this directory's pid files name, never other clusters' daemons; and
+  # only while they are still the daemon (a stale file's pid may belong to anything by now).
+  local pids=() f pid
   for f in "$dir"/slurmd-node1.pid "$dir"/slurmd-node2.pid "$dir"/slurmctld.pid \
       "$dir"/munge/munged.pid; do
-    [ -e "$f" ] && pids+=("$(cat "$f")") && rm -f "$f"
+    [ -e "$f" ] || continue
+    pid=$(cat "$f")
+    rm -f "$f"
+    case "$(cat "/proc/$pid/comm" 2>/dev/null)" in
+      slurmd | slurmctld | munged) pids+=("$pid") ;;
+    esac
   done
   [ "${#pids[@]}" -gt 0 ] || return 0
   kill "${pids[@]}" 2>/dev/null || true
-  local pid alive
+  local alive
   for _ in $(seq 50); do
     alive=0
     for pid in "${pids[@]}"; do

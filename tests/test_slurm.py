@@ -218,3 +218,11 @@ def test_a_job_that_can_never_start_is_cancelled_not_waited_on(jobs, cluster):
     squeue = subprocess.run(["squeue", "-h", "-j", job.group(1), "-o", "%T"],
                             env=child_env(**cluster), capture_output=True, text=True)
     assert squeue.stdout.strip() in ("", "CANCELLED"), squeue.stdout  # it will never run later
+
+
+def test_the_gpu_request_is_refused_without_gpus_so_it_must_be_overridable(cluster):
+    # Why the jobs above pass --gpus-per-node=0: Slurm refuses the #SBATCH line at submission.
+    proc = subprocess.run(["sbatch", "--cpus-per-task=1", str(SBATCH_RUN)], cwd=REPO,
+                          env=child_env(**cluster), capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0, proc.stdout
+    assert "Invalid generic resource (gres) specification" in proc.stderr, proc.stderr
