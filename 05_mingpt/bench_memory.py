@@ -36,6 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--strategies", nargs="+",
                         default=["ddp", "zero", "fsdp", "tp", "fsdp_tp"])
     parser.add_argument("--out", default="bench/memory", help="writes OUT.json and OUT.png")
+    parser.add_argument("--replot", metavar="JSON", help="redraw the PNG of a saved JSON")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -174,7 +175,10 @@ def plot(results: list[dict], path: Path, title: str) -> None:
         "setup peak (RSS)": [max(r["setup_peak_mb"]) for r in results],
         "training peak (RSS)": [max(r["training_peak_mb"]) for r in results],
         "model state, counted": [r["model_state_mb"] for r in results],
-        "predicted total": [r["predicted"]["total"] / 2**20 for r in results],
+        # model_size's total is what training adds; the process itself (torch, data) was
+        # measured before the model existed: the baseline.
+        "predicted peak (model_size + baseline)": [
+            r["predicted"]["total"] / 2**20 + max(r["baseline_mb"]) for r in results],
     }
     width = 0.8 / len(bars)  # the bars of one strategy side by side, 0.8 of a slot
     for i, (label, values) in enumerate(bars.items()):
@@ -187,6 +191,13 @@ def plot(results: list[dict], path: Path, title: str) -> None:
     ax_speed.set(ylabel="tokens/s (all ranks)", title="speed (CPU, noisy)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def title(info: dict) -> str:
+    """The figure's title: model, ranks, batch and the allocator setting of the runs."""
+    a = info["args"]
+    return (f"{a['preset']}, {a['ranks']} CPU ranks, batch {a['batch_size']} x "
+            f"{a['block_size']}, MALLOC_MMAP_THRESHOLD_={info['MALLOC_MMAP_THRESHOLD_']}")
 
 
 def summary(result: dict) -> str:
@@ -203,6 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:  # one rank of one strategy, under torchrun
         worker(args, args.strategies[0])
+        return 0
+    if args.replot:  # the figure again, from measurements already made
+        info = json.loads(Path(args.replot).read_text())
+        plot(info["results"], Path(args.replot).with_suffix(".png"), title(info))
         return 0
     results = []
     for strategy in args.strategies:
@@ -227,8 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             "MALLOC_MMAP_THRESHOLD_": malloc, "machine": os.uname().nodename,
             "cpus": os.cpu_count(), "args": vars(args), "results": results}
     out.with_suffix(".json").write_text(json.dumps(info, indent=1))
-    plot(results, out.with_suffix(".png"), f"{args.preset}, {args.ranks} CPU ranks, "
-         f"batch {args.batch_size} x {args.block_size}, MALLOC_MMAP_THRESHOLD_={malloc}")
+    plot(results, out.with_suffix(".png"), title(info))
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
     return 0
 
