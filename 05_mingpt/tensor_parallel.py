@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -83,17 +83,66 @@ def _is_strided(value: object) -> bool:
                                               for p in value.placements)
 
 
+def _is_qkv(value: DTensor) -> bool:
+    """A q/k/v tensor of QKVColwiseParallel: strided over the TP (last) mesh dimension."""
+    return isinstance(value.placements[-1], _StridedShard) and \
+        value.placements[-1].split_factor == 3
+
+
+def _meshes(value: DTensor) -> tuple[DeviceMesh | None, DeviceMesh]:
+    """(dp mesh or None, tp mesh) of a q/k/v tensor: 1-D under tp, (dp, tp) under fsdp_tp."""
+    mesh = value.device_mesh
+    if mesh.ndim == 1:
+        return None, mesh
+    dp, tp = mesh.mesh_dim_names
+    return mesh[dp], mesh[tp]
+
+
+def _whole(value: DTensor) -> torch.Tensor:
+    """The global tensor of a strided DTensor, gathered on every rank."""
+    if not _is_qkv(value):
+        return value.full_tensor()  # FSDP over a plain TP shard: DTensor gathers it right
+    # FSDP over the q/k/v slice: FSDP cut this rank's TP slice ([q_r; k_r; v_r]) into dp
+    # chunks along dim 0, a layout DTensor's nested strided placement does not describe. So
+    # gather in two steps, as it was cut: the dp chunks into the TP slice, then the slices.
+    dp_mesh, tp_mesh = _meshes(value)
+    local = value.to_local()
+    rows = value.shape[0] // tp_mesh.size()  # the TP slice's rows (3 * n_embd / tp)
+    if dp_mesh is not None:
+        local = DTensor.from_local(local, dp_mesh, [Shard(0)], run_check=False,
+                                   shape=(rows, *value.shape[1:]),
+                                   stride=(value.stride())).full_tensor()
+    return DTensor.from_local(local, tp_mesh, [_StridedShard(0, split_factor=3)],
+                              run_check=False, shape=value.shape,
+                              stride=value.stride()).full_tensor()
+
+
+def _cut(whole: torch.Tensor, value: DTensor) -> torch.Tensor:
+    """This rank's part of `whole`, laid out as `value` holds it (the inverse of _whole)."""
+    if not _is_qkv(value):
+        # src_data_rank=None: every rank holds the whole tensor, each keeps its own slice.
+        return distribute_tensor(whole, value.device_mesh, value.placements,
+                                 src_data_rank=None).to_local()
+    dp_mesh, tp_mesh = _meshes(value)
+    mine = distribute_tensor(whole, tp_mesh, [_StridedShard(0, split_factor=3)],
+                             src_data_rank=None).to_local()
+    if dp_mesh is not None:  # FSDP's dim-0 chunk of the TP slice
+        mine = distribute_tensor(mine, dp_mesh, [Shard(0)], src_data_rank=None).to_local()
+    return mine
+
+
 def whole_strided(tree: object) -> object:
     """`tree` (a state dict) with every strided DTensor gathered into a whole tensor.
 
-    TP's fused q/k/v weights are strided shards (tensor_parallel.py): a rank's slice is three
+    TP's fused q/k/v weights are strided shards (QKVColwiseParallel): a rank's slice is three
     separate row ranges of the global tensor, and DCP describes a shard by one offset, so it
     cannot save them as they are. They are saved whole instead (gathered on every rank for
     the save; DCP writes identical tensors once): a quarter of each block's weights, and the
-    snapshot keeps GPT-2's layout, so any strategy and sample.py read it."""
+    snapshot keeps GPT-2's layout, so any strategy and sample.py read it. (fsdp_tp's other
+    column-wise weights are strided over dp too; they take the same path.)"""
     if isinstance(tree, dict):
         return {key: whole_strided(value) for key, value in tree.items()}
-    return tree.full_tensor() if _is_strided(tree) else tree
+    return _whole(tree) if _is_strided(tree) else tree
 
 
 def load_strided(tree: dict, load: Callable[[dict], None]) -> None:
@@ -111,10 +160,7 @@ def load_strided(tree: dict, load: Callable[[dict], None]) -> None:
     swap(tree)
     load(tree)
     for node, key, value in strided:
-        # src_data_rank=None: every rank read the whole tensor, each keeps its own slice.
-        mine = distribute_tensor(node[key], value.device_mesh, value.placements,
-                                 src_data_rank=None)
-        value.to_local().copy_(mine.to_local())
+        value.to_local().copy_(_cut(node[key], value))
         node[key] = value
 
 
