@@ -1,5 +1,8 @@
 """Generate text from a trained snapshot (either layout: a ddp file or an fsdp directory).
 
+Any strategy's snapshot loads into one plain model: ddp, zero and dp write the ddp file; fsdp,
+tp and fsdp_tp write the DCP directory, whose tensors are global (unsharded) in GPT-2's layout.
+
     python sample.py --prompt "ROMEO:" --num-tokens 300 --temperature 0.8 --top-k 20
     python sample.py --snapshot runs/<run_name>/snapshot --prompt "O God, O God!"
     python sample.py --snapshot s3://bucket/run1/snapshot   # AWS_* variables as for training

@@ -167,3 +167,36 @@ def test_mingpt_fsdp_built_on_meta_holds_the_plain_weights_on_the_gpu(cpu_offloa
             getattr(mesh, "_pg_registry", {}).clear()
         gc.collect()
         dist.destroy_process_group()
+
+
+def test_mingpt_dp_one_process_drives_every_gpu(tmp_path):
+    """nn.DataParallel: `python main.py`, one process, the batch split over every visible GPU;
+    its snapshot is DDP's one file, which sample.py loads."""
+    mingpt = copy_mingpt(tmp_path)
+    proc = run([PYTHON, "main.py", *tiny("run_name=dp", "trainer_config.distributed_method=dp",
+                                         "trainer_config.eval_every=5")],
+               cwd=mingpt, CUDA_VISIBLE_DEVICES=VISIBLE)
+    assert "device cuda:0" in proc.stdout and "world size 1" in proc.stdout, proc.stdout[:2000]
+    losses = val_losses(proc.stdout)
+    assert losses[max(losses)] < losses[0]
+    assert (mingpt / "runs/dp/snapshot").is_file()  # the ddp layout
+    sample = run([PYTHON, "sample.py", "--snapshot", "runs/dp/snapshot", "--num-tokens", "5"],
+                 cwd=mingpt, CUDA_VISIBLE_DEVICES=VISIBLE)
+    assert "loaded runs/dp/snapshot (ddp, step 10" in sample.stderr
+
+
+@pytest.mark.skipif(GPUS < 2, reason="tensor parallelism needs 2 GPUs")
+@pytest.mark.parametrize("method", ["tp", "fsdp_tp"])
+def test_mingpt_tensor_parallel_on_gpus(tmp_path, method):
+    """tp over 2 GPUs; fsdp_tp over every GPU (pairs of GPUs as TP groups) with NCCL."""
+    nproc = 2 if method == "tp" or GPUS % 2 else GPUS
+    mingpt = copy_mingpt(tmp_path)
+    proc = run([TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", "main.py",
+                *tiny(f"run_name={method}", f"trainer_config.distributed_method={method}",
+                      f"trainer_config.tp_size={2 if method == 'fsdp_tp' else 0}",
+                      "trainer_config.eval_every=5")],
+               cwd=mingpt, CUDA_VISIBLE_DEVICES=VISIBLE)
+    assert "backend nccl" in proc.stdout
+    losses = val_losses(proc.stdout)
+    assert losses[max(losses)] < losses[0]
+    assert (mingpt / f"runs/{method}/snapshot/latest").is_file()  # the sharded (DCP) layout
