@@ -90,7 +90,9 @@ def tp_mesh(device: torch.device, tp_size: int) -> DeviceMesh:
 
 
 def apply_tensor_parallel(model: nn.Module, device: torch.device, method: str,
-                          tp_size: int = 0, precision: str = "fp32") -> nn.Module:
+                          tp_size: int = 0, precision: str = "fp32",
+                          activation_checkpointing: bool = False, compile: bool = False
+                          ) -> nn.Module:
     """tp: all ranks in one TP group. fsdp_tp: TP in groups of tp_size, FSDP across them."""
     mesh = tp_mesh(device, tp_size)
     if method == "tp" and mesh["dp"].size() > 1:
@@ -99,6 +101,9 @@ def apply_tensor_parallel(model: nn.Module, device: torch.device, method: str,
                          f"so tp_size must be 0 or the world size ({dist.get_world_size()}), "
                          f"got {tp_size}; use fsdp_tp for data parallelism across TP groups")
     apply_tp(model, mesh["tp"])
+    # Only now: the TP plan names each block's own submodules (attn.c_attn, ...), which the
+    # checkpoint wrapper would hide one level down.
+    wrap_blocks(model, activation_checkpointing, compile)
     if method == "fsdp_tp":
         # FSDP over the dp dimension only: each parameter's TP shard is sharded once more.
         apply_fsdp(model, device, precision, mesh=mesh["dp"])
@@ -128,13 +133,14 @@ def parallelize(model: nn.Module, device: torch.device, method: str = "ddp",
     """`model` wrapped by `method`; its `blocks` (a ModuleList) are the units of wrapping.
 
     ValueError (one line) where the world size or the model does not fit the method."""
+    if method in TP_METHODS:  # TP comes before activation checkpointing and compile
+        return apply_tensor_parallel(model, device, method, tp_size, precision,
+                                     activation_checkpointing, compile)
     wrap_blocks(model, activation_checkpointing, compile)
     if method in ("ddp", "zero"):  # zero differs only in its optimizer (build_optimizer)
         return apply_ddp(model, device)
     if method == "fsdp":
         return apply_fsdp(model, device, precision, cpu_offload)
-    if method in TP_METHODS:
-        return apply_tensor_parallel(model, device, method, tp_size, precision)
     if method == "dp":
         return apply_dp(model, device)
     raise ValueError(f"unknown distributed_method {method!r}")

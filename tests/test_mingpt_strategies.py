@@ -267,3 +267,45 @@ def test_dp_says_why_it_cannot_run(monkeypatch, args, env, message):
         with pytest.raises(ValueError) as e:
             m["config"].load(tiny("trainer_config.distributed_method=dp", *args))
     assert str(e.value).startswith("distributed_method=dp ") and str(e.value).endswith(message)
+
+
+@pytest.fixture(scope="module")
+def group():
+    """A one-rank gloo group (an in-memory store), as `python main.py` makes one."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    for mesh in [o for o in gc.get_objects() if issubclass(type(o), DeviceMesh)]:
+        getattr(mesh, "_pg_registry", {}).clear()  # as main.release_group, before destroying
+    gc.collect()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("method", ["tp", "fsdp_tp"])
+def test_tp_with_activation_checkpointing_computes_the_plain_models_loss_and_grads(group,
+                                                                                  method):
+    """TP is applied before the checkpoint wrapper (which would hide the submodules its plan
+    names), and the sharded model computes what the plain one does."""
+    with mingpt_imported("tensor_parallel") as m:
+        torch.manual_seed(0)
+        config = m["model"].GPTConfig(model_type=None, n_layer=2, n_head=2, n_embd=16,
+                                      vocab_size=11, block_size=8, dropout=0.0)
+        plain = m["model"].GPT(config)
+        torch.manual_seed(0)
+        model = m["parallelize"].parallelize(m["model"].GPT(config), CPU, method,
+                                             activation_checkpointing=True)
+        qkv = [p for name, p in model.named_parameters() if "c_attn" in name]
+        assert len(qkv) == 4 and all(isinstance(p, DTensor) for p in qkv)
+        assert list(model.state_dict()) == list(plain.state_dict())  # snapshots interchange
+        x = torch.randint(0, 11, (4, 8), generator=torch.Generator().manual_seed(1))
+        loss, expected = model(x, x)[1], plain(x, x)[1]
+        torch.testing.assert_close(loss, expected, rtol=0, atol=1e-6)
+        loss.backward()
+        expected.backward()
+        for (name, a), b in zip(model.named_parameters(), plain.parameters(), strict=True):
+            torch.testing.assert_close(full(m, a.grad), b.grad, rtol=0, atol=1e-6, msg=name)
+        # The norm over plain and DTensor gradients (two meshes) equals torch's on the plain.
+        norm = m["parallelize"].clip_grad_norm_(model.parameters(), 1e-3)
+        torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(plain.parameters(),
+                                                                        1e-3))
+        for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+            torch.testing.assert_close(full(m, a.grad), b.grad, rtol=0, atol=1e-8)
