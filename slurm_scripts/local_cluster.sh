@@ -105,6 +105,9 @@ start() {
   [ ! -e "$dir/slurmctld.pid" ] || die "$dir holds a running cluster: run '$0 stop' first"
   mkdir -p "$dir"
   chmod 755 "$dir"  # munged (user munge) must reach its socket directory inside it
+  # Whatever fails from here on (a daemon, a timeout, set -e): stop what has started, so that
+  # no daemon outlives a failed start. Cleared once the cluster is up.
+  trap 'status=$?; [ "$status" -eq 0 ] || stop >/dev/null 2>&1; exit "$status"' EXIT
   install
   write_config
   resolve_node_names
@@ -116,26 +119,28 @@ start() {
   # must exist and belong to munge), and never the munged of another cluster or the system.
   runuser -u munge -- munged --socket="$dir/munge/munge.socket" \
     --pid-file="$dir/munge/munged.pid" --log-file="$dir/munge/munged.log" \
-    --seed-file="$dir/munge/munged.seed" || failed "munged did not start: $dir/munge/munged.log"
+    --seed-file="$dir/munge/munged.seed" || die "munged did not start: $dir/munge/munged.log"
   # -c: a clean start, no jobs or node states from an earlier cluster in this directory.
-  slurmctld -c -f "$conf" || failed "slurmctld did not start: see $dir/slurmctld.log"
+  slurmctld -c -f "$conf" || die "slurmctld did not start: see $dir/slurmctld.log"
   for node in node1 node2; do
-    slurmd -N "$node" -f "$conf" || failed "slurmd -N $node did not start: $dir/slurmd-$node.log"
+    slurmd -N "$node" -f "$conf" || die "slurmd -N $node did not start: $dir/slurmd-$node.log"
   done
-  # Ready when both nodes report idle (about 2 s): a job submitted before would wait.
-  for _ in $(seq 100); do
-    idle=$(SLURM_CONF="$conf" sinfo -h -N -t idle -o %N 2>/dev/null | sort -u | wc -l)
-    [ "$idle" -eq 2 ] && { echo "local cluster up: export SLURM_CONF=$conf"; return; }
+  # Ready when both nodes report idle (about 2 s): a job submitted before would wait. The
+  # daemons fork before they bind their ports: a port in use shows only here, and in the log.
+  local idle deadline=$((SECONDS + 20))
+  while [ "$SECONDS" -lt "$deadline" ]; do
+    idle=$(SLURM_CONF="$conf" timeout 2 sinfo -h -N -t idle -o %N 2>/dev/null | sort -u | wc -l) \
+      || true  # timeout: without slurmctld sinfo retries for 10 s
+    if [ "$idle" -eq 2 ]; then
+      trap - EXIT
+      echo "local cluster up: export SLURM_CONF=$conf"
+      return
+    fi
+    kill -0 "$(cat "$dir/slurmctld.pid" 2>/dev/null || echo 0)" 2>/dev/null \
+      || die "slurmctld stopped: $(grep -m1 'fatal' "$dir/slurmctld.log" || echo "see $dir")"
     sleep 0.2
   done
-  SLURM_CONF="$conf" sinfo -N >&2 || true
-  failed "the nodes did not become idle within 20 s: see $dir/*.log"
-}
-
-failed() {
-  # A half-started cluster is stopped again: no daemon outlives a failed start.
-  stop >/dev/null 2>&1 || true
-  die "$@"
+  die "the nodes did not become idle within 20 s: see $dir/*.log"
 }
 
 submit() {
@@ -166,11 +171,13 @@ submit() {
 
 stop() {
   export SLURM_CONF="$conf"
-  # Jobs first, so that each slurmstepd ends with its job instead of outliving its slurmd.
-  if [ -e "$dir/slurmctld.pid" ]; then
-    scancel --full --quiet --partition=local 2>/dev/null || true
+  # Jobs first, so that each slurmstepd ends with its job instead of outliving its slurmd. Only
+  # while slurmctld runs: without it scancel and squeue retry for many seconds.
+  if [ "$(cat "/proc/$(cat "$dir/slurmctld.pid" 2>/dev/null || echo 0)/comm" 2>/dev/null)" \
+      = slurmctld ]; then
+    timeout 10 scancel --full --quiet --partition=local 2>/dev/null || true
     for _ in $(seq 50); do
-      [ -z "$(squeue -h -o %i 2>/dev/null)" ] && break
+      [ -z "$(timeout 5 squeue -h -o %i 2>/dev/null)" ] && break
       sleep 0.1
     done
   fi
