@@ -47,8 +47,10 @@ class QKVColwiseParallel(ColwiseParallel):
 
     def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh
                              ) -> None:
+        # The weight (3C, C) and the bias (3C,) get the same cut of their rows (dim 0).
         for pname, param in module.named_parameters():
             placement = [_StridedShard(0, split_factor=3)]
+            # src_data_rank: rank 0 sends each rank its slice, so all start from its weights.
             dist_param = nn.Parameter(distribute_tensor(param, device_mesh, placement,
                                                         src_data_rank=self.src_data_rank),
                                       requires_grad=param.requires_grad)
@@ -57,6 +59,7 @@ class QKVColwiseParallel(ColwiseParallel):
 
 def check_tp(n_head: int, n_embd: int, tp_size: int) -> None:
     """ValueError (one line) unless the heads and the width split evenly over `tp_size` ranks."""
+    # Whole heads per rank (attention never mixes heads); n_embd / tp_size MLP columns.
     if n_head % tp_size or n_embd % tp_size:
         raise ValueError(f"tensor parallelism over tp_size={tp_size} ranks needs n_head and "
                          f"n_embd divisible by {tp_size}, got n_head={n_head}, n_embd={n_embd}; "
@@ -66,6 +69,8 @@ def check_tp(n_head: int, n_embd: int, tp_size: int) -> None:
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Shard every block's attention and MLP over `tp_mesh`, in place."""
     check_tp(model.config.n_head, model.config.n_embd, tp_mesh.size())
+    # Keys name submodules of each block. Column-wise: the input whole (Replicate) on every
+    # rank, the output sharded on its last dim and returned as a plain local tensor.
     plan = {
         "attn.c_attn": QKVColwiseParallel(),
         # Row-wise: the input arrives sharded on its last dim (the local heads, or the local
@@ -74,7 +79,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         "mlp.c_fc": ColwiseParallel(),
         "mlp.c_proj": RowwiseParallel(),
     }
-    for block in model.blocks:
+    for block in model.blocks:  # per block: the plan's keys are relative to it
         parallelize_module(block, tp_mesh, plan)
 
 
@@ -92,7 +97,7 @@ def _is_qkv(value: DTensor) -> bool:
 def _meshes(value: DTensor) -> tuple[DeviceMesh | None, DeviceMesh]:
     """(dp mesh or None, tp mesh) of a q/k/v tensor: 1-D under tp, (dp, tp) under fsdp_tp."""
     mesh = value.device_mesh
-    if mesh.ndim == 1:
+    if mesh.ndim == 1:  # tp: the TP mesh alone
         return None, mesh
     dp, tp = mesh.mesh_dim_names
     return mesh[dp], mesh[tp]
@@ -163,7 +168,3 @@ def load_strided(tree: dict, load: Callable[[dict], None]) -> None:
         value.to_local().copy_(_cut(node[key], value))
         node[key] = value
 
-
-def local_numel(param: torch.Tensor) -> int:
-    """Elements this rank stores: a DTensor's numel() is the global size."""
-    return param.to_local().numel() if hasattr(param, "to_local") else param.numel()
