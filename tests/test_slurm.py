@@ -31,6 +31,8 @@ NEVER_LIMIT = 5  # for the job that can never start; it waits beside the others,
 # The GPU-less cluster refuses the script's --gpus-per-node=4 and has no 16 CPUs per node:
 # sbatch options override #SBATCH lines, so the series' own script runs unchanged.
 OVERRIDES = ["--gpus-per-node=0", "--cpus-per-task=1"]
+# The script's own 16 CPUs per task, more than a node has here; more still on a bigger machine.
+NEVER_CPUS = max(16, (os.cpu_count() or 1) + 1)
 EPOCHS_04 = 2
 STEPS_05 = 4
 
@@ -101,7 +103,7 @@ def cluster(request) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def jobs(cluster, tmp_path_factory) -> dict[str, tuple[int, str, Path]]:
     """Step 04 and step 05, submitted together (each takes one CPU per node), and the script
-    as written (16 CPUs per node: it can never start here), as {name: (local_cluster.sh
+    with more CPUs per node than the nodes have (it can never start), as {name: (local_cluster.sh
     submit's exit status, the job's output and submit's stderr, its working directory)}."""
     root = tmp_path_factory.mktemp("slurm_jobs")
     dir04 = root / "04"
@@ -124,7 +126,8 @@ def jobs(cluster, tmp_path_factory) -> dict[str, tuple[int, str, Path]]:
                     NPROC_PER_NODE="1", SLURM_LABELIO="1", LOGLEVEL="INFO")
     procs = {}
     for step, (cwd, extra, args) in submissions.items():
-        limit, overrides = (JOB_LIMIT, OVERRIDES) if args else (NEVER_LIMIT, OVERRIDES[:1])
+        limit, overrides = (JOB_LIMIT, OVERRIDES) if args else (
+            NEVER_LIMIT, [OVERRIDES[0], f"--cpus-per-task={NEVER_CPUS}"])
         cmd = ["bash", str(CLUSTER), "submit", str(limit), *overrides, f"--chdir={cwd}",
                f"--output={cwd}/slurm-%j.out", str(SBATCH_RUN), *args]
         procs[step] = subprocess.Popen(cmd, env={**env, **extra}, stdout=subprocess.PIPE,
@@ -177,6 +180,8 @@ def test_step04_trains_across_two_slurm_nodes(jobs):
     epochs = [line for line in lines if re.match(r"\[node 0 \| local 0 \| global 0 \| cpu\] "
                                                   r"Epoch \d+ \| .* \| Loss: [0-9.]+$", line)]
     assert len(epochs) == EPOCHS_04, "\n".join(lines)
+    losses = [float(line.rsplit(" ", 1)[1]) for line in epochs]
+    assert losses == sorted(losses, reverse=True), losses  # it learned: the loss fell
     saves = [(task, line) for task, ls in tasks.items() for line in ls
              if "Training snapshot saved" in line]
     # One save per epoch (save_every 1), each printed by global rank 0, on its node only.
@@ -197,6 +202,8 @@ def test_step05_trains_across_two_slurm_nodes(jobs):
     assert re.findall(rf"^step \d+/{STEPS_05} \| loss [0-9.]+", text, re.M), text[-3000:]
     final = re.search(r"^final val loss ([0-9.]+) \(run dir (\S+)\)$", text, re.M)
     assert final, text[-3000:]
+    start = re.search(r"^step 0 \| val loss ([0-9.]+)$", text, re.M)
+    assert start and float(final.group(1)) < float(start.group(1)), text[-3000:]
     # Every log line of the trainer comes from global rank 0: the other node prints none.
     other = "\n".join(by_task(output)[1 - leader])
     assert "snapshot saved" not in other and "val loss" not in other, other[-3000:]
