@@ -5,6 +5,7 @@
 #   sbatch slurm_scripts/sbatch_run.sh                       # step 04, 50 epochs, save every 10
 #   sbatch slurm_scripts/sbatch_run.sh 100 20                # arguments go to train.py
 #   STEP=mingpt sbatch slurm_scripts/sbatch_run.sh           # 05_mingpt (hydra overrides as args)
+#   NPROC_PER_NODE=2 sbatch --gpus-per-node=0 slurm_scripts/sbatch_run.sh   # CPU nodes, 2 each
 #
 # Node and GPU counts are set here, once: the #SBATCH lines below. Edit the partition/account
 # lines for your cluster. Submit from the repository root (Slurm starts the job in that folder).
@@ -33,7 +34,7 @@ head_node=${nodes%%$'\n'*}
 port=$((29500 + SLURM_JOB_ID % 1000))
 # One process per GPU Slurm gave this node. NPROC_PER_NODE overrides it where there are none
 # (a CPU partition, or slurm_scripts/local_cluster.sh, submitted with --gpus-per-node=0).
-gpus_per_node=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-4}}
+nproc_per_node=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-4}}
 
 case "${STEP:-multinode}" in
   multinode) script=04_multinode/train.py ;;
@@ -41,13 +42,13 @@ case "${STEP:-multinode}" in
   *) echo "error: STEP must be multinode or mingpt, got '$STEP'" >&2; exit 2 ;;
 esac
 
-echo "head node: $head_node:$port, nodes: $SLURM_NNODES (${nodes//$'\n'/ }), processes/node: $gpus_per_node"
+echo "head node: $head_node:$port, nodes: $SLURM_NNODES (${nodes//$'\n'/ }), processes/node: $nproc_per_node"
 # Snapshots are written relative to this folder: it must be on storage every node shares.
 # --kill-on-bad-exit=1: if one node's agent fails for good, stop the others instead of letting
 # them wait at the rendezvous until the time limit.
 srun --kill-on-bad-exit=1 torchrun \
   --nnodes="$SLURM_NNODES" \
-  --nproc_per_node="$gpus_per_node" \
+  --nproc_per_node="$nproc_per_node" \
   --rdzv-id="$SLURM_JOB_ID" \
   --rdzv-backend=c10d \
   --rdzv-endpoint="$head_node:$port" \
