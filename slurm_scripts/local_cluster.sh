@@ -153,16 +153,18 @@ submit() {
   local status=0 job out
   out=$(mktemp)
   # --parsable prints the job id at submission; it is read back only after the wait.
-  timeout "$limit" sbatch --wait --parsable "$@" >"$out" || status=$?
+  # --foreground: sbatch stays in the caller's process group, so killing that group ends it.
+  timeout --foreground "$limit" sbatch --wait --parsable "$@" >"$out" || status=$?
   job=$(cut -d';' -f1 "$out")
   rm -f "$out"
   if [ "$status" -eq 124 ]; then
     # Why it waited (Reason=PartitionConfig: more CPUs or nodes than the partition has), read
     # before scancel replaces it.
     local why=""
-    [ -z "$job" ] || why=$(scontrol show job "$job" 2>/dev/null \
-      | grep -o 'JobState=[^ ]*\|Reason=[^ ]*' | tr '\n' ' ')
-    [ -z "$job" ] || scancel "$job"
+    # (timeout: with the cluster gone, scontrol and scancel retry for a minute).
+    [ -z "$job" ] || why=$(timeout 10 scontrol show job "$job" 2>/dev/null \
+      | grep -o 'JobState=[^ ]*\|Reason=[^ ]*' | tr '\n' ' ') || true
+    [ -z "$job" ] || timeout 10 scancel "$job" || true
     echo "error: job ${job:-?} did not finish within $limit s (${why% }); cancelled" >&2
   fi
   echo "$job"

@@ -78,10 +78,12 @@ def cluster(request) -> dict[str, str]:
                 and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"]
         assert not left, f"local_cluster.sh stop left daemons running: {left}"
 
-    # Stops the cluster if this pytest process is killed before the finalizer runs.
+    # Stops the cluster if this pytest process is killed before the finalizer runs, and the
+    # sbatch --wait processes (each in a process group of its own, listed in `submitters`).
     watchdog = subprocess.Popen(
         ["bash", "-c", f"while kill -0 {os.getpid()} 2>/dev/null; do sleep 1; done; "
-                       f"exec bash {CLUSTER} stop"],
+                       f"for g in $(cat {state}/submitters 2>/dev/null); do kill -- -$g; done; "
+                       f"bash {CLUSTER} stop; rm -rf {state}"],
         env=child_env(**env), start_new_session=True, stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL)
     request.addfinalizer(stop)  # registered before start: a half-started cluster is stopped too
@@ -131,7 +133,9 @@ def jobs(cluster, tmp_path_factory) -> dict[str, tuple[int, str, Path]]:
         cmd = ["bash", str(CLUSTER), "submit", str(limit), *overrides, f"--chdir={cwd}",
                f"--output={cwd}/slurm-%j.out", str(SBATCH_RUN), *args]
         procs[step] = subprocess.Popen(cmd, env={**env, **extra}, stdout=subprocess.PIPE,
-                                       stderr=subprocess.PIPE, text=True)
+                                       stderr=subprocess.PIPE, text=True, start_new_session=True)
+        with open(f"{cluster['SLURM_LOCAL_DIR']}/submitters", "a") as f:
+            f.write(f"{procs[step].pid}\n")  # for the watchdog
     results = {}
     for step, proc in procs.items():
         stdout, stderr = proc.communicate(timeout=JOB_LIMIT + 30)
