@@ -2,7 +2,8 @@
 # A real Slurm cluster on this one machine: munged, slurmctld and two slurmd that stand in for
 # two nodes (node1, node2). sbatch_run.sh runs on it exactly as on a cluster; only the GPU and
 # CPU requests are overridden on the sbatch command line (a laptop has neither 4 GPUs nor 16
-# CPUs per "node"). Needs root (the daemons and apt-get); nothing is started through systemd.
+# CPUs per "node"). start and stop need root (apt-get, the daemons), submit does not; nothing
+# is started through systemd.
 #
 #   bash slurm_scripts/local_cluster.sh start      # installs slurm-wlm and munge if missing
 #   export SLURM_CONF=/tmp/ddp-series-slurm/slurm.conf
