@@ -4,6 +4,8 @@ Everything runs on CPU with the gloo backend. Child processes get one intra-op t
 the CI machine has two cores and the tests start several processes at once.
 """
 import os
+import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -16,6 +18,10 @@ PYTHON = sys.executable
 # torchrun installed next to the interpreter running the tests (the venv's own).
 TORCHRUN = str(Path(PYTHON).with_name("torchrun"))
 TEARDOWN_ABORT = "terminate called without an active exception"
+# Runs a training script and prints, per rank, the gloo threads still alive as Python exits
+# (tests/test_teardown.py). Launches that other tests make anyway go through it: the check
+# costs no launch of its own.
+TEARDOWN_PROBE = str(REPO / "tests/teardown_probe.py")
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -50,3 +56,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def gloo_threads_at_exit(stdout: str) -> list[str]:
+    """What tests/teardown_probe.py printed: one count per rank, each must be "0"."""
+    return re.findall(r"gloo threads at exit: (\d+)", stdout)
+
+
+@pytest.fixture(scope="session")
+def late_worker_shim(tmp_path_factory):
+    """tests/late_gloo_worker.c, built: gloo's workers run late (as on a busy machine)."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if not sys.platform.startswith("linux") or compiler is None:
+        pytest.skip("the late-worker shim needs Linux and a C compiler (cc)")
+    shim = tmp_path_factory.mktemp("shim") / "late_gloo_worker.so"
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(shim),
+                    str(REPO / "tests/late_gloo_worker.c"), "-ldl"], check=True)
+    return shim

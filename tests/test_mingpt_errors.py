@@ -10,14 +10,25 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import PYTHON, TORCHRUN, child_env, free_port, run
-from mingpt_helpers import copy_mingpt, mingpt_imported, tiny
+from conftest import TORCHRUN, child_env, free_port
+from mingpt_helpers import copy_mingpt, mingpt_imported, script_in_process, tiny
 
 
 @pytest.fixture(scope="module")
 def mingpt_modules():
-    with mingpt_imported() as modules:
+    with mingpt_imported("main") as modules:
         yield modules
+
+
+@pytest.fixture
+def main_py(mingpt_modules, mingpt):
+    """`python main.py ARGS` in the private 05_mingpt copy, run in this process."""
+    return lambda *args, **env: script_in_process(mingpt_modules["main"], mingpt, *args, **env)
+
+
+@pytest.fixture
+def sample_py(mingpt_modules, mingpt):
+    return lambda *args: script_in_process(mingpt_modules["sample"], mingpt, *args)
 
 
 @pytest.fixture(scope="module")
@@ -73,9 +84,9 @@ def test_valid_overrides_pass(mingpt_modules):
     (["trainer_config.batch_size=-1"], ["trainer_config.batch_size must be a positive integer"]),
     (["trainer_config.foo=1"], ["unknown key trainer_config.foo"]),
 ])
-def test_main_py_config_errors_create_nothing(mingpt, args, fragments):
+def test_main_py_config_errors_create_nothing(mingpt, main_py, args, fragments):
     runs = set(mingpt.glob("runs/*"))
-    proc = run([PYTHON, "main.py", *args], cwd=mingpt, check=False)
+    proc = main_py(*args)
     one_error_line(proc, *fragments)
     assert set(mingpt.glob("runs/*")) == runs  # checked before hydra makes a run directory
 
@@ -119,47 +130,43 @@ def test_char_dataset_bad_files(mingpt_modules, tmp_path, content, block_size, f
         mingpt_modules["char_dataset"].build_datasets(cfg, block_size=block_size, seed=0)
 
 
-def test_main_py_missing_data_file(mingpt):
-    proc = run([PYTHON, "main.py", "data_config.path=no/such.txt", "run_name=nodata"],
-               cwd=mingpt, check=False)
+def test_main_py_missing_data_file(main_py):
+    proc = main_py("data_config.path=no/such.txt", "run_name=nodata")
     one_error_line(proc, "data file not found", "no/such.txt")
 
 
-def test_corrupt_and_incompatible_snapshots_are_refused_and_kept_slowest(mingpt):
+def test_corrupt_and_incompatible_snapshots_are_refused_and_kept(mingpt, main_py, sample_py):
     args = tiny("trainer_config.max_steps=2", "trainer_config.sample_tokens=0")
-    run([PYTHON, "main.py", *args, "run_name=ok", "trainer_config.snapshot_path=ddp.pt"],
-        cwd=mingpt)
-    run([PYTHON, "main.py", *args, "run_name=ok2", "trainer_config.distributed_method=fsdp",
-         "trainer_config.snapshot_path=fsdp_snap"], cwd=mingpt)
+    assert main_py(*args, "run_name=ok", "trainer_config.snapshot_path=ddp.pt").returncode == 0
+    assert main_py(*args, "run_name=ok2", "trainer_config.distributed_method=fsdp",
+                   "trainer_config.snapshot_path=fsdp_snap").returncode == 0
     ddp, fsdp = mingpt / "ddp.pt", mingpt / "fsdp_snap"
     good = ddp.read_bytes()
     # Another model: refused before anything is loaded or written.
     wider = [a.replace("n_embd=32", "n_embd=64") for a in args]
-    proc = run([PYTHON, "main.py", *wider, "run_name=e1", "trainer_config.snapshot_path=ddp.pt"],
-               cwd=mingpt, check=False)
+    proc = main_py(*wider, "run_name=e1", "trainer_config.snapshot_path=ddp.pt")
     one_error_line(proc, "holds a different model", "n_embd=32 there, 64 here")
     assert ddp.read_bytes() == good
     # A ddp snapshot where fsdp expects a directory of shards.
-    proc = run([PYTHON, "main.py", *args, "run_name=e2", "trainer_config.distributed_method=fsdp",
-                "trainer_config.snapshot_path=ddp.pt"], cwd=mingpt, check=False)
+    proc = main_py(*args, "run_name=e2", "trainer_config.distributed_method=fsdp",
+                   "trainer_config.snapshot_path=ddp.pt")
     one_error_line(proc, "holds a ddp snapshot", "distributed_method=fsdp")
     # A truncated file.
     ddp.write_bytes(good[: len(good) // 2])
-    proc = run([PYTHON, "main.py", *args, "run_name=e3", "trainer_config.snapshot_path=ddp.pt"],
-               cwd=mingpt, check=False)
+    proc = main_py(*args, "run_name=e3", "trainer_config.snapshot_path=ddp.pt")
     one_error_line(proc, "cannot load snapshot", "corrupt")
     assert ddp.read_bytes() == good[: len(good) // 2]
     # A sharded snapshot with a damaged shard file.
     shard = fsdp / "step_00000002" / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:100])
-    proc = run([PYTHON, "main.py", *args, "run_name=e4", "trainer_config.distributed_method=fsdp",
-                "trainer_config.snapshot_path=fsdp_snap"], cwd=mingpt, check=False)
+    proc = main_py(*args, "run_name=e4", "trainer_config.distributed_method=fsdp",
+                   "trainer_config.snapshot_path=fsdp_snap")
     one_error_line(proc, "cannot load sharded snapshot", "corrupt")
     assert len(shard.read_bytes()) == 100
     # sample.py: the same checks, the same single line.
-    proc = run([PYTHON, "sample.py", "--snapshot", "ddp.pt"], cwd=mingpt, check=False)
+    proc = sample_py("--snapshot", "ddp.pt")
     one_error_line(proc, "cannot load snapshot")
-    proc = run([PYTHON, "sample.py", "--snapshot", "nothing/here"], cwd=mingpt, check=False)
+    proc = sample_py("--snapshot", "nothing/here")
     one_error_line(proc, "no snapshot at nothing/here")
 
 
@@ -170,24 +177,23 @@ def test_device_cuda_without_a_gpu_is_an_error(mingpt_modules):
         mingpt_modules["config"].load(["trainer_config.device=cuda"])
 
 
-def test_an_epoch_too_small_for_one_step_is_one_error_line(mingpt, tmp_path):
+def test_an_epoch_too_small_for_one_step_is_one_error_line(main_py, tmp_path):
     # 100 characters, block 8: 82 training samples, fewer than one step of 32 x 3 needs. This
     # used to print one val loss and then loop forever.
     (tmp_path / "t.txt").write_text("abcdefghij" * 10)
-    proc = run([PYTHON, "main.py", f"data_config.path={tmp_path / 't.txt'}",
-                "gpt_config.block_size=8", "trainer_config.grad_accum_steps=3",
-                "trainer_config.max_steps=5", "trainer_config.eval_batches=1", "run_name=small"],
-               cwd=mingpt, check=False, timeout=60)
+    proc = main_py(f"data_config.path={tmp_path / 't.txt'}", "gpt_config.block_size=8",
+                   "trainer_config.grad_accum_steps=3", "trainer_config.max_steps=5",
+                   "trainer_config.eval_batches=1", "run_name=small")
     one_error_line(proc, "each rank gets 82 samples per epoch",
                    "one step needs batch_size × grad_accum_steps = 32 × 3 = 96")
     assert "val loss" not in proc.stdout  # refused before any work
 
 
-def test_nodes_without_shared_storage_fail_with_one_line(tmp_path):
+def test_nodes_without_shared_storage_fail_with_one_line(mingpt_modules, tmp_path):
     # Two "nodes" on this machine, each in its own folder: only node a has a snapshot there.
     nodes = [copy_mingpt(tmp_path / name) for name in ("a", "b")]
     args = tiny("run_name=shared", "trainer_config.max_steps=2", "trainer_config.sample_tokens=0")
-    run([PYTHON, "main.py", *args], cwd=nodes[0])
+    assert script_in_process(mingpt_modules["main"], nodes[0], *args).returncode == 0
     port = free_port()
     agents = [subprocess.Popen(
         [TORCHRUN, "--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",

@@ -10,34 +10,42 @@ import shutil
 
 import pytest
 
-from conftest import PYTHON, run
-from mingpt_helpers import copy_mingpt, tiny
+from mingpt_helpers import copy_mingpt, mingpt_imported, script_in_process, tiny
 
 WARNING = ("warning: {} is a sharded (DCP) snapshot: its .metadata is read with pickle, which "
            "can run code; load only snapshots you trust")
 
 
 @pytest.fixture(scope="module")
-def mingpt(tmp_path_factory):
-    """A copy of 05_mingpt with a tiny ddp snapshot and a tiny fsdp one (one process each)."""
+def modules():
+    with mingpt_imported("main") as modules:
+        yield modules
+
+
+@pytest.fixture(scope="module")
+def mingpt(tmp_path_factory, modules):
+    """A copy of 05_mingpt with a tiny ddp snapshot and a tiny fsdp one (one process each;
+    main.py and sample.py run in this process, as `python main.py` / `python sample.py`)."""
     mingpt = copy_mingpt(tmp_path_factory.mktemp("mingpt_sample"))
     for method in ("ddp", "fsdp"):
-        run([PYTHON, "main.py", *tiny(f"trainer_config.distributed_method={method}",
-                                      f"run_name={method}", "trainer_config.max_steps=2",
-                                      "trainer_config.warmup_steps=1",
-                                      "trainer_config.log_every=1",
-                                      "trainer_config.eval_every=0",
-                                      "trainer_config.eval_batches=1",
-                                      "trainer_config.save_every=0",
-                                      "trainer_config.sample_tokens=0")], cwd=mingpt)
+        done = script_in_process(modules["main"], mingpt, *tiny(
+            f"trainer_config.distributed_method={method}", f"run_name={method}",
+            "trainer_config.max_steps=2", "trainer_config.warmup_steps=1",
+            "trainer_config.log_every=1", "trainer_config.eval_every=0",
+            "trainer_config.eval_batches=1", "trainer_config.save_every=0",
+            "trainer_config.sample_tokens=0"))
+        assert done.returncode == 0, done.stderr
     assert (mingpt / "runs/ddp/snapshot").is_file()
     assert (mingpt / "runs/fsdp/snapshot/latest").is_file()
     return mingpt
 
 
 def sample(mingpt, path: str, check: bool = True):
-    return run([PYTHON, "sample.py", "--snapshot", path, "--prompt", "ROMEO:", "--num-tokens",
-                "5"], cwd=mingpt, check=check)
+    with mingpt_imported() as modules:  # the sample module of the fixture's import
+        proc = script_in_process(modules["sample"], mingpt, "--snapshot", path, "--prompt",
+                                 "ROMEO:", "--num-tokens", "5")
+    assert proc.returncode == 0 or not check, proc.stderr
+    return proc
 
 
 def test_sharded_snapshot_warns_about_pickle(mingpt):

@@ -1,8 +1,10 @@
 """Steps 01-04 run as a user runs them (CPU, gloo) and do what their READMEs promise."""
 import importlib.util
 import json
+import os
 import random
 import re
+import runpy
 import shutil
 import signal
 import subprocess
@@ -14,7 +16,16 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import PYTHON, REPO, TORCHRUN, child_env, free_port, run
+from conftest import (
+    PYTHON,
+    REPO,
+    TEARDOWN_PROBE,
+    TORCHRUN,
+    child_env,
+    free_port,
+    gloo_threads_at_exit,
+    run,
+)
 
 STEPS = ["01_single_gpu", "02_multigpu", "03_torchrun_fault_tolerance", "04_multinode"]
 HELPERS = ("datautils", "devices", "faults", "snapshot")  # same names in every step folder
@@ -70,11 +81,16 @@ def draws() -> tuple:
 
 
 def probe(tmp_path: Path, step: str, nproc: int, *args: str, **env: str) -> Path:
-    """Train with the step's code under torchrun; return the folder of per-rank final weights."""
+    """Train with the step's code under torchrun; return the folder of per-rank final weights.
+
+    Through tests/teardown_probe.py too: no gloo thread may be left as each rank's Python exits
+    (tests/test_teardown.py)."""
     out = tmp_path / f"probe_{step}"
     out.mkdir()
-    run([TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", str(REPO / "tests/ddp_probe.py"),
-         str(REPO / step), str(out), *args], cwd=tmp_path, **env)
+    proc = run([TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", TEARDOWN_PROBE,
+                str(REPO / "tests/ddp_probe.py"), str(REPO / step), str(out), *args],
+               cwd=tmp_path, **env)
+    assert gloo_threads_at_exit(proc.stdout) == ["0"] * nproc, proc.stdout[-2000:]
     return out
 
 
@@ -138,9 +154,11 @@ def test_step02_torchrun_command_as_written(tmp_path):
 
 
 @pytest.mark.parametrize("step", ["02_multigpu", "04_multinode"])
-def test_ddp_ranks_end_identical_and_only_rank0_writes(tmp_path, step):
+def test_ddp_ranks_end_identical_and_only_rank0_writes(tmp_path, step, late_worker_shim):
     args = ["3", "1", "--snapshot_path" if step != "02_multigpu" else "--checkpoint_path", "s.pt"]
-    out = probe(tmp_path, step, 2, *args)
+    # 02 with gloo's workers late on purpose (tests/test_teardown.py): still no abort at exit.
+    late = {"LD_PRELOAD": str(late_worker_shim)} if step == "02_multigpu" else {}
+    out = probe(tmp_path, step, 2, *args, **late)
     rank0, rank1 = (torch.load(out / f"rank{r}.pt", weights_only=True) for r in (0, 1))
     assert all(torch.equal(rank0[k], rank1[k]) for k in rank0)
     assert sorted(p.name for p in out.glob("writer_*")) == ["writer_rank0"]
@@ -269,6 +287,15 @@ def test_kill_during_snapshot_write_keeps_previous_snapshot(tmp_path):
     assert torch.load(tmp_path / "snapshot.pt", weights_only=True)["EPOCHS_RUN"] == 3
 
 
+def as_torchrun_worker(script: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node=1 SCRIPT ARGS` for a run that stops at an error:
+    the one worker, with the environment torchrun gives it, without the agent's own start-up."""
+    env = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", GROUP_RANK="0",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               TORCHELASTIC_RESTART_COUNT="0")
+    return run([PYTHON, str(script), *args], cwd=cwd, check=False, **env)
+
+
 @pytest.mark.parametrize("content", [b"not a snapshot", None])
 def test_corrupt_snapshot_is_an_error_and_is_not_overwritten(tmp_path, content):
     snap = tmp_path / "snapshot.pt"
@@ -276,9 +303,7 @@ def test_corrupt_snapshot_is_an_error_and_is_not_overwritten(tmp_path, content):
         torch.save({"MODEL_STATE": {"w": torch.zeros(1000)}}, snap)
         content = snap.read_bytes()[:300]
     snap.write_bytes(content)
-    proc = run([TORCHRUN, "--standalone", "--nproc_per_node=1",
-                str(REPO / "03_torchrun_fault_tolerance/train.py"), "2", "1"],
-               cwd=tmp_path, check=False)
+    proc = as_torchrun_worker(REPO / "03_torchrun_fault_tolerance/train.py", "2", "1", cwd=tmp_path)
     assert proc.returncode != 0
     assert "error: cannot load snapshot snapshot.pt" in proc.stderr
     assert snap.read_bytes() == content
@@ -286,9 +311,7 @@ def test_corrupt_snapshot_is_an_error_and_is_not_overwritten(tmp_path, content):
 
 def test_snapshot_of_another_script_is_refused(tmp_path):
     torch.save({"0.weight": torch.zeros(64, 20)}, tmp_path / "snapshot.pt")  # a 02 checkpoint
-    proc = run([TORCHRUN, "--standalone", "--nproc_per_node=1",
-                str(REPO / "03_torchrun_fault_tolerance/train.py"), "2", "1"],
-               cwd=tmp_path, check=False)
+    proc = as_torchrun_worker(REPO / "03_torchrun_fault_tolerance/train.py", "2", "1", cwd=tmp_path)
     assert proc.returncode != 0
     assert "error: snapshot snapshot.pt lacks MODEL_STATE" in proc.stderr
 
@@ -302,11 +325,26 @@ def test_snapshot_of_another_script_is_refused(tmp_path):
     ("03_torchrun_fault_tolerance", [], "error: launch with torchrun"),
     ("04_multinode", ["x"], "error: launch with torchrun"),
 ])
-def test_bad_input_is_one_clear_line(tmp_path, step, args, message):
-    proc = run([PYTHON, str(REPO / step / "train.py"), *args], cwd=tmp_path, check=False)
-    assert proc.returncode != 0
-    assert proc.stderr.strip().startswith(message), proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1
+def test_bad_input_is_one_clear_line(tmp_path, monkeypatch, capsys, step, args, message):
+    # In this process (no interpreter start per case): `python train.py ARGS` is runpy running
+    # the script as __main__, and Python prints a SystemExit's text as the one stderr line.
+    monkeypatch.chdir(tmp_path)
+    # A private environment: 02 sets MASTER_ADDR/MASTER_PORT before its --nproc check.
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"})
+    monkeypatch.setattr(sys, "argv", [str(REPO / step / "train.py"), *args])
+    saved = {m: sys.modules.pop(m) for m in HELPERS if m in sys.modules}
+    monkeypatch.syspath_prepend(str(REPO / step))
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            runpy.run_path(str(REPO / step / "train.py"), run_name="__main__")
+    finally:
+        for m in HELPERS:
+            sys.modules.pop(m, None)
+        sys.modules.update(saved)
+    out = capsys.readouterr()
+    assert isinstance(exit_.value.code, str), exit_.value.code  # a message: exit status 1
+    assert exit_.value.code.startswith(message), exit_.value.code
+    assert len(exit_.value.code.splitlines()) == 1 and out.err == "" and out.out == ""
     assert list(tmp_path.iterdir()) == []  # nothing written
 
 
@@ -327,7 +365,7 @@ def test_snapshot_missing_on_one_node_is_an_error(tmp_path):
     for n in nodes:
         n.mkdir()
     script = REPO / "04_multinode/train.py"
-    run([TORCHRUN, "--standalone", "--nproc_per_node=1", str(script), "1", "1"], cwd=nodes[0])
+    assert as_torchrun_worker(script, "1", "1", cwd=nodes[0]).returncode == 0
     port = free_port()
     cmd = [TORCHRUN, "--nnodes=2", "--nproc_per_node=1", "--rdzv-id=shared-storage-test",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", str(script), "2", "1"]

@@ -10,36 +10,30 @@ still hold it (DDP, FSDP, torch.distributed.nn imported after init, a DeviceMesh
 Two checks, each deterministic: no gloo thread is left when Python starts to shut down
 (tests/teardown_probe.py), and with gloo's workers made late on purpose by an LD_PRELOAD shim
 (tests/late_gloo_worker.c) the launch exits 0. Before the fix both failed every time.
+The probe also runs in launches other tests make anyway (no extra launch): steps 02 and 04
+(tests/test_steps.py, 02 with the shim too), 03's uninterrupted run, and 05's DDP reference and
+FSDP runs (tests/test_mingpt_train.py). Here: what no other test launches.
 `python tests/stress_teardown.py` launches the real commands many times, without or with the shim.
 """
-import re
-import shutil
-import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO, TEARDOWN_ABORT, TORCHRUN, run
+from conftest import TEARDOWN_ABORT, TEARDOWN_PROBE, TORCHRUN, gloo_threads_at_exit, run
 from mingpt_helpers import copy_mingpt, tiny
 
-STEP_ARGS = ["1", "1"]  # one epoch, one snapshot
 MINGPT_ARGS = ("trainer_config.max_steps=2", "trainer_config.sample_tokens=4")  # FSDP samples too
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="reads gloo's thread names from /proc (Linux)")
 
 
-def launch(tmp_path, target: str, *prefix: str, **env: str):
-    """torchrun, 2 processes, of a step's train.py or of 05's main.py (`05-ddp`, `05-fsdp`,
-    `05-fsdp-compile`)."""
-    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", *prefix]
-    if target.startswith("05-"):
-        method, *compile_ = target.removeprefix("05-").split("-")
-        overrides = [f"trainer_config.distributed_method={method}",
-                     *(["trainer_config.compile=True"] if compile_ else [])]
-        return run([*cmd, "main.py", *tiny(f"run_name={method}", *MINGPT_ARGS, *overrides)],
-                   cwd=copy_mingpt(tmp_path), check=False, **env)
-    return run([*cmd, str(REPO / target / "train.py"), *STEP_ARGS], cwd=tmp_path, check=False,
-               **env)
+def launch_fsdp(tmp_path, *prefix: str, compile: bool = False, **env: str):
+    """torchrun, 2 processes, of 05's main.py with FSDP (and torch.compile)."""
+    overrides = ["trainer_config.distributed_method=fsdp",
+                 *(["trainer_config.compile=True"] if compile else [])]
+    return run([TORCHRUN, "--standalone", "--nproc_per_node=2", *prefix, "main.py",
+                *tiny("run_name=fsdp", *MINGPT_ARGS, *overrides)],
+               cwd=copy_mingpt(tmp_path), check=False, **env)
 
 
 def assert_clean_exit(proc) -> None:
@@ -48,44 +42,29 @@ def assert_clean_exit(proc) -> None:
 
 
 @linux_only
-@pytest.mark.parametrize("target", ["02_multigpu", "03_torchrun_fault_tolerance", "04_multinode",
-                                    "05-ddp", "05-fsdp", "05-fsdp-compile"])
-def test_no_gloo_thread_is_left_at_exit(tmp_path, target):
-    proc = launch(tmp_path, target, str(REPO / "tests/teardown_probe.py"))
+def test_no_gloo_thread_is_left_at_exit_of_a_compiled_fsdp_run(tmp_path):
+    proc = launch_fsdp(tmp_path, TEARDOWN_PROBE, compile=True)
     assert_clean_exit(proc)
-    counts = re.findall(r"gloo threads at exit: (\d+)", proc.stdout)
+    counts = gloo_threads_at_exit(proc.stdout)
     assert counts == ["0", "0"], (
         f"gloo threads alive as Python exits, per rank: {counts}. Something still holds the "
         "process group after destroy_process_group (see the module docstring).")
 
 
-@pytest.fixture(scope="module")
-def late_worker_shim(tmp_path_factory):
-    """tests/late_gloo_worker.c, built: gloo's workers run late (as on a busy machine)."""
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if not sys.platform.startswith("linux") or compiler is None:
-        pytest.skip("the late-worker shim needs Linux and a C compiler (cc)")
-    shim = tmp_path_factory.mktemp("shim") / "late_gloo_worker.so"
-    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(shim),
-                    str(REPO / "tests/late_gloo_worker.c"), "-ldl"], check=True)
-    return shim
-
-
-@pytest.mark.parametrize("target", ["02_multigpu", "05-fsdp"])
-def test_late_gloo_worker_cannot_abort_a_finished_run(tmp_path, target, late_worker_shim):
-    assert_clean_exit(launch(tmp_path, target, LD_PRELOAD=str(late_worker_shim)))
+def test_late_gloo_worker_cannot_abort_a_finished_fsdp_run(tmp_path, late_worker_shim):
+    assert_clean_exit(launch_fsdp(tmp_path, LD_PRELOAD=str(late_worker_shim)))
 
 
 @linux_only
 def test_a_refused_run_leaves_no_gloo_thread_either(tmp_path):
-    """The error path (exit 2 after the model exists: here a ddp snapshot where FSDP expects shards) releases
-    FSDP and its meshes before destroy_process_group, as a finished run does."""
+    """The error path (exit 2 after the model exists: here a file where FSDP expects a
+    directory of shards) releases FSDP and its meshes before destroy_process_group, as a
+    finished run does."""
     mingpt = copy_mingpt(tmp_path)
     (mingpt / "bad.pt").write_bytes(b"not a snapshot")
-    proc = run([TORCHRUN, "--standalone", "--nproc_per_node=2", str(REPO / "tests/teardown_probe.py"),
-                "main.py", *tiny("run_name=bad", "trainer_config.distributed_method=fsdp",
-                                 "trainer_config.snapshot_path=bad.pt")],
-               cwd=mingpt, check=False)
+    proc = run([TORCHRUN, "--standalone", "--nproc_per_node=2", TEARDOWN_PROBE, "main.py",
+                *tiny("run_name=bad", "trainer_config.distributed_method=fsdp",
+                      "trainer_config.snapshot_path=bad.pt")], cwd=mingpt, check=False)
     assert TEARDOWN_ABORT not in proc.stderr, proc.stderr[-3000:]
     assert "error: bad.pt holds a ddp snapshot" in proc.stderr, proc.stderr[-3000:]
-    assert re.findall(r"gloo threads at exit: (\d+)", proc.stdout) == ["0", "0"], proc.stdout
+    assert gloo_threads_at_exit(proc.stdout) == ["0", "0"], proc.stdout
