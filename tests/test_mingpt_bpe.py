@@ -10,8 +10,7 @@ import torch
 from omegaconf import OmegaConf
 
 from bpe_fixture import write_tokenizer
-from conftest import PYTHON, run
-from mingpt_helpers import MINGPT, mingpt_imported
+from mingpt_helpers import MINGPT, mingpt_imported, script_in_process
 
 # Whitespace runs, tabs, a no-break space, digits, contractions, accents, an emoji and a
 # 4-byte character: the places where a careless chunking or byte mapping changes the tokens.
@@ -158,15 +157,16 @@ def one_error_line(proc) -> str:
     return lines[0]
 
 
-def test_prepare_errors_are_one_line(tokenizer_dir, tmp_path):
+def test_prepare_errors_are_one_line(mods, tokenizer_dir, tmp_path):
     empty, latin1, short = tmp_path / "empty.txt", tmp_path / "latin1.txt", tmp_path / "s.txt"
     empty.write_text("")
     latin1.write_bytes("Hello\ncafé\n".encode("latin-1"))
     short.write_text("a")
 
     def prepare(*args: str) -> str:
-        return one_error_line(run([PYTHON, "prepare.py", *args, "--out", str(tmp_path / "o"),
-                                   "--workers", "1"], cwd=MINGPT, check=False))
+        # `python prepare.py ARGS`, run in this process (each case stops at its error)
+        return one_error_line(script_in_process(mods["prepare"], MINGPT, *args, "--out",
+                                                str(tmp_path / "o"), "--workers", "1"))
 
     tok = ["--tokenizer", str(tokenizer_dir)]
     # é in Latin-1 is the single byte 0xE9, not valid UTF-8: its offset is named.

@@ -14,6 +14,7 @@ from torchvision.datasets import CIFAR10
 
 from cifar_fixture import BASE_COLOURS, HALF_WIDTH, write_cifar10
 from conftest import PYTHON, REPO, TORCHRUN, run
+from mingpt_helpers import mingpt_imported
 
 MINGPT = REPO / "05_mingpt"
 
@@ -217,19 +218,17 @@ def test_two_ranks_use_one_palette_computed_by_rank_0(tmp_path):
 
 def test_presets_pass_the_trainer_config_checks():
     # The preset files are composed and validated as main.py does before training.
-    code = textwrap.dedent("""
-        import os, config, model
-        HERE = os.getcwd()
+    with mingpt_imported() as m:
+        sizes = {}
         for preset in ("cifar10", "cifar10_tiny"):
-            cfg = config.load([f"data_config={preset}"])
-            vocab = cfg.data_config.palette_size
+            cfg = m["config"].load([f"data_config={preset}"])
             settings = {k: v for k, v in cfg.gpt_config.items() if k != "init_from"}
-            gpt = model.GPT(model.GPTConfig(**settings, vocab_size=vocab))
-            print(preset, gpt.num_params(), cfg.data_config.palette_size, cfg.optimizer_config.lr)
-    """)
-    out = run([PYTHON, "-c", code], cwd=MINGPT, timeout=120).stdout.split()
-    assert out[0] == "cifar10" and 9.5e6 < int(out[1]) < 10.5e6 and out[2:4] == ["512", "0.003"]
-    assert out[4] == "cifar10_tiny" and int(out[5]) < 100_000
+            gpt = m["model"].GPT(m["model"].GPTConfig(
+                **settings, vocab_size=cfg.data_config.palette_size))
+            sizes[preset] = (gpt.num_params(), cfg.data_config.palette_size,
+                             cfg.optimizer_config.lr)
+    assert 9.5e6 < sizes["cifar10"][0] < 10.5e6 and sizes["cifar10"][1:] == (512, 0.003)
+    assert sizes["cifar10_tiny"][0] < 100_000
 
 
 def test_main_trains_the_tiny_preset_on_the_fixture(tmp_path):
