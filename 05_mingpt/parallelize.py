@@ -269,7 +269,8 @@ def init_sharded(model: nn.Module, device: torch.device, cpu_offload: bool = Fal
     `to_empty` gives each rank memory for its own shards only (uninitialised); then every
     parameter is drawn full-size on the CPU, in the plain path's order, and each rank keeps its
     chunk. So the weights equal the plain path's bit for bit (DDP and FSDP runs stay
-    comparable), and at most one full parameter (the embedding, the largest) exists at a time.
+    comparable), and at most one full parameter (the largest: GPT-2's embedding, or c_fc's
+    weight with a small vocabulary) exists at a time.
     The model needs `init_weights(fill)` (model.GPT) and no buffers (to_empty leaves them
     uninitialised too).
     """
