@@ -60,7 +60,7 @@ def reset_peak_memory(device: torch.device) -> None:
     """Start a new peak, so that training's peak is not the setup's (building, loading).
 
     CUDA: the allocator's counter. CPU (Linux): writing 5 to /proc/self/clear_refs resets the
-    kernel's high-water mark of the resident set (and ru_maxrss with it) to the current RSS.
+    kernel's high-water mark of the resident set (VmHWM) to the current RSS.
     Elsewhere the CPU peak stays the peak since the process started.
     """
     if device.type == "cuda":
@@ -73,13 +73,28 @@ def reset_peak_memory(device: torch.device) -> None:
         pass
 
 
+def _peak_rss_kib() -> int:
+    """The process's peak resident set since the last reset, in KiB.
+
+    Linux: VmHWM, the high-water mark that /proc/self/clear_refs resets. Not ru_maxrss: the
+    kernel also folds the peak into it whenever a thread exits, and a reset cannot undo that.
+    Elsewhere ru_maxrss (KiB on Linux, bytes on macOS) is all there is.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return rss // 1024 if sys.platform == "darwin" else rss
+
+
 def peak_memory_mb(device: torch.device) -> list[float]:
     """Peak memory of every rank since its last reset_peak_memory (a collective): CUDA
     allocations, or peak RSS on a CPU (what the process touched, freed or not; see README)."""
     if device.type == "cuda":
         mb = torch.cuda.max_memory_allocated(device) / 2**20
     else:
-        mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+        mb = _peak_rss_kib() / 1024
     gathered = [torch.zeros(1, device=device) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, torch.tensor([mb], device=device))
     return [t.item() for t in gathered]
