@@ -191,7 +191,7 @@ def test_ddp_killed_worker_resumes_bitwise_slowest(mingpt, ddp_reference):
     assert val_losses(reference.stdout)[10] == val_losses(proc.stdout)[10]
 
 
-def test_fsdp_kill_resume_and_world_size_change_slowest(mingpt, ddp_reference):
+def test_fsdp_kill_resume_and_world_size_change_slowest(mingpt, ddp_reference, main_py):
     args = tiny("run_name=fsdp_a", "trainer_config.distributed_method=fsdp",
                 "trainer_config.activation_checkpointing=true", "trainer_config.grad_accum_steps=2")
     a = run([TORCHRUN, "--standalone", "--nproc_per_node=2", TEARDOWN_PROBE, "main.py", *args],
@@ -220,10 +220,10 @@ def test_fsdp_kill_resume_and_world_size_change_slowest(mingpt, ddp_reference):
     assert "at step 4 (epoch 0)" in b.stdout
     assert val_losses(b.stdout)[10] == pytest.approx(final_a, abs=1e-4)
     # The 2-rank sharded snapshot resumes on 1 process: DCP reshards on load.
-    c = run([PYTHON, "main.py", *tiny("run_name=fsdp_c", "trainer_config.distributed_method=fsdp",
-                                      "trainer_config.max_steps=12",
-                                      "trainer_config.snapshot_path=runs/fsdp_b/snapshot")],
-            cwd=mingpt)
+    c = main_py(*tiny("run_name=fsdp_c", "trainer_config.distributed_method=fsdp",
+                      "trainer_config.max_steps=12",
+                      "trainer_config.snapshot_path=runs/fsdp_b/snapshot"))
+    assert c.returncode == 0, c.stderr
     assert "snapshot saved by 2 ranks, now 1" in c.stdout
     assert "at step 10 (epoch 0)" in c.stdout and sorted(val_losses(c.stdout)) == [10, 12]
     assert val_losses(c.stdout)[10] == pytest.approx(final_a, abs=1e-4)  # the same weights

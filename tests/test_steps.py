@@ -257,6 +257,15 @@ def test_resume_on_a_non_cpu_device_restores_weights_momentum_and_rng(tmp_path, 
         assert torch.equal(momentum, optimizer.state[p]["momentum_buffer"])
 
 
+def as_torchrun_worker(script: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node=1 SCRIPT ARGS` for a run that stops at an error:
+    the one worker, with the environment torchrun gives it, without the agent's own start-up."""
+    env = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", GROUP_RANK="0",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               TORCHELASTIC_RESTART_COUNT="0")
+    return run([PYTHON, str(script), *args], cwd=cwd, check=False, **env)
+
+
 KILL_MID_WRITE = """
 import os, signal, sys, torch
 sys.path.insert(0, sys.argv[1])
@@ -273,27 +282,17 @@ snapshot.atomic_save({"EPOCHS_RUN": 99, "MODEL_STATE": {}}, sys.argv[2])
 
 def test_kill_during_snapshot_write_keeps_previous_snapshot(tmp_path):
     step = REPO / "03_torchrun_fault_tolerance"
-    run([TORCHRUN, "--standalone", "--nproc_per_node=1", str(step / "train.py"), "2", "1"],
-        cwd=tmp_path)
+    assert as_torchrun_worker(step / "train.py", "2", "1", cwd=tmp_path).returncode == 0
     before = (tmp_path / "snapshot.pt").read_bytes()
     proc = run([PYTHON, "-c", KILL_MID_WRITE, str(step), "snapshot.pt"], cwd=tmp_path,
                check=False)
     assert proc.returncode == -signal.SIGKILL
     assert (tmp_path / "snapshot.pt.tmp").exists()  # the torn write...
     assert (tmp_path / "snapshot.pt").read_bytes() == before  # ...never reached the snapshot
-    proc = run([TORCHRUN, "--standalone", "--nproc_per_node=1", str(step / "train.py"), "3", "1"],
-               cwd=tmp_path)
+    proc = as_torchrun_worker(step / "train.py", "3", "1", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
     assert "Resuming training from snapshot at epoch 2" in proc.stdout
     assert torch.load(tmp_path / "snapshot.pt", weights_only=True)["EPOCHS_RUN"] == 3
-
-
-def as_torchrun_worker(script: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc_per_node=1 SCRIPT ARGS` for a run that stops at an error:
-    the one worker, with the environment torchrun gives it, without the agent's own start-up."""
-    env = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", GROUP_RANK="0",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               TORCHELASTIC_RESTART_COUNT="0")
-    return run([PYTHON, str(script), *args], cwd=cwd, check=False, **env)
 
 
 @pytest.mark.parametrize("content", [b"not a snapshot", None])
