@@ -281,6 +281,17 @@ def group():
     dist.destroy_process_group()
 
 
+def test_dp_refuses_a_cpu_model_where_the_config_was_not_checked(group):
+    """parallelize's own check, for callers that skip config.py (notebooks, tests)."""
+    with mingpt_imported("tensor_parallel") as m:
+        gpt = m["model"].GPT(m["model"].GPTConfig(model_type=None, n_layer=1, n_head=2,
+                                                  n_embd=8, vocab_size=5, block_size=4))
+        with pytest.raises(ValueError) as e:
+            m["parallelize"].parallelize(gpt, CPU, "dp")
+    assert str(e.value) == ("distributed_method=dp (nn.DataParallel) splits each batch across "
+                            "CUDA GPUs and needs at least one; on the CPU use ddp")
+
+
 @pytest.mark.parametrize("method", ["tp", "fsdp_tp"])
 def test_tp_with_activation_checkpointing_computes_the_plain_models_loss_and_grads(group,
                                                                                   method):
