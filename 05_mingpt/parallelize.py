@@ -26,7 +26,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from precision import fsdp_policy
@@ -200,9 +200,13 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torc
         norm = torch.nn.utils.get_total_norm(grads)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     total = torch.linalg.vector_norm(torch.stack(norms))
-    coef = min(1.0, max_norm / (total.item() + 1e-6))  # as torch clamps it
-    for grads in kinds.values():
-        torch._foreach_mul_(grads, coef)
+    # As torch computes it, and as a tensor: reading it on the host would sync a GPU per step.
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for mesh, grads in kinds.items():
+        # DTensor gradients take the factor as a DTensor replicated over their own mesh.
+        factor = coef if mesh is None else DTensor.from_local(
+            coef, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        torch._foreach_mul_(grads, factor)
     return total
 
 
