@@ -9,6 +9,7 @@ refuses to run arbitrary pickled code, and turns any unreadable file into one cl
 buffers to the model's device (and leaves counters such as Adam's `step` on the CPU, where the
 optimizer wants them); the RNG states must stay on the CPU for `set_rng_state`.
 """
+import contextlib
 import os
 import random
 
@@ -16,23 +17,36 @@ import numpy as np
 import torch
 
 
-class SnapshotError(RuntimeError):
-    """A snapshot exists but cannot be used; the message says which file and why."""
+class SnapshotError(ValueError):
+    """A snapshot cannot be used or written; the message says which file, why, and what to do.
+
+    A ValueError, like every other bad input: each step's `except ValueError` turns it into one
+    `error:` line (01 and 02 too, which write a checkpoint but never read one back)."""
 
 
 def atomic_save(obj: dict, path: str) -> None:
     # Beside the target, not in /tmp: os.replace is atomic only within one filesystem.
     tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())  # the bytes are on disk before the rename makes them visible
-    os.replace(tmp, path)  # readers see the old file or the new one, never a mix
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())  # the bytes are on disk before the rename makes them visible
+        os.replace(tmp, path)  # readers see the old file or the new one, never a mix
+    # A full disk, a read-only or missing folder: OSError, or torch's RuntimeError when its
+    # zip writer hits the full disk. The old file is untouched (the rename never happened).
+    except (OSError, RuntimeError) as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)  # a partial file would only hold on to the space that ran out
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+        raise SnapshotError(f"cannot write {path} ({reason}); the previous file there, if any, "
+                            "is unchanged: free some space or pass a writable path") from None
 
 
-def load_snapshot(path: str, required: tuple[str, ...]) -> dict:
+def load_snapshot(path: str, required: tuple[str, ...],
+                  model: torch.nn.Module | None = None) -> dict:
     """Load a snapshot to the CPU; raise SnapshotError unless it is a dict holding every
-    `required` key."""
+    `required` key and, given `model`, a MODEL_STATE of exactly that model's tensor shapes."""
     try:
         # map_location="cpu", never the GPU: a GPU-mapped numpy RNG key cannot be set again.
         snapshot = torch.load(path, map_location="cpu", weights_only=True)
@@ -43,6 +57,17 @@ def load_snapshot(path: str, required: tuple[str, ...]) -> dict:
     if missing:
         raise SnapshotError(f"snapshot {path} lacks {', '.join(missing)}: not a snapshot of "
                             "this script; move it away to start afresh")
+    if model is not None:
+        # Checked before any weight is copied: load_state_dict would raise a many-line
+        # RuntimeError, and the run would die halfway through loading.
+        expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        saved = snapshot["MODEL_STATE"]
+        found = {k: tuple(v.shape) for k, v in saved.items() if isinstance(v, torch.Tensor)} \
+            if isinstance(saved, dict) else {}
+        if found != expected:
+            raise SnapshotError(f"snapshot {path} holds another model ({len(found)} tensors, "
+                                f"{len(expected)} expected, or other shapes): move it away to "
+                                "start afresh")
     return snapshot
 
 

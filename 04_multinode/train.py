@@ -69,7 +69,7 @@ class Trainer:
         # Loaded to the CPU (map_location="cpu"): load_state_dict copies weights and momentum to
         # this rank's device, and the RNG states stay on the CPU, where set_rng_state needs them.
         keys = ("MODEL_STATE", "OPTIMIZER_STATE", "EPOCHS_RUN", "RNG_STATES")
-        snapshot = load_snapshot(snapshot_path, keys)
+        snapshot = load_snapshot(snapshot_path, keys, self.model.module)
         self.model.module.load_state_dict(snapshot["MODEL_STATE"])
         self.optimizer.load_state_dict(snapshot["OPTIMIZER_STATE"])
         self.epochs_run = snapshot["EPOCHS_RUN"]

@@ -65,8 +65,18 @@ def torchrun_command(nproc: int, max_restarts: int, overrides: list[str]) -> lis
             str(HERE / "main.py"), *overrides]
 
 
+def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """argparse's errors as one `error:` line and exit status 2, without its usage block (as
+    every other bad input of this folder reads; --help still shows the usage)."""
+    def error(message: str) -> None:
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+    parser.error = error
+    return parser
+
+
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = one_line_errors(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     parser.add_argument("--nproc", type=int, default=None,
                         help="processes to start (default: GPUs, else 2 to 4 CPU processes)")
     parser.add_argument("--max-restarts", type=int, default=0,

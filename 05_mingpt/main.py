@@ -14,6 +14,7 @@ import gc
 import os
 import platform
 import sys
+import tempfile
 from contextlib import nullcontext
 from dataclasses import asdict
 
@@ -153,7 +154,13 @@ def train(cfg: DictConfig, device: torch.device) -> str | None:
             trainer.load_state_dict(state)
     except ValueError as e:  # bad data, model config, or an unusable snapshot
         return str(e)  # the text only: the exception's traceback would keep this frame alive
-    val_loss = trainer.train()
+    try:
+        val_loss = trainer.train()
+    except OSError as e:  # a save failed: the disk filled up, or the folder became read-only
+        # snapshot.py writes a temporary file and renames it: the previous snapshot is intact.
+        return (f"cannot save the snapshot to {cfg.trainer_config.snapshot_path} "
+                f"({e.strerror or e}); the previous snapshot is unchanged: free some space or "
+                "set trainer_config.snapshot_path, then run again to resume")
     print0(f"final val loss {val_loss:.4f} (run dir {cfg.run_dir})")
     meta = snapshot_meta["data_meta"]
     if meta["kind"] in ("char", "bpe") and cfg.trainer_config.sample_tokens:
@@ -181,11 +188,43 @@ def release_group() -> None:
     dist.destroy_process_group()
 
 
+def group_error(error: Exception) -> str:
+    """torchrun's worker could not open the store at MASTER_ADDR:MASTER_PORT, as one line."""
+    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    # Rank 0 binds MASTER_PORT (EADDRINUSE: another program has it); other ranks connect to it
+    # (refused or timed out: rank 0's node is unreachable from here, a firewall, a wrong host).
+    return (f"cannot start the process group at MASTER_ADDR:MASTER_PORT {where} ({first}); "
+            "free that port or give torchrun another --rdzv-endpoint / --master-port, and let "
+            "every node reach that host and port")
+
+
+def check_writable(url: str) -> None:
+    """ValueError (one line) unless a local snapshot_path can be written: found before training
+    rather than at the first save, hours in. (s3:// is checked by its first save.)"""
+    if "://" in url:
+        return
+    folder = os.path.dirname(os.path.abspath(url))
+    while not os.path.exists(folder):  # the run directory is created later, by rank 0
+        folder = os.path.dirname(folder)
+    try:
+        # A real file rather than os.access: root passes every permission check but still
+        # cannot write to a read-only filesystem.
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        raise ValueError(f"trainer_config.snapshot_path {url} cannot be written ({folder}: "
+                         f"{e.strerror or e}); set trainer_config.snapshot_path to a writable "
+                         "path") from None
+
+
 def run(cfg: DictConfig) -> None:
     try:
+        check_writable(cfg.trainer_config.snapshot_path)
         device = ddp_setup(cfg.trainer_config.device, cfg.trainer_config.cpu_offload)
     except ValueError as e:
         fail(e)
+    except (dist.DistNetworkError, dist.DistStoreError) as e:  # no traceback for a busy port
+        fail(group_error(e))
     try:
         error = train(cfg, device)
     finally:

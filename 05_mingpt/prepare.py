@@ -281,8 +281,18 @@ def prepare(out: str, tokenizer: str = "gpt2", files: list[str] | None = None, d
     return meta
 
 
+def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """argparse's errors as one `error:` line and exit status 2, without its usage block (as
+    every other bad input of this folder reads; --help still shows the usage)."""
+    def error(message: str) -> None:
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+    parser.error = error
+    return parser
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = one_line_errors(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     parser.add_argument("files", nargs="*", help="UTF-8 text files, each one document")
     parser.add_argument("--hf-dataset", help="a Hugging Face dataset: save_to_disk directory, "
                         "local path or cached name (instead of files)")

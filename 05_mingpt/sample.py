@@ -99,8 +99,18 @@ def newest_snapshot() -> str:
     return max(found, key=os.path.getmtime)
 
 
+def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """argparse's errors as one `error:` line and exit status 2, without its usage block (as
+    every other bad input of this folder reads; --help still shows the usage)."""
+    def error(message: str) -> None:
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+    parser.error = error
+    return parser
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = one_line_errors(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     parser.add_argument("--snapshot", help="snapshot path or URL (default: newest runs/*/snapshot)")
     parser.add_argument("--init-from", help="GPT-2 weights instead of a snapshot: gpt2, "
                         "gpt2-medium, ... or a save_pretrained directory with its tokenizer")
