@@ -1,0 +1,255 @@
+"""Crash storm: SIGKILL random workers of a torchrun job at random moments, many times; the job
+must still finish, with the weights of an uninterrupted run, bit for bit.
+
+    .venv/bin/python tests/crash_storm.py --target 03 --kills 15
+    .venv/bin/python tests/crash_storm.py --target 05-ddp --kills 15 --seed 1
+    .venv/bin/python tests/crash_storm.py --target 05-fsdp --kills 15 --json storm.json
+
+For one target (step 03, or 05_mingpt with DDP or FSDP; 2 CPU processes, gloo) it runs the job
+once without faults (the reference), then again under `torchrun --max-restarts=K+2` while a
+killer SIGKILLs a random worker at K random points of training, as the OOM killer or a lost
+node would: no exception, no `finally`, no clean exit. Each kill lands a random few
+milliseconds after the job logged a chosen epoch/step, so some land in the middle of a
+snapshot write (counted: the write's temporary file or an uncommitted step directory exists).
+After every kill the last committed snapshot must load. At the end the job must have exited 0
+and its final snapshot must equal the reference's tensor for tensor (model and optimizer).
+
+Printed per kill and in total: kill -> next training step latency (torchrun noticing the
+death, stopping the other worker, starting two fresh Python processes, rendezvous, resume) and
+the work lost (epochs or steps trained again). tests/test_crash_storm.py runs a short storm.
+"""
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from conftest import REPO, TORCHRUN, child_env
+from mingpt_helpers import copy_mingpt, tiny
+
+# Per target: how progress, resumes and snapshots show. 03 counts epochs (printed as each one
+# starts), 05 counts optimizer steps (printed as each one ends, log_every=1).
+TARGETS = {
+    "03": dict(progress=r"Epoch (\d+) \| Batchsize", resumed=r"from snapshot at epoch (\d+)"),
+    "05-ddp": dict(progress=r"^step (\d+)/\d+ \| loss", resumed=r"at step (\d+) \(epoch"),
+    "05-fsdp": dict(progress=r"^step (\d+)/\d+ \| loss", resumed=r"at step (\d+) \(epoch"),
+}
+
+
+def command(target: str, length: int, workdir: Path) -> tuple[list[str], Path, Path]:
+    """The training command (without torchrun), its working folder and its snapshot path."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    if target == "03":
+        script = REPO / "03_torchrun_fault_tolerance/train.py"
+        return [str(script), str(length), "1", "--snapshot_path", "snapshot.pt"], workdir, \
+            workdir / "snapshot.pt"
+    mingpt = copy_mingpt(workdir)
+    method = target.removeprefix("05-")
+    args = tiny("run_name=storm", f"trainer_config.distributed_method={method}",
+                f"trainer_config.max_steps={length}", "trainer_config.save_every=3",
+                "trainer_config.log_every=1", "trainer_config.eval_every=0",
+                "trainer_config.sample_tokens=0")
+    return ["main.py", *args], mingpt, mingpt / "runs/storm/snapshot"
+
+
+def final_tensors(snapshot: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a committed snapshot (weights and optimizer state), by flat name."""
+    if snapshot.is_dir():  # 05 fsdp: a DCP directory; `latest` names the committed step
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+        step_dir = snapshot / (snapshot / "latest").read_text().strip()
+        flat = step_dir.parent / f"{step_dir.name}.pt"
+        dcp_to_torch_save(step_dir, flat)  # the shards, gathered into one plain file
+        state = torch.load(flat, weights_only=True)
+        flat.unlink()
+    else:
+        state = torch.load(snapshot, weights_only=True)
+        state = {k: v for k, v in state.items() if k in ("MODEL_STATE", "OPTIMIZER_STATE",
+                                                         "model", "optimizer")}
+    out: dict[str, torch.Tensor] = {}
+
+    def walk(prefix: str, obj) -> None:
+        if isinstance(obj, torch.Tensor):
+            out[prefix] = obj
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(f"{prefix}.{k}", v)
+        elif isinstance(obj, list | tuple):
+            for i, v in enumerate(obj):
+                walk(f"{prefix}.{i}", v)
+
+    walk("", state)
+    return out
+
+
+def committed_snapshot_loads(snapshot: Path) -> bool:
+    """The snapshot a restart would load is whole: the file loads, or `latest` names a
+    complete DCP step directory (its .metadata is the last file DCP writes)."""
+    if not snapshot.exists():
+        return True  # nothing committed yet: a restart starts from step 0, which is correct
+    if snapshot.is_dir():
+        latest = snapshot / "latest"
+        return not latest.exists() or (snapshot / latest.read_text().strip() / ".metadata").exists()
+    try:
+        torch.load(snapshot, weights_only=True)
+        return True
+    except Exception:  # any failure to load is what this check is for
+        return False
+
+
+def write_in_progress(snapshot: Path) -> bool:
+    """A snapshot write was cut off: its temporary file, or a step directory not yet committed."""
+    if snapshot.is_dir():
+        latest = (snapshot / "latest").read_text().strip() if (snapshot / "latest").exists() \
+            else None
+        return any(p.name.startswith("step_") and p.name != latest and p.is_dir()
+                   for p in snapshot.iterdir()) or any(snapshot.rglob("*.tmp"))
+    return snapshot.with_name(snapshot.name + ".tmp").exists()
+
+
+def worker_pids(agent: int) -> list[int]:
+    """The torchrun agent's children: its worker processes (Linux /proc)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended meanwhile
+            continue
+        if int(fields[1]) == agent and fields[0] != "Z":  # ppid, state: not yet reaped
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def reference(target: str, length: int, workdir: Path) -> tuple[dict, float]:
+    cmd, cwd, snapshot = command(target, length, workdir)
+    start = time.monotonic()
+    subprocess.run([TORCHRUN, "--standalone", "--nproc_per_node=2", *cmd], cwd=cwd,
+                   env=child_env(), check=True, capture_output=True, text=True, timeout=600)
+    return final_tensors(snapshot), time.monotonic() - start
+
+
+def storm(target: str, length: int, kills: int, seed: int, workdir: Path) -> dict:
+    """Run the job under the killer; return what happened (see the module docstring)."""
+    rng = random.Random(seed)
+    pattern, resumed = (re.compile(TARGETS[target][k], re.M) for k in ("progress", "resumed"))
+    # Distinct points in the first 90 % of training, so every kill leaves work to resume.
+    points = sorted(rng.sample(range(1, max(kills + 1, int(length * 0.9))), kills))
+    cmd, cwd, snapshot = command(target, length, workdir)
+    agent = subprocess.Popen([TORCHRUN, "--standalone", "--nproc_per_node=2",
+                              f"--max-restarts={kills + 2}", *cmd], cwd=cwd, env=child_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[tuple[float, str]] = []  # (time, line) of everything the job printed
+    reader = threading.Thread(target=lambda: lines.extend(
+        (time.monotonic(), line) for line in agent.stdout), daemon=True)
+    reader.start()
+    records, seen = [], 0
+    start = time.monotonic()
+    progress = -1
+    while agent.poll() is None and points:
+        time.sleep(0.002)
+        for _, line in lines[seen:]:
+            if (m := pattern.search(line)):
+                progress = int(m.group(1))
+        seen = len(lines)
+        if progress < points[0]:
+            continue
+        pids = worker_pids(agent.pid)
+        if len(pids) < 2:  # a restart in progress: wait for the fresh workers
+            continue
+        time.sleep(rng.uniform(0, 0.05))  # a random moment within the next step or save
+        victim = rng.choice(pids)
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            continue
+        killed_at = time.monotonic()
+        records.append({"point": points.pop(0), "progress": progress, "t": killed_at,
+                        "mid_write": write_in_progress(snapshot)})
+        # torchrun stops the other worker and starts two fresh ones: wait for them, so that
+        # nothing the old attempt still printed counts as progress of the new one.
+        while agent.poll() is None and len(set(worker_pids(agent.pid)) - set(pids)) < 2:
+            time.sleep(0.02)
+        records[-1]["restart_t"] = time.monotonic()
+        records[-1]["snapshot_ok"] = committed_snapshot_loads(snapshot)
+        seen, progress = len(lines), -1
+    agent.wait(timeout=900)
+    reader.join(timeout=10)
+    wall = time.monotonic() - start
+    # Per kill: the resume that followed (its step) and the first progress line after it. 03
+    # prints an epoch as it starts (so the epoch killed counts as lost), 05 a step as it ends.
+    started = 1 if target == "03" else 0
+    attempt_start = start
+    for rec in records:
+        done = [int(m.group(1)) for t, line in lines if attempt_start <= t <= rec["restart_t"]
+                and (m := pattern.search(line))]
+        attempt_start = rec["restart_t"]
+        after = [(t, line) for t, line in lines if t > rec["t"]]
+        resume = next(((t, int(m.group(1))) for t, line in after
+                       if (m := resumed.search(line))), None)
+        rec["resumed_at"] = resume[1] if resume else 0  # no snapshot yet: from the start
+        first = next((t for t, line in after if pattern.search(line)
+                      and t >= rec["restart_t"] and (resume is None or t >= resume[0])), None)
+        rec["latency_s"] = round(first - rec["t"], 2) if first else None
+        rec["lost"] = max(0, max(done, default=0) + started - rec["resumed_at"])
+        del rec["t"], rec["restart_t"]
+    return {"exit": agent.returncode, "records": records, "wall_s": round(wall, 1),
+            "tensors": final_tensors(snapshot) if agent.returncode == 0 else {},
+            "log_tail": "".join(line for _, line in lines[-40:])}
+
+
+def run_storm(target: str, kills: int, seed: int, length: int, workdir: Path) -> dict:
+    """Reference, storm, comparison: the summary that the test asserts on and main prints."""
+    ref, ref_wall = reference(target, length, workdir / "reference")
+    (workdir / "storm").mkdir()
+    result = storm(target, length, kills, seed, workdir / "storm")
+    tensors = result.pop("tensors")
+    same = bool(tensors) and tensors.keys() == ref.keys() and all(
+        torch.equal(tensors[k], ref[k]) for k in ref)
+    latencies = [r["latency_s"] for r in result["records"] if r["latency_s"] is not None]
+    return {"target": target, "kills": len(result["records"]), "seed": seed,
+            "exit": result["exit"], "bitwise_equal": same, "reference_wall_s": round(ref_wall, 1),
+            "storm_wall_s": result["wall_s"],
+            "mid_write_kills": sum(r["mid_write"] for r in result["records"]),
+            "snapshots_always_loadable": all(r["snapshot_ok"] for r in result["records"]),
+            "median_latency_s": sorted(latencies)[len(latencies) // 2] if latencies else None,
+            "max_latency_s": max(latencies, default=None),
+            "lost_per_kill": [r["lost"] for r in result["records"]],
+            "records": result["records"], "log_tail": result["log_tail"]}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", choices=sorted(TARGETS), default="03")
+    parser.add_argument("--kills", type=int, default=15)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--length", type=int, default=None,
+                        help="epochs (03) or steps (05) to train (default: 4 per kill, >= 20)")
+    parser.add_argument("--json", help="also write the summary here")
+    args = parser.parse_args(argv)
+    length = args.length or max(20, 4 * args.kills)
+    with tempfile.TemporaryDirectory(prefix="crash_storm_") as tmp:
+        summary = run_storm(args.target, args.kills, args.seed, length, Path(tmp))
+    log_tail = summary.pop("log_tail")
+    for r in summary["records"]:
+        print(f"kill at {r['progress']:>3} -> resumed at {r['resumed_at']:>3} (lost {r['lost']}),"
+              f" next step after {r['latency_s']} s{' | mid-write' if r['mid_write'] else ''}"
+              f"{'' if r['snapshot_ok'] else ' | SNAPSHOT UNREADABLE'}")
+    print(json.dumps({k: v for k, v in summary.items() if k != "records"}))
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=1))
+    ok = summary["exit"] == 0 and summary["bitwise_equal"] and summary["snapshots_always_loadable"]
+    if not ok:
+        print(log_tail, file=sys.stderr)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
