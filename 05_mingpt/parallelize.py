@@ -86,7 +86,12 @@ def tp_mesh(device: torch.device, tp_size: int) -> DeviceMesh:
     if world % tp:
         raise ValueError(f"trainer_config.tp_size={tp} must divide the world size {world} "
                          "(the ranks form world_size / tp_size tensor-parallel groups)")
-    return init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    # A flat view over both dimensions (its own process group): a value partial over both,
+    # such as the gradient norm, is then summed by one all-reduce, not one per dimension
+    # (DTensor warns otherwise). Private API, as torchtitan uses it.
+    mesh["dp", "tp"]._flatten("dp_tp")
+    return mesh
 
 
 def apply_tensor_parallel(model: nn.Module, device: torch.device, method: str,
