@@ -3,9 +3,10 @@
     model = parallelize(GPT(config).to(device), device, method="fsdp", precision="bf16")
     optimizer = build_optimizer(model, "fsdp", lr=3e-3)  # only now: FSDP replaces parameters
 
-Order matters: activation checkpointing and torch.compile wrap each block first, then the
-strategy wraps the result, and the optimizer is built last, from the wrapped model's
-parameters. One function per strategy; `parallelize` picks one by name (README: Strategies):
+Order matters: activation checkpointing and torch.compile wrap each block first (after TP,
+whose plan names the blocks' own submodules), then DDP or FSDP wraps the result, and the
+optimizer is built last, from the wrapped model's parameters. One function per strategy;
+`parallelize` picks one by name (README: Strategies):
 - ddp: a whole replica per rank, gradients all-reduced.   zero: ddp + sharded optimizer state.
 - fsdp: parameters, gradients and optimizer state sharded over all ranks (FSDP2).
 - tp: every block's matmuls split over all ranks (tensor_parallel.py).
