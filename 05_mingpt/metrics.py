@@ -64,13 +64,15 @@ def reset_peak_memory(device: torch.device) -> None:
     Elsewhere the CPU peak stays the peak since the process started.
     """
     if device.type == "cuda":
+        # The caching allocator's own counter: what tensors used, not what it reserved.
         torch.cuda.reset_peak_memory_stats(device)
         return
     try:
+        # 5: "reset the peak resident set size" (man 5 proc); the process's own file, no root.
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
     except OSError:
-        pass
+        pass  # not Linux (or /proc not mounted): the peak goes on from the process start
 
 
 def _peak_rss_kib() -> int:
@@ -81,9 +83,11 @@ def _peak_rss_kib() -> int:
     Elsewhere ru_maxrss (KiB on Linux, bytes on macOS) is all there is.
     """
     try:
+        # "VmHWM:    123456 kB"
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
     except (OSError, StopIteration):
+        # macOS reports bytes, Linux KiB.
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return rss // 1024 if sys.platform == "darwin" else rss
 
@@ -95,6 +99,7 @@ def peak_memory_mb(device: torch.device) -> list[float]:
         mb = torch.cuda.max_memory_allocated(device) / 2**20
     else:
         mb = _peak_rss_kib() / 1024
+    # Every rank's value on every rank: rank 0 logs them all (one TensorBoard curve per rank).
     gathered = [torch.zeros(1, device=device) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, torch.tensor([mb], device=device))
     return [t.item() for t in gathered]
@@ -118,6 +123,7 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     """
     local_optimizer = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) \
         else optimizer
+    # DDP and FSDP wrap the model: their parameters() are the ones the optimizer updates.
     params = list(model.parameters())  # each tied tensor once
     return {
         "parameters": sum(local_bytes(p) for p in params),
