@@ -64,10 +64,12 @@ def load_snapshot(path: str, required: tuple[str, ...],
         saved = snapshot["MODEL_STATE"]
         found = {k: tuple(v.shape) for k, v in saved.items() if isinstance(v, torch.Tensor)} \
             if isinstance(saved, dict) else {}
-        if found != expected:
-            raise SnapshotError(f"snapshot {path} holds another model ({len(found)} tensors, "
-                                f"{len(expected)} expected, or other shapes): move it away to "
-                                "start afresh")
+        differ = sorted(k for k in {*found, *expected} if found.get(k) != expected.get(k))
+        if differ:  # the first difference is enough to say what is wrong
+            key = differ[0]
+            raise SnapshotError(f"snapshot {path} holds another model ({key}: "
+                                f"{found.get(key, 'absent')} there, {expected.get(key, 'absent')} "
+                                "here): move it away to start afresh")
     return snapshot
 
 

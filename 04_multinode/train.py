@@ -184,5 +184,5 @@ if __name__ == "__main__":
     args = parse_args()
     try:
         main(args)
-    except (ValueError, SnapshotError) as e:  # bad input, or a snapshot that cannot be used
+    except (ValueError, SnapshotError, torch.distributed.DistNetworkError) as e:  # or a busy port
         sys.exit(f"error: {e}")

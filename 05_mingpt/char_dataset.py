@@ -53,12 +53,15 @@ def read_text(path: str) -> str:
     except (OSError, ValueError) as e:  # permissions, a directory, an unknown URL protocol ...
         raise ValueError(f"cannot read data file {path}: {e}") from None
     if not raw:
-        raise ValueError(f"data file {path} is empty")
+        raise ValueError(f"data file {path} is empty; set data_config.path to a UTF-8 text "
+                         "file")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
+        # Binary files (an archive, an image) land here too: their bytes are rarely valid UTF-8.
         raise ValueError(f"data file {path} is not UTF-8 text (byte {e.start}: "
-                         f"{raw[e.start:e.start + 1]!r})") from None
+                         f"{raw[e.start:e.start + 1]!r}); convert it (iconv -t UTF-8) or set "
+                         "data_config.path to a text file") from None
 
 
 def check_config(data_cfg: DictConfig) -> None:

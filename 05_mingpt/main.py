@@ -13,6 +13,7 @@ run_name resumes from its snapshot.
 import gc
 import os
 import platform
+import re
 import sys
 import tempfile
 from contextlib import nullcontext
@@ -192,6 +193,8 @@ def group_error(error: Exception) -> str:
     """torchrun's worker could not open the store at MASTER_ADDR:MASTER_PORT, as one line."""
     where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    # torch's bind failure spells out port, IPv6 flag and errno: its last words say it all.
+    first = re.sub(r"^.*name: (\w+), message: ", r"\1: ", first)
     # Rank 0 binds MASTER_PORT (EADDRINUSE: another program has it); other ranks connect to it
     # (refused or timed out: rank 0's node is unreachable from here, a firewall, a wrong host).
     return (f"cannot start the process group at MASTER_ADDR:MASTER_PORT {where} ({first}); "
