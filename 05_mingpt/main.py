@@ -24,6 +24,7 @@ import omegaconf
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
 
 import config
@@ -157,11 +158,17 @@ def train(cfg: DictConfig, device: torch.device) -> str | None:
         return str(e)  # the text only: the exception's traceback would keep this frame alive
     try:
         val_loss = trainer.train()
-    except OSError as e:  # a save failed: the disk filled up, or the folder became read-only
-        # snapshot.py writes a temporary file and renames it: the previous snapshot is intact.
-        return (f"cannot save the snapshot to {cfg.trainer_config.snapshot_path} "
-                f"({e.strerror or e}); the previous snapshot is unchanged: free some space or "
-                "set trainer_config.snapshot_path, then run again to resume")
+    # A save failed: the disk filled up, or the folder became read-only. DCP (the sharded
+    # layouts) raises CheckpointException, a BaseException that holds each rank's error.
+    except (OSError, CheckpointException) as e:
+        error = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else \
+            (str(error).strip().splitlines() or [type(error).__name__])[0]
+        # snapshot.py commits by a rename (file) or by rewriting `latest` (directory) only once
+        # everything is written, so the snapshot from before, if any, is intact.
+        return (f"cannot save the snapshot to {cfg.trainer_config.snapshot_path} ({reason}); "
+                "the previous snapshot, if any, is unchanged: free some space or set "
+                "trainer_config.snapshot_path, then run again to resume")
     print0(f"final val loss {val_loss:.4f} (run dir {cfg.run_dir})")
     meta = snapshot_meta["data_meta"]
     if meta["kind"] in ("char", "bpe") and cfg.trainer_config.sample_tokens:

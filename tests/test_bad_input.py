@@ -397,7 +397,18 @@ def test_mingpt_disk_full_while_saving_keeps_the_snapshot(mingpt, main_py, good_
         proc = main_py(*tiny("run_name=full", f"trainer_config.snapshot_path={disk}/snap.pt",
                              "trainer_config.max_steps=2", *QUICK))
     one_error_line(proc, f"cannot save the snapshot to {disk}/snap.pt (No space left on device)",
-                   "the previous snapshot is unchanged", "run again to resume")
+                   "the previous snapshot, if any, is unchanged", "run again to resume")
+
+
+def test_mingpt_disk_full_while_saving_shards(mingpt, main_py, tmpfs):
+    # The sharded layout: DCP's CheckpointException holds the OSError of each rank.
+    disk = tmpfs("size=64k")
+    with nothing_lost(mingpt):
+        proc = main_py(*tiny("run_name=full_fsdp", f"trainer_config.snapshot_path={disk}/snap",
+                             "trainer_config.distributed_method=fsdp",
+                             "trainer_config.max_steps=1", *QUICK))
+    one_error_line(proc, f"cannot save the snapshot to {disk}/snap (No space left on device)")
+    assert not (disk / "snap/latest").exists()  # nothing was committed
 
 
 def test_mingpt_world_size_that_does_not_fit_tp_size(mingpt, main_py):
