@@ -16,8 +16,10 @@ import platform
 import re
 import sys
 import tempfile
+import traceback
 from contextlib import nullcontext
 from dataclasses import asdict
+from pathlib import Path
 
 import hydra
 import omegaconf
@@ -161,6 +163,9 @@ def train(cfg: DictConfig, device: torch.device) -> str | None:
     # A save failed: the disk filled up, or the folder became read-only. DCP (the sharded
     # layouts) raises CheckpointException, a BaseException that holds each rank's error.
     except (OSError, CheckpointException) as e:
+        if not any(Path(frame.filename) == Path(snapshot.__file__)
+                   for frame in traceback.extract_tb(e.__traceback__)):
+            raise  # not a save (a data file gone, say): unexpected, so with its traceback
         error = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
         reason = error.strerror if isinstance(error, OSError) and error.strerror else \
             (str(error).strip().splitlines() or [type(error).__name__])[0]
