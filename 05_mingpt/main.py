@@ -36,7 +36,7 @@ from metrics import print0
 from model import GPT, GPTConfig
 from parallelize import build_optimizer, data_parallel, init_sharded, parallelize, unwrap
 from sample import generate_text
-from trainer import Trainer
+from trainer import NonFiniteLoss, Trainer
 
 USAGE = """usage: python main.py [--cfg job] [section.key=value ...]
 
@@ -160,6 +160,8 @@ def train(cfg: DictConfig, device: torch.device) -> str | None:
         return str(e)  # the text only: the exception's traceback would keep this frame alive
     try:
         val_loss = trainer.train()
+    except NonFiniteLoss as e:  # stopped before a snapshot could keep nan weights
+        return str(e)
     # A save failed: the disk filled up, or the folder became read-only. DCP (the sharded
     # layouts) raises CheckpointException, a BaseException that holds each rank's error.
     except (OSError, CheckpointException) as e:

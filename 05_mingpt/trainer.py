@@ -62,6 +62,10 @@ def lr_factor(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float)
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+class NonFiniteLoss(ValueError):
+    """The loss became nan or inf: training stops before the next snapshot could keep it."""
+
+
 class Trainer:
     def __init__(self, cfg: DictConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  train_set: Dataset, val_set: Dataset, device: torch.device, run_dir: str,
@@ -102,6 +106,9 @@ class Trainer:
         # The train loss is summed on the device and synced once per log interval.
         self.loss_sum = torch.zeros((), device=device)
         self.loss_count, self.tokens_since_log = 0, 0
+        # The first step whose loss was nan or inf (0: none yet), kept on the device so that
+        # watching for it costs no host sync; it is read where one happens anyway (below).
+        self.first_bad_step = torch.zeros((), dtype=torch.long, device=device)
         self.t_log = time.perf_counter()  # start of the current log interval
         self.bar: tqdm | None = None  # the progress bar, while train() runs
         # Memory: this rank's model-state bytes (counted once, at the first step's end, when
@@ -194,6 +201,9 @@ class Trainer:
                 self.scaler.scale(loss / n).backward()  # mean over the micro-steps
             self.loss_sum += loss.detach().float()
             self.loss_count += 1
+            if self.cfg.precision != "fp16":  # fp16: GradScaler skips such a step by design
+                bad = ~torch.isfinite(loss.detach()) & (self.first_bad_step == 0)
+                self.first_bad_step = torch.where(bad, self.step + 1, self.first_bad_step)
             self.tokens_since_log += x.numel()
         if self.cfg.grad_clip > 0:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not scaled ones
@@ -232,14 +242,30 @@ class Trainer:
     def _after_step(self) -> None:
         cfg, step, last = self.cfg, self.step, self.step == self.cfg.max_steps
         self.bar.update(1)
+        saving = (cfg.save_every and step % cfg.save_every == 0) or last
+        if step % cfg.log_every == 0 or saving:
+            self._stop_if_not_finite()  # before a log line shows nan or a snapshot keeps it
         if step % cfg.log_every == 0 or last:
             self._log_train()
         paused = time.perf_counter()
         if (cfg.eval_every and step % cfg.eval_every == 0) or last:
             self._log_eval()
-        if (cfg.save_every and step % cfg.save_every == 0) or last:
+        if saving:
             self._save_snapshot()
         self.t_log += time.perf_counter() - paused  # tokens/s measures training steps only
+
+    def _stop_if_not_finite(self) -> None:
+        """NonFiniteLoss if any rank's loss was nan or inf since training (re)started."""
+        # The earliest bad step over all ranks: 0 (none) must not win the MIN, so it counts
+        # as "after the end" while reducing.
+        never = self.cfg.max_steps + 1
+        first = torch.where(self.first_bad_step == 0, never, self.first_bad_step)
+        dist.all_reduce(first, op=dist.ReduceOp.MIN)
+        if first.item() != never:
+            raise NonFiniteLoss(
+                f"the loss became nan or inf at step {first.item()}: training stopped and saved "
+                f"nothing after it ({self.cfg.snapshot_path} keeps the last good snapshot, if "
+                "any); lower optimizer_config.lr or set trainer_config.grad_clip, then resume")
 
     def _log_train(self) -> None:
         # Each rank saw different data: sum losses and counts over all ranks, then average.

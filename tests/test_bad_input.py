@@ -435,9 +435,6 @@ def test_mingpt_port_in_use(mingpt, main_py, busy_port):
                    "port or give torchrun another --rdzv-endpoint")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "05's trainer.py (owned elsewhere) does not stop on a non-finite loss: with lr=1e30 it "
-    "logs 'loss nan', saves the NaN weights over the good snapshot and exits 0"))
 def test_mingpt_non_finite_loss_stops_and_keeps_the_snapshot(mingpt, main_py, good_snapshot,
                                                            tmp_path):
     snap = tmp_path / "snap.pt"
