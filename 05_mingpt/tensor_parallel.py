@@ -83,15 +83,13 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         parallelize_module(block, tp_mesh, plan)
 
 
-def _is_strided(value: object) -> bool:
-    return isinstance(value, DTensor) and any(isinstance(p, _StridedShard)
-                                              for p in value.placements)
+def _is_qkv(value: object) -> bool:
+    """A q/k/v tensor of QKVColwiseParallel: strided over the TP (last) mesh dimension.
 
-
-def _is_qkv(value: DTensor) -> bool:
-    """A q/k/v tensor of QKVColwiseParallel: strided over the TP (last) mesh dimension."""
-    return isinstance(value.placements[-1], _StridedShard) and \
-        value.placements[-1].split_factor == 3
+    (fsdp_tp's other column-wise tensors are strided too, over dp, in the layout FSDP2 + TP
+    always has: DCP saves and reshards those itself.)"""
+    return isinstance(value, DTensor) and isinstance(value.placements[-1], _StridedShard) \
+        and value.placements[-1].split_factor == 3
 
 
 def _meshes(value: DTensor) -> tuple[DeviceMesh | None, DeviceMesh]:
@@ -104,9 +102,7 @@ def _meshes(value: DTensor) -> tuple[DeviceMesh | None, DeviceMesh]:
 
 
 def _whole(value: DTensor) -> torch.Tensor:
-    """The global tensor of a strided DTensor, gathered on every rank."""
-    if not _is_qkv(value):
-        return value.full_tensor()  # FSDP over a plain TP shard: DTensor gathers it right
+    """The global tensor of a q/k/v DTensor, gathered on every rank."""
     # FSDP over the q/k/v slice: FSDP cut this rank's TP slice ([q_r; k_r; v_r]) into dp
     # chunks along dim 0, a layout DTensor's nested strided placement does not describe. So
     # gather in two steps, as it was cut: the dp chunks into the TP slice, then the slices.
@@ -116,7 +112,7 @@ def _whole(value: DTensor) -> torch.Tensor:
     if dp_mesh is not None:
         local = DTensor.from_local(local, dp_mesh, [Shard(0)], run_check=False,
                                    shape=(rows, *value.shape[1:]),
-                                   stride=(value.stride())).full_tensor()
+                                   stride=value.stride()).full_tensor()
     return DTensor.from_local(local, tp_mesh, [_StridedShard(0, split_factor=3)],
                               run_check=False, shape=value.shape,
                               stride=value.stride()).full_tensor()
@@ -124,11 +120,8 @@ def _whole(value: DTensor) -> torch.Tensor:
 
 def _cut(whole: torch.Tensor, value: DTensor) -> torch.Tensor:
     """This rank's part of `whole`, laid out as `value` holds it (the inverse of _whole)."""
-    if not _is_qkv(value):
-        # src_data_rank=None: every rank holds the whole tensor, each keeps its own slice.
-        return distribute_tensor(whole, value.device_mesh, value.placements,
-                                 src_data_rank=None).to_local()
     dp_mesh, tp_mesh = _meshes(value)
+    # src_data_rank=None: every rank holds the whole tensor, each keeps its own slice.
     mine = distribute_tensor(whole, tp_mesh, [_StridedShard(0, split_factor=3)],
                              src_data_rank=None).to_local()
     if dp_mesh is not None:  # FSDP's dim-0 chunk of the TP slice
@@ -137,28 +130,27 @@ def _cut(whole: torch.Tensor, value: DTensor) -> torch.Tensor:
 
 
 def whole_strided(tree: object) -> object:
-    """`tree` (a state dict) with every strided DTensor gathered into a whole tensor.
+    """`tree` (a state dict) with every q/k/v DTensor gathered into a whole tensor.
 
     TP's fused q/k/v weights are strided shards (QKVColwiseParallel): a rank's slice is three
     separate row ranges of the global tensor, and DCP describes a shard by one offset, so it
     cannot save them as they are. They are saved whole instead (gathered on every rank for
     the save; DCP writes identical tensors once): a quarter of each block's weights, and the
-    snapshot keeps GPT-2's layout, so any strategy and sample.py read it. (fsdp_tp's other
-    column-wise weights are strided over dp too; they take the same path.)"""
+    snapshot keeps GPT-2's layout, so any strategy and sample.py read it."""
     if isinstance(tree, dict):
         return {key: whole_strided(value) for key, value in tree.items()}
-    return _whole(tree) if _is_strided(tree) else tree
+    return _whole(tree) if _is_qkv(tree) else tree
 
 
 def load_strided(tree: dict, load: Callable[[dict], None]) -> None:
-    """`load(tree)` with every strided DTensor read whole, then cut into this rank's slice."""
+    """`load(tree)` with every q/k/v DTensor read whole, then cut into this rank's slice."""
     strided: list[tuple[dict, str, DTensor]] = []
 
-    def swap(node: dict) -> None:  # strided DTensors -> whole-size plain tensors, to read into
+    def swap(node: dict) -> None:  # q/k/v DTensors -> whole-size plain tensors, to read into
         for key, value in node.items():
             if isinstance(value, dict):
                 swap(value)
-            elif _is_strided(value):
+            elif _is_qkv(value):
                 strided.append((node, key, value))
                 node[key] = torch.empty(value.shape, dtype=value.dtype,
                                         device=value.to_local().device)
