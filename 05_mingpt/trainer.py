@@ -331,7 +331,8 @@ class Trainer:
         print0(f"training steps {self.step}..{cfg.max_steps}: {tokens} sequences per step "
                f"(batch_size {cfg.batch_size} x grad_accum_steps {cfg.grad_accum_steps} x "
                + (f"world size {self.world_size}" if self.dp_size == self.world_size else
-                  f"{self.dp_size} data-parallel groups of {self.world_size // self.dp_size}")
+                  f"data-parallel size {self.dp_size}; {self.world_size // self.dp_size} "
+                  "processes per tensor-parallel group")
                + f"), {len(self.train_set):,} training samples")
         if self.last_val is None or self.last_val[0] != self.step:
             # Where we start from: an untrained model, or a resumed one whose snapshot was not
