@@ -24,6 +24,8 @@ parameter on every step.)
 Paths go through fsspec, so `s3://bucket/key` works wherever a local path does (s3fs reads
 the endpoint and credentials from the usual AWS_* environment variables).
 """
+import contextlib
+import functools
 import io
 import os
 import random
@@ -67,8 +69,96 @@ def _reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0][:160] if lines else ''}"
 
 
+# How long an s3:// snapshot_path may keep a run waiting. botocore (under s3fs) retries a failed
+# request (legacy mode: 5 attempts, AWS_MAX_ATTEMPTS) and s3fs retries botocore's timeouts
+# again (5 times), each attempt waiting up to 15 s for an answer: an endpoint that accepts the
+# connection and never answers held a run for 14 minutes before its traceback. Here: botocore
+# tries 3 times (unless AWS_MAX_ATTEMPTS says otherwise), s3fs adds no retries of its own, and
+# an attempt waits 5 s to connect and 15 s for an answer. Settings in fsspec's s3 config (e.g.
+# FSSPEC_S3='{"config_kwargs": {"read_timeout": 60}}') take precedence over these.
+S3_TIMEOUTS = {"connect_timeout": 5, "read_timeout": 15}
+S3_MAX_ATTEMPTS = 3
+
+
+def _storage_options(url: str) -> dict:
+    """fsspec options that bound the wait on an s3:// URL; none for other filesystems."""
+    if fsspec.utils.get_protocol(url) not in ("s3", "s3a"):
+        return {}
+    conf = fsspec.config.conf.get("s3", {})  # the user's: FSSPEC_S3 or fsspec's config files
+    config_kwargs = {**S3_TIMEOUTS, **conf.get("config_kwargs", {})}
+    if "AWS_MAX_ATTEMPTS" not in os.environ:  # botocore reads it, unless a config overrides
+        config_kwargs.setdefault("retries", {"max_attempts": S3_MAX_ATTEMPTS})
+    return {"config_kwargs": config_kwargs}
+
+
 def _fs(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
-    return fsspec.core.url_to_fs(url)
+    """The filesystem of `url` and the path in it; for s3:// with bounded retries and waits."""
+    options = _storage_options(url)
+    fs, path = fsspec.core.url_to_fs(url, **options)
+    if options:
+        # s3fs's own retry loop (a class attribute, no constructor argument) would repeat
+        # botocore's retries 5 times over; DCP's FsspecWriter gets this same cached instance.
+        fs.retries = 1
+        # A missing bucket is found here, when the snapshot is first looked for, rather than
+        # by the first save, hours later. (Refused credentials raise PermissionError here.)
+        bucket = path.split("/")[0]
+        try:
+            fs.call_s3("head_bucket", Bucket=bucket)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"bucket {bucket!r} does not exist") from None
+    return fs, path
+
+
+def storage_error(url: str, error: BaseException) -> str | None:
+    """An error of the object store behind `url` (refused credentials, missing bucket,
+    unreachable or silent endpoint) as "what happened; the fix" in one line; None for any
+    other error, and for local paths (their OSErrors have their own messages). Never shows a
+    credential: servers do not echo them, and any that appears is masked anyway."""
+    if isinstance(error, CheckpointException):  # DCP: every failed rank's exception
+        error = next(iter(error.failures.values()))[0]
+    if "://" not in url or not (isinstance(error, OSError) or _is_botocore(error)):
+        return None
+    line = _reason(error)
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        if len(os.environ.get(name, "")) >= 8:  # real ones are 16 to 40+ characters
+            line = line.replace(os.environ[name], "***")
+    if isinstance(error, PermissionError):
+        fix = ("check the credentials (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
+               "AWS_PROFILE) and that they may read and write there")
+    elif isinstance(error, FileNotFoundError) and "bucket" in line:
+        fix = "create the bucket, or set trainer_config.snapshot_path to an existing one"
+    elif isinstance(error, FileNotFoundError):
+        fix = "it vanished while in use; check what else writes there"
+    else:  # refused, unreachable, timed out: botocore's connection errors are not OSErrors
+        attempts = os.environ.get("AWS_MAX_ATTEMPTS", S3_MAX_ATTEMPTS)
+        fix = (f"check AWS_ENDPOINT_URL ({os.environ.get('AWS_ENDPOINT_URL', 'not set')}) and "
+               f"the network (gave up after {attempts} attempts: AWS_MAX_ATTEMPTS)")
+    return f"{line}; {fix}"
+
+
+def _storage_errors(wrap: type[Exception]) -> Callable:
+    """Decorator: an object store's error (storage_error) in a function whose first argument
+    is the URL becomes `wrap` with that one line; main.py prints it as one `error:` line.
+    SnapshotError while looking for a snapshot, OSError while saving one."""
+    def decorate(function: Callable) -> Callable:
+        @functools.wraps(function)
+        def wrapper(url: str, *args, **kwargs):
+            try:
+                return function(url, *args, **kwargs)
+            # CheckpointException, DCP's collected failures, is a BaseException.
+            except (Exception, CheckpointException) as e:
+                message = storage_error(url, e)
+                if message is None:
+                    raise
+                raise wrap(f"snapshot storage {url}: {message}" if wrap is SnapshotError else
+                           message) from None
+        return wrapper
+    return decorate
+
+
+def _is_botocore(error: BaseException) -> bool:
+    # botocore is imported only with s3fs; its connection errors are not OSErrors.
+    return type(error).__module__.split(".")[0] in ("botocore", "aiobotocore", "aiohttp")
 
 
 def write_bytes_atomic(url: str, data: bytes, before_commit: Callable[[], None] | None = None
@@ -90,12 +180,22 @@ def write_bytes_atomic(url: str, data: bytes, before_commit: Callable[[], None] 
             before_commit()
         os.replace(tmp, path)  # atomic within one filesystem
     else:
-        # An object store has no atomic rename (fsspec's mv is copy + delete), but a PUT is
-        # atomic: the object appears complete or not at all.
+        # An object store has no atomic rename (fsspec's mv is copy + delete), but an upload
+        # is atomic: the object appears complete (at close) or not at all.
         if before_commit:
             before_commit()
-        with fs.open(path, "wb") as f:
-            f.write(data)
+        f = fs.open(path, "wb")
+        try:
+            f.write(data)  # large data: a multipart upload, one part per block
+            f.close()  # the last part, then "complete the upload": the commit point
+        except BaseException:
+            # Not `with fs.open(...)`: its exit closes the file even after an error, and
+            # closing completes the upload with the parts sent so far, replacing the snapshot
+            # with a truncated one. discard() aborts the upload: the old object stays.
+            with contextlib.suppress(Exception):  # keep the first error, not the abort's
+                f.discard()
+            f.closed = True  # nor may garbage collection close (and so commit) it later
+            raise
 
 
 def save_file(url: str, obj: dict, before_commit: Callable[[], None] | None = None) -> None:
@@ -107,12 +207,15 @@ def save_file(url: str, obj: dict, before_commit: Callable[[], None] | None = No
 def load_file(url: str) -> dict:
     """A snapshot dict on the CPU; weights_only=True refuses pickled code."""
     try:
-        with fsspec.open(url, "rb") as f:
+        fs, path = _fs(url)
+        with fs.open(path, "rb") as f:
             data = f.read()
         # To the CPU whatever device saved it: RNG states must be CPU tensors, and
         # load_state_dict moves each weight to its parameter's device (module docstring).
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:  # truncated, corrupt, not a torch file, unreadable
+        if storage_error(url, e):  # the store failed, not the snapshot
+            raise SnapshotError(f"cannot read snapshot {url}: {storage_error(url, e)}") from None
         raise SnapshotError(f"cannot load snapshot {url} ({_reason(e)}): it is corrupt or not a "
                             "snapshot: move it away or set trainer_config.snapshot_path") from None
     if not isinstance(state, dict) or "step" not in state:
@@ -125,6 +228,7 @@ def _is_step_dir(path: str) -> bool:
     return os.path.basename(path.rstrip("/")).startswith("step_")
 
 
+@_storage_errors(SnapshotError)
 def snapshot_kind(url: str) -> str | None:
     """"ddp" for a snapshot file, "fsdp" for a DCP snapshot directory, None when there is none.
 
@@ -189,12 +293,15 @@ def check_compatible(state: dict, model_config: dict, data_meta: dict, url: str,
 
 
 def _writer(url: str) -> FileSystemWriter:
-    # Local disk: DCP's own writer. Anything else (s3://): the same writer over fsspec.
-    return FileSystemWriter(url) if "://" not in url else FsspecWriter(url)
+    # Local disk: DCP's own writer. Anything else (s3://): the same writer over fsspec, with
+    # the same bounded waits as _fs (the same options: the same cached filesystem).
+    return FileSystemWriter(url) if "://" not in url else FsspecWriter(
+        url, **_storage_options(url))
 
 
 def _reader(url: str) -> FileSystemReader:
-    return FileSystemReader(url) if "://" not in url else FsspecReader(url)
+    return FileSystemReader(url) if "://" not in url else FsspecReader(
+        url, **_storage_options(url))
 
 
 def save_sharded(url: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -226,10 +333,13 @@ def save_sharded(url: str, step: int, model: torch.nn.Module, optimizer: torch.o
 def latest_sharded(url: str) -> str:
     """The newest complete DCP checkpoint directory inside an fsdp snapshot."""
     try:
-        with fsspec.open(f"{url}/{LATEST}", "rt") as f:
-            name = f.read().strip()
-    except OSError as e:
-        raise SnapshotError(f"cannot read {url}/{LATEST}: {e}") from None
+        fs, path = _fs(url)
+        name = fs.cat_file(f"{path}/{LATEST}").decode().strip()
+    except Exception as e:
+        if not (isinstance(e, OSError) or storage_error(url, e)):
+            raise
+        raise SnapshotError(f"cannot read {url}/{LATEST}: {storage_error(url, e) or e}"
+                            ) from None
     if not name.startswith("step_"):
         raise SnapshotError(f"{url}/{LATEST} names {name!r}, not a step directory; the snapshot "
                             "is corrupt: move it away or set trainer_config.snapshot_path")
@@ -301,6 +411,7 @@ def agreed_kind(url: str) -> str | None:
     return kinds[0]
 
 
+@_storage_errors(OSError)
 def save(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
          state: dict, before_commit: Callable[[], None] | None = None) -> None:
     """Save weights, optimizer and `state` (step, ... and meta) in `method`'s layout; every
