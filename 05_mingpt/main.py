@@ -173,9 +173,12 @@ def train(cfg: DictConfig, device: torch.device) -> str | None:
             (str(error).strip().splitlines() or [type(error).__name__])[0]
         # snapshot.py commits by a rename (file) or by rewriting `latest` (directory) only once
         # everything is written, so the snapshot from before, if any, is intact.
-        return (f"cannot save the snapshot to {cfg.trainer_config.snapshot_path} ({reason}); "
-                "the previous snapshot, if any, is unchanged: free some space or set "
-                "trainer_config.snapshot_path, then run again to resume")
+        url = cfg.trainer_config.snapshot_path
+        # A local disk fills up; an object store's own line already says what to check.
+        fix = "free some space" if "://" not in url else "fix what it says"
+        return (f"cannot save the snapshot to {url} ({reason}); the previous snapshot, if any, "
+                f"is unchanged: {fix} or set trainer_config.snapshot_path, then run again to "
+                "resume")
     print0(f"final val loss {val_loss:.4f} (run dir {cfg.run_dir})")
     meta = snapshot_meta["data_meta"]
     if meta["kind"] in ("char", "bpe") and cfg.trainer_config.sample_tokens:
