@@ -112,16 +112,13 @@ def _fs(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
 def storage_error(url: str, error: BaseException) -> str | None:
     """An error of the object store behind `url` (refused credentials, missing bucket,
     unreachable or silent endpoint) as "what happened; the fix" in one line; None for any
-    other error, and for local paths (their OSErrors have their own messages). Never shows a
-    credential: servers do not echo them, and any that appears is masked anyway."""
+    other error, and for local paths (their OSErrors have their own messages). Shows no
+    credential: this reads none, and S3's error messages do not echo them."""
     if isinstance(error, CheckpointException):  # DCP: every failed rank's exception
         error = next(iter(error.failures.values()))[0]
     if "://" not in url or not (isinstance(error, OSError) or _is_botocore(error)):
         return None
     line = _reason(error)
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
-        if len(os.environ.get(name, "")) >= 8:  # real ones are 16 to 40+ characters
-            line = line.replace(os.environ[name], "***")
     if isinstance(error, PermissionError):
         fix = ("check the credentials (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
                "AWS_PROFILE) and that they may read and write there")
