@@ -62,6 +62,7 @@ class TrainerConfig:
     eval_every: int = MISSING
     eval_batches: int = MISSING
     save_every: int = MISSING
+    keep_last: int = MISSING
     snapshot_path: str = MISSING
     seed: int = MISSING
     data_loader_workers: int = MISSING
@@ -169,7 +170,8 @@ def validate(cfg: DictConfig) -> None:
             raise ValueError(f"{key}: {str(e).splitlines()[0]}") from None
         cfg[name] = typed  # the typed values (grad_clip=1 -> 1.0) for the checks and the run
     t, o = cfg.trainer_config, cfg.optimizer_config
-    for key in ("max_steps", "batch_size", "grad_accum_steps", "log_every", "eval_batches"):
+    for key in ("max_steps", "batch_size", "grad_accum_steps", "log_every", "eval_batches",
+                "keep_last"):
         _check(t[key] >= 1, f"trainer_config.{key}", "a positive integer", t[key])
     for key in ("warmup_steps", "eval_every", "save_every", "data_loader_workers",
                 "sample_tokens"):

@@ -87,7 +87,9 @@ def _storage_options(url: str) -> dict:
     conf = fsspec.config.conf.get("s3", {})  # the user's: FSSPEC_S3 or fsspec's config files
     config_kwargs = {**S3_TIMEOUTS, **conf.get("config_kwargs", {})}
     if "AWS_MAX_ATTEMPTS" not in os.environ:  # botocore reads it, unless a config overrides
-        config_kwargs.setdefault("retries", {"max_attempts": S3_MAX_ATTEMPTS})
+        # total_max_attempts counts the first request, as AWS_MAX_ATTEMPTS does ("max_attempts"
+        # counts the retries in botocore's legacy mode: one attempt more).
+        config_kwargs.setdefault("retries", {"total_max_attempts": S3_MAX_ATTEMPTS})
     return {"config_kwargs": config_kwargs}
 
 
@@ -302,8 +304,10 @@ def _reader(url: str) -> FileSystemReader:
 
 
 def save_sharded(url: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 train_state: dict, before_commit: Callable[[], None] | None = None) -> None:
-    """FSDP: all ranks write their shards; rank 0 then commits by rewriting `latest`."""
+                 train_state: dict, before_commit: Callable[[], None] | None = None,
+                 keep_last: int = 1) -> None:
+    """FSDP: all ranks write their shards; rank 0 then commits by rewriting `latest`, and
+    removes all but the newest `keep_last` step directories."""
     name = f"step_{step:08d}"
     fs, path = _fs(url)
     if dist.get_rank() == 0 and fs.exists(f"{path}/{name}"):
@@ -321,9 +325,11 @@ def save_sharded(url: str, step: int, model: torch.nn.Module, optimizer: torch.o
         if before_commit:
             before_commit()
         write_bytes_atomic(f"{url}/{LATEST}", name.encode())  # the commit point
-        for old in fs.ls(path, detail=False):  # older steps are superseded now
-            if _is_step_dir(old) and not old.rstrip("/").endswith(name):
-                fs.rm(old, recursive=True)
+        # Older steps beyond keep_last are superseded now (names sort by step: zero-padded).
+        older = sorted((p for p in fs.ls(path, detail=False)
+                        if _is_step_dir(p) and not p.rstrip("/").endswith(name)), reverse=True)
+        for old in older[keep_last - 1:]:
+            fs.rm(old, recursive=True)
     dist.barrier()  # nobody moves on (or exits) before the snapshot is committed
 
 
@@ -408,19 +414,41 @@ def agreed_kind(url: str) -> str | None:
     return kinds[0]
 
 
+def keep_previous(url: str, keep_last: int) -> None:
+    """Before a snapshot file is replaced: URL.1 .. URL.{keep_last-1} keep the ones before it.
+
+    Each older copy moves up one number; the current file is linked (locally) or copied as
+    URL.1, so URL itself stays in place until the new one replaces it atomically."""
+    fs, path = _fs(url)
+    if keep_last < 2 or not fs.isfile(path):
+        return
+    for i in range(keep_last - 1, 1, -1):  # .1 -> .2, ..., oldest dropped
+        if fs.exists(f"{path}.{i - 1}"):
+            fs.mv(f"{path}.{i - 1}", f"{path}.{i}")
+    if fs.exists(f"{path}.1"):
+        fs.rm(f"{path}.1")
+    if isinstance(fs, LocalFileSystem):
+        os.link(path, f"{path}.1")  # no copy: the replace below gives `path` a new file
+    else:
+        fs.copy(path, f"{path}.1")
+
+
 @_storage_errors(OSError)
 def save(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         state: dict, before_commit: Callable[[], None] | None = None) -> None:
+         state: dict, before_commit: Callable[[], None] | None = None,
+         keep_last: int = 1) -> None:
     """Save weights, optimizer and `state` (step, ... and meta) in `method`'s layout; every
     rank calls this. `before_commit` runs once all is written and before it becomes the
-    snapshot (a fault-injection point)."""
+    snapshot (a fault-injection point). The `keep_last - 1` snapshots before it are kept
+    (URL.1, ... for a file; step directories for a sharded snapshot) for a manual roll-back."""
     if LAYOUTS[method] == "fsdp":
-        save_sharded(url, state["step"], model, optimizer, state, before_commit)
+        save_sharded(url, state["step"], model, optimizer, state, before_commit, keep_last)
         return
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         # Collective: every rank sends the state of the parameters it owns to rank 0.
         optimizer.consolidate_state_dict(to=0)
     if dist.get_rank() == 0:  # every rank holds the same weights: one writer is enough
+        keep_previous(url, keep_last)
         save_file(url, {**state, "model": unwrap(model).state_dict(),  # no "module." prefix
                         "optimizer": optimizer.state_dict()}, before_commit)
 

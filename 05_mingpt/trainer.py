@@ -184,7 +184,8 @@ class Trainer:
         # model_config and data_meta go along: enough to rebuild the model and decode its output.
         snapshot.save(self.cfg.snapshot_path, self.cfg.distributed_method, self.model,
                       self.optimizer, {**self.state_dict(), **self.snapshot_meta},
-                      before_commit=partial(inject_fault, self.step, during_save=True))
+                      before_commit=partial(inject_fault, self.step, during_save=True),
+                      keep_last=self.cfg.keep_last)
         print0(f"step {self.step}: snapshot saved to {self.cfg.snapshot_path}")
 
     def _run_batch(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -347,3 +347,26 @@ def test_another_model_is_refused_before_any_weight_changes(m, group, tmp_path):
         snapshot.load(url, "ddp", fresh, fresh_optimizer,
                       {"model_config": MODEL, "data_meta": DATA}, keys)
     assert all(torch.equal(a, b) for a, b in zip(before, fresh.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("method", ["ddp", "fsdp"])
+def test_keep_last_keeps_the_snapshots_before_the_newest(m, group, tmp_path, method):
+    """keep_last=2: the newest snapshot and the one before it; older ones go. A file moves
+    aside as URL.1 (a roll-back is `mv snap.1 snap`), a sharded one keeps its step directory."""
+    snapshot = m["snapshot"]
+    url = str(tmp_path / "snap")
+    model, optimizer = trained(m, method, seed=1)
+    for step in (2, 4, 6):
+        snapshot.save(url, method, model, optimizer, {"step": step}, keep_last=2)
+    if method == "ddp":
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["snap", "snap.1"]
+        steps = [snapshot.load_file(str(tmp_path / n))["step"] for n in ("snap", "snap.1")]
+    else:
+        assert sorted(p.name for p in (tmp_path / "snap").iterdir()) == [
+            "latest", "step_00000004", "step_00000006"]
+        steps = [int((tmp_path / "snap/latest").read_text()[5:]), 4]
+    assert steps == [6, 4]
+    # keep_last=1 keeps only the newest (and drops what older ones there were).
+    snapshot.save(url, method, model, optimizer, {"step": 8}, keep_last=1)
+    names = sorted(p.name for p in (tmp_path if method == "ddp" else tmp_path / "snap").iterdir())
+    assert names == (["snap", "snap.1"] if method == "ddp" else ["latest", "step_00000008"])

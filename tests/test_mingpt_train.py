@@ -127,7 +127,8 @@ def test_fsdp_single_process_bf16(mingpt, main_py):
     snap = mingpt / "runs/fsdp1/snapshot"
     # DCP layout: only the newest step directory survives, and `latest` names it.
     assert (snap / "latest").read_text() == "step_00000010"
-    assert sorted(p.name for p in snap.iterdir()) == ["latest", "step_00000010"]
+    # keep_last=2: the step before stays too (snapshots at 4, 8 and 10).
+    assert sorted(p.name for p in snap.iterdir()) == ["latest", "step_00000008", "step_00000010"]
     assert {".metadata", "__0_0.distcp", "train_state.pt"} <= {
         p.name for p in (snap / "step_00000010").iterdir()}
 
@@ -207,7 +208,7 @@ def test_fsdp_kill_resume_and_world_size_change_slowest(mingpt, ddp_reference, m
     assert "holds no committed snapshot" in k.stderr and "resumed from" not in k.stdout
     assert val_losses(k.stdout)[10] == final_a
     assert sorted(p.name for p in (mingpt / "runs/fsdp_k/snapshot").iterdir()) == [
-        "latest", "step_00000010"]
+        "latest", "step_00000008", "step_00000010"]  # keep_last=2
     # Same data, same initial weights, fp32: FSDP computes what DDP computes, up to the order
     # of floating-point sums (reduce-scatter vs all-reduce): the same curve within 1e-3.
     assert final_a == pytest.approx(val_losses(ddp_reference[0].stdout)[10], abs=1e-3)
