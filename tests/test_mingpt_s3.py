@@ -104,8 +104,10 @@ def test_snapshot_on_s3_saves_survives_a_kill_resumes_and_samples_slowest(mingpt
     assert "step 6: snapshot saved" in second.stdout
     objects = fs.find(f"mingpt/{method}")
     if method == "ddp":
-        # keep_last=2: the snapshot of step 2, copied aside before step 6 replaced it
+        # keep_last=2: the snapshot of step 4, copied aside before step 6 replaced it
         assert objects == [f"mingpt/{method}/snapshot", f"mingpt/{method}/snapshot.1"]
+        with fs.open(f"mingpt/{method}/snapshot.1", "rb") as f:
+            assert torch.load(f, map_location="cpu", weights_only=True)["step"] == 4
     else:  # step 4 (the killed save's leftovers, then its redo) is kept beside step 6
         assert fs.cat_file(f"mingpt/{method}/snapshot/latest") == b"step_00000006"
         assert {o.split("/")[3] for o in objects if "/step_" in o} == {"step_00000004",
