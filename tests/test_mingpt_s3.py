@@ -63,6 +63,7 @@ def mingpt(tmp_path_factory):
 
 def s3(env: dict) -> s3fs.S3FileSystem:
     """A filesystem on the moto server for the test's own looks (its listing cache off)."""
+    # Its own instance (skip_instance_cache), never the cached one 05's code configures.
     return s3fs.S3FileSystem(key=env["AWS_ACCESS_KEY_ID"], secret=env["AWS_SECRET_ACCESS_KEY"],
                              endpoint_url=env["AWS_ENDPOINT_URL"], use_listings_cache=False,
                              skip_instance_cache=True)
@@ -194,6 +195,7 @@ def test_s3_fault_is_one_error_line_within_seconds(mingpt_modules, mingpt, aws, 
     proc = script_in_process(mingpt_modules["main"], mingpt, *tiny(
         f"trainer_config.snapshot_path={url}", f"run_name=fault_{fault}"), **env)
     elapsed = time.monotonic() - start
+    # Exactly one stderr line: the fault and its fix (no warning, no traceback before it).
     assert (proc.returncode, proc.stderr.strip()) == (
         2, f"error: snapshot storage {url}: {want}"), proc.stdout[-2000:]
     assert "Traceback" not in proc.stdout + proc.stderr and "step 1/" not in proc.stdout
@@ -214,6 +216,8 @@ def flaky_upload(monkeypatch):
     real, parts = s3fs.core.S3File._call_s3, []
     fail = {"part": None, "key": None}
 
+    # Every request an open s3fs file makes (put_object, upload_part, complete_...) goes
+    # through S3File._call_s3: failing it there is failing it on the wire, minus the wire.
     def call_s3(self, method, *args, **kwargs):
         if method == "upload_part":
             parts.append(kwargs["PartNumber"])
