@@ -293,9 +293,11 @@ def check_compatible(state: dict, model_config: dict, data_meta: dict, url: str,
 
 def _writer(url: str) -> FileSystemWriter:
     # Local disk: DCP's own writer. Anything else (s3://): the same writer over fsspec, with
-    # the same bounded waits as _fs (the same options: the same cached filesystem).
+    # the same bounded waits as _fs (the same options: the same cached filesystem), and no
+    # fsync: an object has no file descriptor (DCP warned on every file), and its upload is
+    # complete when the file closes.
     return FileSystemWriter(url) if "://" not in url else FsspecWriter(
-        url, **_storage_options(url))
+        url, sync_files=False, **_storage_options(url))
 
 
 def _reader(url: str) -> FileSystemReader:
