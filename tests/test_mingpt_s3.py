@@ -214,7 +214,7 @@ def flaky_upload(monkeypatch):
     monkeypatch.setitem(fsspec.config.conf, "s3", {"default_block_size": part})
     monkeypatch.setattr(s3fs.core.S3File, "part_max", part)  # else one part of up to 5 GiB
     real, parts = s3fs.core.S3File._call_s3, []
-    fail = {"part": None, "key": None}
+    fail = {"part": None, "key": None, "nth": 1, "seen": 0}  # the nth write to a key, and on
 
     # Every request an open s3fs file makes (put_object, upload_part, complete_...) goes
     # through S3File._call_s3: failing it there is failing it on the wire, minus the wire.
@@ -223,8 +223,10 @@ def flaky_upload(monkeypatch):
             parts.append(kwargs["PartNumber"])
             if len(parts) == fail["part"]:
                 raise ConnectionResetError(errno.ECONNRESET, "connection reset (injected)")
-        if fail["key"] and fail["key"] in kwargs.get("Key", ""):
-            raise ConnectionResetError(errno.ECONNRESET, "connection reset (injected)")
+        if fail["key"] and fail["key"] in kwargs.get("Key", "") and method != "upload_part":
+            fail["seen"] += 1
+            if fail["seen"] >= fail["nth"]:
+                raise ConnectionResetError(errno.ECONNRESET, "connection reset (injected)")
         return real(self, method, *args, **kwargs)
     monkeypatch.setattr(s3fs.core.S3File, "_call_s3", call_s3)
     yield part, parts, fail
@@ -283,3 +285,28 @@ def test_failed_sharded_save_leaves_latest_at_the_previous_step(mingpt_modules, 
             assert torch.equal(value, saved[key]), key
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("method", ["ddp", "fsdp"])
+def test_failed_save_on_s3_stops_the_run_with_one_line_and_keeps_step_2(
+        mingpt_modules, mingpt, aws, flaky_upload, method):
+    """main.py end to end, in this process: the step-4 save fails (ddp: the second write of the
+    snapshot object; fsdp: the first write into step 4's directory)."""
+    fail, url, fs = flaky_upload[2], f"s3://mingpt/save_fault/{method}", s3(aws)
+    fail["key"], fail["nth"] = ("save_fault/ddp", 2) if method == "ddp" else ("step_00000004", 1)
+    proc = script_in_process(mingpt_modules["main"], mingpt, *tiny(
+        f"trainer_config.distributed_method={method}", f"trainer_config.snapshot_path={url}",
+        "trainer_config.save_every=2", "trainer_config.max_steps=4",
+        "trainer_config.sample_tokens=0", f"run_name=save_fault_{method}"))
+    assert f"step 2: snapshot saved to {url}" in proc.stdout
+    reason = ("ConnectionResetError: [Errno 104] connection reset (injected); "
+              + UNREACHABLE.format(endpoint=aws["AWS_ENDPOINT_URL"], n=3))
+    # One line, exactly this up to main.py's own advice on what to do next.
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith(f"error: cannot save the snapshot to {url} ({reason}); the "
+                                  "previous snapshot"), proc.stderr
+    if method == "ddp":
+        with fs.open(f"mingpt/save_fault/{method}", "rb") as f:
+            assert torch.load(f, map_location="cpu", weights_only=True)["step"] == 2
+    else:
+        assert fs.cat_file(f"mingpt/save_fault/{method}/latest") == b"step_00000002"
