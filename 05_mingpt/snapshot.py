@@ -243,7 +243,7 @@ def snapshot_kind(url: str) -> str | None:
             return "fsdp"
         entries = fs.ls(path, detail=False)
         if all(_is_step_dir(entry) for entry in entries):
-            if entries:
+            if entries and (not dist.is_initialized() or dist.get_rank() == 0):  # said once
                 warnings.warn(f"{url} holds no committed snapshot (a save was interrupted before "
                               f"'{LATEST}' was written): starting from step 0", stacklevel=2)
             return None

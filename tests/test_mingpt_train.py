@@ -205,7 +205,8 @@ def test_fsdp_kill_resume_and_world_size_change_slowest(mingpt, ddp_reference, m
     k = run([TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1", "main.py",
              *k_args], cwd=mingpt, FAULT_AT_SAVE="4")
     assert "FAULT_AT_SAVE=4: killing this worker" in k.stdout
-    assert "holds no committed snapshot" in k.stderr and "resumed from" not in k.stdout
+    assert k.stderr.count("holds no committed snapshot") == 1  # rank 0 says it, once
+    assert "resumed from" not in k.stdout
     assert val_losses(k.stdout)[10] == final_a
     assert sorted(p.name for p in (mingpt / "runs/fsdp_k/snapshot").iterdir()) == [
         "latest", "step_00000008", "step_00000010"]  # keep_last=2
