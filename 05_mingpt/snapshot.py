@@ -327,10 +327,14 @@ def save_sharded(url: str, step: int, model: torch.nn.Module, optimizer: torch.o
         if before_commit:
             before_commit()
         write_bytes_atomic(f"{url}/{LATEST}", name.encode())  # the commit point
-        # Older steps beyond keep_last are superseded now (names sort by step: zero-padded).
-        older = sorted((p for p in fs.ls(path, detail=False)
-                        if _is_step_dir(p) and not p.rstrip("/").endswith(name)), reverse=True)
-        for old in older[keep_last - 1:]:
+        # Keep the newest keep_last - 1 complete snapshots of earlier steps (names sort by
+        # step: zero-padded). A save that was cut off left a directory without train_state.pt,
+        # or one of a later step than this: neither is a snapshot to roll back to.
+        others = [p.rstrip("/") for p in fs.ls(path, detail=False)
+                  if _is_step_dir(p) and os.path.basename(p.rstrip("/")) != name]
+        earlier = sorted((p for p in others if os.path.basename(p) < name
+                          and fs.exists(f"{p}/{TRAIN_STATE}")), reverse=True)
+        for old in set(others) - set(earlier[:keep_last - 1]):
             fs.rm(old, recursive=True)
     dist.barrier()  # nobody moves on (or exits) before the snapshot is committed
 

@@ -72,7 +72,7 @@ def load_ddp_snapshot(path: Path) -> dict:
 
 
 MINGPT_MODULES = ("config", "char_dataset", "devices", "faults", "metrics", "model",
-                  "parallelize", "precision", "sample", "snapshot", "trainer")
+                  "parallelize", "precision", "sample", "snapshot", "tensor_parallel", "trainer")
 
 
 @contextlib.contextmanager

@@ -24,8 +24,8 @@ COPIED_HELPERS = {
 FORKED_HELPERS = {
     "05_mingpt/snapshot.py": "snapshots on any fsspec URL (S3) and sharded DCP snapshots; "
                              "rng_state/set_rng_state take the device (the CUDA RNG of this "
-                             "rank's GPU); SnapshotError is a ValueError, which main.py turns "
-                             "into one error line like every other bad input",
+                             "rank's GPU); layouts per strategy, keep_last, storage errors "
+                             "as one line",
     "05_mingpt/faults.py": "counts optimizer steps rather than epochs, and can also crash in "
                            "the middle of a snapshot save (FAULT_AT_SAVE)",
 }

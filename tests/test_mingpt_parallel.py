@@ -366,7 +366,16 @@ def test_keep_last_keeps_the_snapshots_before_the_newest(m, group, tmp_path, met
             "latest", "step_00000004", "step_00000006"]
         steps = [int((tmp_path / "snap/latest").read_text()[5:]), 4]
     assert steps == [6, 4]
-    # keep_last=1 keeps only the newest (and drops what older ones there were).
-    snapshot.save(url, method, model, optimizer, {"step": 8}, keep_last=1)
+    if method == "fsdp":
+        # Saves that were cut off (no train_state.pt; or a later step than the next save) are
+        # no snapshots to roll back to: they go, and step 6, the last committed one, stays.
+        for cut_off in ("step_00000007", "step_00000009"):
+            (tmp_path / "snap" / cut_off).mkdir()
+        snapshot.save(url, method, model, optimizer, {"step": 8}, keep_last=2)
+        assert sorted(p.name for p in (tmp_path / "snap").iterdir()) == [
+            "latest", "step_00000006", "step_00000008"]
+    # keep_last=1: a sharded snapshot drops its older step directories; a file makes no new
+    # copy (the .1 made earlier is left as it was).
+    snapshot.save(url, method, model, optimizer, {"step": 10}, keep_last=1)
     names = sorted(p.name for p in (tmp_path if method == "ddp" else tmp_path / "snap").iterdir())
-    assert names == (["snap", "snap.1"] if method == "ddp" else ["latest", "step_00000008"])
+    assert names == (["snap", "snap.1"] if method == "ddp" else ["latest", "step_00000010"])
