@@ -144,6 +144,11 @@ def parallelize(model: nn.Module, device: torch.device, method: str = "ddp",
                                      activation_checkpointing, compile)
     wrap_blocks(model, activation_checkpointing, compile)
     if method in ("ddp", "zero"):  # zero differs only in its optimizer (build_optimizer)
+        if dist.get_world_size() == 1:
+            # One process has no gradients to average, but DDP would still copy each one into
+            # its buckets and all-reduce them over a group of one: about 10 % of a small
+            # model's step on a CPU (README: Benchmark). Snapshots hold unwrap(model) anyway.
+            return model
         return apply_ddp(model, device)
     if method == "fsdp":
         return apply_fsdp(model, device, precision, cpu_offload)
@@ -160,10 +165,16 @@ def build_optimizer(model: nn.Module, method: str, lr: float, betas: Iterable[fl
     AdamW moments and updates it, then broadcasts the new values. Gradients are still
     all-reduced whole by DDP (ZeRO stage 1: optimizer state sharded, nothing else)."""
     groups = unwrap(model).optim_groups(weight_decay)
+    # The fused kernel updates every parameter in one pass: 0.5 ms instead of 2.3 ms per step
+    # for gpt-micro on a CPU, where foreach still loops per op. It takes plain tensors or
+    # DTensors of one mesh (FSDP), not a mix of them (TP), and only on CPUs and CUDA GPUs.
+    params = [p for g in groups for p in g["params"]]
+    meshes = {p.device_mesh if isinstance(p, DTensor) else None for p in params}
+    fused = len(meshes) == 1 and all(p.device.type in ("cpu", "cuda") for p in params)
     if method == "zero":
         return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, lr=lr,
-                                       betas=tuple(betas))
-    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas))
+                                       betas=tuple(betas), fused=fused)
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), fused=fused)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

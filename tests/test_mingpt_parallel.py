@@ -75,12 +75,14 @@ def test_lr_factor_warms_up_then_follows_the_cosine_down_to_min_lr_ratio(m):
 
 # --- parallelize ------------------------------------------------------------------------------
 
-def test_ddp_wraps_the_model_and_unwrap_gives_it_back(m, group):
-    plain = tiny_gpt(m)
-    model = m["parallelize"].parallelize(plain, CPU, "ddp")
-    assert isinstance(model, DDP)
-    assert m["parallelize"].unwrap(model) is plain
-    assert list(model.state_dict())[0].startswith("module.")  # why snapshots save unwrap()'s
+def test_one_process_trains_the_plain_model_without_ddp(m, group):
+    # DDP over a group of one only costs time (bench.py); two ranks get DDP (below).
+    for method in ("ddp", "zero"):
+        plain = tiny_gpt(m)
+        model = m["parallelize"].parallelize(plain, CPU, method)
+        assert model is plain and m["parallelize"].unwrap(model) is plain
+    optimizer = m["parallelize"].build_optimizer(model, "ddp", lr=1e-3)
+    assert optimizer.defaults["fused"] is True  # one kernel for every parameter's update
 
 
 def test_fsdp_shards_every_block_and_the_root(m, group):
@@ -134,7 +136,7 @@ def test_fsdp_bf16_computes_in_bf16_and_keeps_fp32_shards(m, group):
 
 def test_set_grad_sync_uses_ddp_no_sync_for_one_micro_step(m, group):
     set_grad_sync = m["parallelize"].set_grad_sync
-    model = m["parallelize"].parallelize(tiny_gpt(m), CPU, "ddp")
+    model = m["parallelize"].apply_ddp(tiny_gpt(m), CPU)  # parallelize: DDP from 2 ranks on
     assert model.require_backward_grad_sync
     with set_grad_sync(model, sync=False):
         assert not model.require_backward_grad_sync  # this backward skips the all-reduce
@@ -187,7 +189,12 @@ def _two_rank_worker(rank: int, store_path: str, out_dir: str) -> None:
         expected = torch.stack(gathered(mine)).mean(0)  # DDP and FSDP average over ranks
         result = {}
         for method in ("ddp", "fsdp"):
-            model = p.parallelize(tiny_gpt(m), CPU, method)
+            plain_model = tiny_gpt(m)
+            model = p.parallelize(plain_model, CPU, method)
+            if method == "ddp":  # wrapped, and unwrap gives the model back
+                assert isinstance(model, DDP) and p.unwrap(model) is plain_model
+                # The "module." prefix is why snapshots save unwrap(model)'s state dict.
+                assert list(model.state_dict())[0].startswith("module.")
             with p.set_grad_sync(model, sync=False):
                 model(*micro[0])[1].backward()
             grads = [full(g.grad).flatten() for g in model.parameters() if g.grad is not None]
@@ -206,7 +213,7 @@ def _two_rank_worker(rank: int, store_path: str, out_dir: str) -> None:
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     # As main.py does: free everything that holds the group, so destroy_process_group joins
     # gloo's worker threads before Python exits (tests/test_teardown.py explains the abort).
-    del model, plain
+    del model, plain, plain_model
     for mesh in [o for o in gc.get_objects() if issubclass(type(o), DeviceMesh)]:
         getattr(mesh, "_pg_registry", {}).clear()
     gc.collect()
