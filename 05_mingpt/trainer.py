@@ -110,6 +110,8 @@ class Trainer:
         # watching for it costs no host sync; it is read where one happens anyway (below).
         self.first_bad_step = torch.zeros((), dtype=torch.long, device=device)
         self.t_log = time.perf_counter()  # start of the current log interval
+        # Seconds spent evaluating and saving snapshots (train() reports their share).
+        self.paused_s = {"evaluation": 0.0, "snapshots": 0.0}
         self.bar: tqdm | None = None  # the progress bar, while train() runs
         # Memory: this rank's model-state bytes (counted once, at the first step's end, when
         # gradients and optimizer state exist) and every rank's setup peak (train() sets it).
@@ -251,9 +253,13 @@ class Trainer:
         paused = time.perf_counter()
         if (cfg.eval_every and step % cfg.eval_every == 0) or last:
             self._log_eval()
+        evaluated = time.perf_counter()
         if saving:
             self._save_snapshot()
-        self.t_log += time.perf_counter() - paused  # tokens/s measures training steps only
+        resumed = time.perf_counter()
+        self.paused_s["evaluation"] += evaluated - paused
+        self.paused_s["snapshots"] += resumed - evaluated
+        self.t_log += resumed - paused  # tokens/s measures training steps only
 
     def _stop_if_not_finite(self) -> None:
         """NonFiniteLoss if any rank's loss was nan or inf since training (re)started."""
@@ -335,10 +341,12 @@ class Trainer:
                   f"data-parallel size {self.dp_size}; {self.world_size // self.dp_size} "
                   "processes per tensor-parallel group")
                + f"), {len(self.train_set):,} training samples")
+        started = time.perf_counter()
         if self.last_val is None or self.last_val[0] != self.step:
             # Where we start from: an untrained model, or a resumed one whose snapshot was not
             # evaluated when it was saved (evaluating it again would log that step twice).
             self._log_eval()
+            self.paused_s["evaluation"] += time.perf_counter() - started
         # A progress bar on rank 0 only, and only on a terminal (log files get the log lines).
         # The peak so far is the setup's (model, snapshot, first evaluation); from here on the
         # peaks logged are training's, so DDP and FSDP compare on what training needs.
@@ -350,6 +358,10 @@ class Trainer:
         while self.step < cfg.max_steps:
             self._run_epoch()
         self.bar.close()
+        total = time.perf_counter() - started
+        print0(f"{total:.1f} s in training: " + ", ".join(
+            f"{name} {seconds:.1f} s ({100 * seconds / total:.1f}%)"
+            for name, seconds in self.paused_s.items()))
         self._log_memory()
         if self.writer:
             self.writer.close()

@@ -1,0 +1,385 @@
+"""Measure what each strategy costs: step time, tokens/s, MFU, memory, snapshot save and load,
+and the trainer against a bare training loop; JSON, a table and a plot.
+
+    python bench.py                               # CPU: nanoGPT's CPU configuration, 1-2 ranks
+    python bench.py --runs ddp:1 fsdp:2 zero:2 --steps 300
+    python bench.py --preset gpt2 --precision bf16 --compile --block_size 1024 --batch_size 8
+    python bench.py --quality                     # `python main.py` end to end: time to val 1.88
+    python bench.py ... -- gpt_config.dropout=0.1 # main.py overrides after --
+
+Each run (strategy:ranks) has its own processes: `python bench.py --worker` for one rank, as
+`python main.py` runs, or `torchrun --nproc_per_node=N bench.py --worker` for N. A worker builds
+data, model and optimizer with main.py's load_train_objs and trains with the Trainer itself,
+at the default logging interval, timing every step. For ddp on one rank it also times a bare
+loop (forward, backward, clip, AdamW step, nothing else) on the same model, data and optimizer,
+in alternating rounds, so the trainer's overhead is a ratio measured under the same load.
+"""
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULT = "BENCH_RESULT "  # the prefix of the worker's one JSON line (rank 0)
+QUALITY = 1.88  # the val loss of nanoGPT's CPU recipe (README: Benchmark)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    argv = sys.argv[1:] if argv is None else argv
+    # main.py overrides (section.key=value) come after `--`, for every run.
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", nargs="+", default=["ddp:1", "ddp:2", "zero:2", "fsdp:2",
+                                                      "tp:2"],
+                        help="strategy:ranks pairs (default: %(default)s)")
+    parser.add_argument("--preset", default="gpt-micro", help="gpt_config.model_type")
+    parser.add_argument("--block_size", type=int, default=64)
+    parser.add_argument("--batch_size", type=int, default=12, help="sequences per rank per step")
+    parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
+    parser.add_argument("--compile", action="store_true", help="torch.compile every block")
+    parser.add_argument("--steps", type=int, default=200, help="timed steps per round")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed steps per round")
+    parser.add_argument("--rounds", type=int, default=3, help="trainer (and bare) rounds")
+    parser.add_argument("--threads", type=int, default=0, help="intra-op threads per rank "
+                        "(0: the cores this process may use, divided by the ranks)")
+    parser.add_argument("--out", default="bench/perf", help="writes OUT.json and OUT.png")
+    parser.add_argument("--quality", action="store_true",
+                        help="time `python main.py` (with the overrides after --) to val 1.88")
+    parser.add_argument("--replot", metavar="JSON", help="redraw the PNG of a saved JSON")
+    parser.add_argument("--worker", metavar="STRATEGY", help=argparse.SUPPRESS)
+    parser.add_argument("--run_dir", help=argparse.SUPPRESS)  # the run's scratch folder
+    args = parser.parse_args(argv)
+    args.overrides = extra
+    return args
+
+
+def overrides(args: argparse.Namespace, strategy: str, ranks: int) -> list[str]:
+    """main.py's config for one run: nanoGPT's CPU configuration by default (no dropout, so
+    every strategy computes the same steps), evaluation and snapshots only at each round's end."""
+    return [f"gpt_config.model_type={args.preset}", f"gpt_config.block_size={args.block_size}",
+            "gpt_config.dropout=0.0", f"trainer_config.distributed_method={strategy}",
+            f"trainer_config.tp_size={ranks if strategy in ('tp', 'fsdp_tp') else 0}",
+            f"trainer_config.batch_size={args.batch_size}",
+            f"trainer_config.precision={args.precision}", f"trainer_config.compile={args.compile}",
+            f"trainer_config.max_steps={args.warmup + args.steps}",
+            "trainer_config.eval_every=0", "trainer_config.save_every=0",
+            "trainer_config.eval_batches=2", "trainer_config.sample_tokens=0",
+            "trainer_config.keep_last=1", "run_name=bench", f"run_dir={args.run_dir}",
+            *args.overrides]
+
+
+def step_times(stamps: list[float], warmup: int) -> list[float]:
+    """Seconds per step from the start times of consecutive steps, without the warm-up."""
+    return [b - a for a, b in zip(stamps, stamps[1:], strict=False)][warmup:]
+
+
+def bare_round(model, optimizer, train_set, t, device, n: int, seed: int) -> list[float]:
+    """n steps of forward, backward, clip, AdamW step and zero_grad: the start time of each,
+    and the end. Nothing else: no loss bookkeeping, no schedule, no logging."""
+    import torch
+    from torch.utils.data import default_collate
+
+    from precision import autocast
+
+    order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(seed))
+    b, stamps = t.batch_size, []
+    for i in range(n + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        stamps.append(time.perf_counter())
+        if i == n:
+            return stamps
+        x, y = default_collate([train_set[j] for j in order[i * b:(i + 1) * b].tolist()])
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with autocast(device, t.precision):
+            _, loss = model(x, y)
+        loss.backward()
+        if t.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return stamps
+
+
+def trainer_round(trainer, device) -> tuple[list[float], float]:
+    """Train with trainer.train(), stamping the start of every step; (stamps, save seconds)."""
+    import torch
+
+    stamps, saves = [], []
+    run_batch, save = trainer._run_batch, trainer._save_snapshot
+
+    def timed_batch(micro_batches):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        stamps.append(time.perf_counter())
+        run_batch(micro_batches)
+
+    def timed_save():
+        start = time.perf_counter()
+        save()
+        saves.append(time.perf_counter() - start)
+
+    trainer._run_batch, trainer._save_snapshot = timed_batch, timed_save
+    trainer.train()
+    return stamps, sum(saves)
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One rank of one run: rounds of the trainer (and the bare loop), then a timed load."""
+    # Imported here: the launching process needs none of torch's distributed machinery.
+    import torch
+    import torch.distributed as dist
+
+    import config
+    import main
+    import snapshot
+    from metrics import device_name, peak_flops, peak_memory_mb
+    from trainer import Trainer
+
+    strategy = args.worker
+    ranks = int(os.environ.get("WORLD_SIZE", 1))
+    try:
+        cfg = config.load(overrides(args, strategy, ranks))
+    except ValueError as e:
+        main.fail(e)  # one `error:` line, exit 2
+    t = cfg.trainer_config
+    device = main.ddp_setup(t.device, t.cpu_offload)
+    try:
+        model, optimizer, train_set, val_set, data, meta, flops = main.load_train_objs(cfg, device)
+        # The bare loop needs the model as it is: DDP on one rank is (parallelize.py).
+        bare = strategy == "ddp" and ranks == 1
+        trainer_tps, bare_tps, trainer_steps, save_s = [], [], [], []
+        for r in range(args.rounds):
+            if bare:
+                stamps = bare_round(model, optimizer, train_set, t, device,
+                                    args.warmup + args.steps, seed=r)
+                seconds = step_times(stamps, args.warmup)
+                bare_tps.append(t.batch_size * args.block_size * len(seconds) / sum(seconds))
+            trainer = Trainer(t, model, optimizer, train_set, val_set, device, cfg.run_dir,
+                              meta, flops)
+            stamps, saved = trainer_round(trainer, device)
+            seconds = step_times(stamps, args.warmup)
+            tokens = t.batch_size * args.block_size * trainer.dp_size  # per step, all ranks
+            trainer_tps.append(tokens * len(seconds) / sum(seconds))
+            trainer_steps.extend(seconds)
+            save_s.append(saved)
+        training_peak = peak_memory_mb(device)  # since the last round's train() reset it
+        setup_peak = trainer.setup_peak_mb
+        dist.barrier()
+        start = time.perf_counter()
+        snapshot.load(t.snapshot_path, strategy, model, optimizer, meta, data.MATCH_KEYS)
+        dist.barrier()
+        load_s = time.perf_counter() - start
+        states: list = [None] * dist.get_world_size()
+        dist.all_gather_object(states, trainer.model_state)
+        if dist.get_rank() == 0:
+            tps = statistics.median(trainer_tps)
+            peak = peak_flops(device_name(device), t.precision)
+            result = {
+                "strategy": strategy, "ranks": ranks, "threads": torch.get_num_threads(),
+                "device": device_name(device) or platform.processor() or "cpu",
+                "median_step_ms": 1000 * statistics.median(trainer_steps),
+                "tokens_per_s": tps, "tokens_per_s_per_rank": tps / ranks,
+                "tokens_per_s_rounds": trainer_tps,
+                "mfu": flops * tps / (peak * ranks) if peak else None,
+                "setup_peak_mb": setup_peak, "training_peak_mb": training_peak,
+                "model_state_mb": [sum(s.values()) / 2**20 for s in states],
+                "save_s": statistics.median(save_s), "load_s": load_s,
+                "num_params": main.unwrap(model).num_params(),
+            }
+            if bare:
+                result["bare_tokens_per_s"] = statistics.median(bare_tps)
+                result["bare_tokens_per_s_rounds"] = bare_tps
+                result["overhead_ratio"] = tps / result["bare_tokens_per_s"]
+            print(RESULT + json.dumps(result), flush=True)
+        del trainer, model, optimizer  # everything that holds the group, before release_group
+    finally:
+        main.release_group()
+
+
+def launch(args: argparse.Namespace, run: str) -> dict | None:
+    """One run's workers; their result, or None (with the reason printed)."""
+    strategy, _, ranks = run.partition(":")
+    ranks = int(ranks or 1)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = args.threads or max(1, cores // ranks)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    # Logs and snapshots of a benchmark are scratch: a fresh folder per run, removed after.
+    with tempfile.TemporaryDirectory(prefix="bench_") as run_dir:
+        script = ["bench.py", "--worker", strategy, "--run_dir", run_dir, *worker_options(args)]
+        if ranks == 1:  # as `python main.py` runs: one process, no torchrun
+            cmd = [sys.executable, *script]
+        else:
+            torchrun = str(Path(sys.executable).with_name("torchrun"))
+            cmd = [torchrun, "--standalone", f"--nproc_per_node={ranks}", *script]
+        proc = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]
+    if proc.returncode != 0 or not lines:
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        print(f"{run}: failed (exit {proc.returncode}): "
+              f"{(errors or proc.stderr.splitlines() or ['no output'])[-1]}", flush=True)
+        return None
+    return json.loads(lines[0].removeprefix(RESULT))
+
+
+def worker_options(args: argparse.Namespace) -> list[str]:
+    """The options that shape a run, passed on to its workers, and the overrides after --."""
+    return ["--preset", args.preset, "--block_size", str(args.block_size), "--batch_size",
+            str(args.batch_size), "--precision", args.precision, "--steps", str(args.steps),
+            "--warmup", str(args.warmup), "--rounds", str(args.rounds),
+            *(["--compile"] if args.compile else []), "--", *args.overrides]
+
+
+def row(r: dict) -> str:
+    """One line of the table."""
+    line = (f"{r['strategy'] + ':' + str(r['ranks']):9} {r['threads']:>3} thr | "
+            f"{r['median_step_ms']:8.1f} ms/step | {r['tokens_per_s']:9,.0f} tokens/s "
+            f"({r['tokens_per_s_per_rank']:,.0f}/rank) | ")
+    line += f"MFU {100 * r['mfu']:.1f}% | " if r["mfu"] is not None else ""
+    line += (f"peak {max(r['training_peak_mb']):,.0f} MB | state "
+             f"{max(r['model_state_mb']):,.1f} MB | save {r['save_s']:.2f} s | load "
+             f"{r['load_s']:.2f} s")
+    if "overhead_ratio" in r:
+        line += (f"\n{'':9} bare loop {r['bare_tokens_per_s']:,.0f} tokens/s: the trainer runs "
+                 f"at {r['overhead_ratio']:.3f}x of it")
+    return line
+
+
+def plot(info: dict, path: Path) -> None:
+    """tokens/s (with the bare loop beside ddp on one rank) and peak memory per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    results = info["results"]
+    names = [f"{r['strategy']}:{r['ranks']}" for r in results]
+    x = list(range(len(names)))
+    fig, (ax_speed, ax_mem) = plt.subplots(1, 2, figsize=(11, 4.2))
+    ax_speed.bar(x, [r["tokens_per_s"] for r in results], 0.6, label="trainer")
+    bare = [(i, r["bare_tokens_per_s"]) for i, r in enumerate(results) if "bare_tokens_per_s" in r]
+    if bare:
+        ax_speed.bar([i + 0.3 for i, _ in bare], [v for _, v in bare], 0.3, color="gray",
+                     label="bare loop")
+    ax_speed.set_xticks(x, names)
+    ax_speed.set(ylabel="tokens/s (all ranks)", title=info["title"])
+    ax_speed.legend(fontsize=8)
+    ax_mem.bar([i - 0.2 for i in x], [max(r["training_peak_mb"]) for r in results], 0.4,
+               label="training peak")
+    ax_mem.bar([i + 0.2 for i in x], [max(r["model_state_mb"]) for r in results], 0.4,
+               label="model state")
+    ax_mem.set_xticks(x, names)
+    ax_mem.set(ylabel="MB per rank (largest rank)", title="memory")
+    ax_mem.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def machine() -> dict:
+    """What the figures were measured on."""
+    import torch
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:  # Linux: the CPU's marketing name
+            cpu = next(line.split(":", 1)[1].strip() for line in f
+                       if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+
+
+def quality(args: argparse.Namespace) -> int:
+    """`python main.py` with the overrides, timed from process start to every val loss."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cmd = [sys.executable, "main.py", *args.overrides]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    start = time.perf_counter()
+    curve, lines = [], []
+    with subprocess.Popen(cmd, cwd=HERE, env=env, stdout=subprocess.PIPE, text=True) as proc:
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            found = re.match(r"step (\d+) \| val loss ([0-9.]+)", line)
+            if found:
+                curve.append((time.perf_counter() - start, int(found[1]), float(found[2])))
+                print(f"{curve[-1][0]:6.1f} s  step {found[1]:>5}  val {found[2]}", flush=True)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0 or not curve:
+        print(f"error: main.py exited {proc.returncode}", file=sys.stderr)
+        return 1
+    reached = next(((s, step) for s, step, v in curve if v <= QUALITY), None)
+    paused = next((line for line in lines if " s in training: " in line), "")
+    info = {"command": " ".join(["python", "main.py", *args.overrides]), "machine": machine(),
+            "curve": curve, "wall_s": wall, "final_val": curve[-1][2],
+            "time_to_quality_s": reached[0] if reached else None,
+            "step_to_quality": reached[1] if reached else None, "paused": paused}
+    print(f"val <= {QUALITY} at " + (f"{reached[0]:.1f} s (step {reached[1]})" if reached
+                                     else "never") +
+          f"; final val {curve[-1][2]:.4f} after {wall:.1f} s; {paused}")
+    out = HERE / args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(info, indent=1))
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    ax.plot([c[0] for c in curve], [c[2] for c in curve], "o-", label="python main.py")
+    ax.axhline(QUALITY, color="gray", ls="--", lw=1, label=f"val {QUALITY}")
+    ax.set(xlabel="seconds since the process started", ylabel="val loss",
+           ylim=(min(c[2] for c in curve) - 0.05, 2.6), title=info["command"])
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=110)
+    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    if args.quality:
+        return quality(args)
+    if args.replot:
+        plot(json.loads(Path(args.replot).read_text()), Path(args.replot).with_suffix(".png"))
+        return 0
+    results = []
+    for run in args.runs:
+        result = launch(args, run)
+        if result is not None:
+            results.append(result)
+            print(row(result), flush=True)
+    one = next((r for r in results if r["strategy"] == "ddp" and r["ranks"] == 1), None)
+    for r in results:
+        if one and r["strategy"] == "ddp" and r["ranks"] > 1:
+            r["scaling"] = r["tokens_per_s"] / one["tokens_per_s"]
+            print(f"ddp:{r['ranks']} ({r['threads']} thread each) vs ddp:1 ({one['threads']} "
+                  f"threads): {r['scaling']:.3f}x the tokens/s")
+    if not results:
+        return 1
+    out = HERE / args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    info = {"command": " ".join(["python", "bench.py", *(argv or sys.argv[1:])]),
+            "machine": machine(), "args": vars(args),
+            "title": f"{args.preset}, batch {args.batch_size} x {args.block_size}, "
+                     f"{args.precision}" + (", compiled" if args.compile else ""),
+            "results": results}
+    out.with_suffix(".json").write_text(json.dumps(info, indent=1))
+    plot(info, out.with_suffix(".png"))
+    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""05_mingpt/bench.py as a user runs it, on a tiny model: what it measures and writes adds up.
+
+The speed figures themselves are not asserted (a busy 2-core machine makes them noise); the
+README quotes a full run. These tests check the bookkeeping behind them: the rounds, the
+medians, the overhead ratio, the threads per rank, the model state, the files written."""
+import json
+import re
+import statistics
+
+import pytest
+
+from conftest import PYTHON, run
+from mingpt_helpers import copy_mingpt, tiny
+
+
+@pytest.fixture(scope="module")
+def mingpt(tmp_path_factory):
+    return copy_mingpt(tmp_path_factory.mktemp("bench"))
+
+
+def test_bench_times_the_trainer_and_the_bare_loop_per_strategy(mingpt):
+    proc = run([PYTHON, "bench.py", "--runs", "ddp:1", "fsdp:2", "--preset", "gpt-nano",
+                "--block_size", "32", "--batch_size", "8", "--steps", "6", "--warmup", "2",
+                "--rounds", "2", "--out", "bench/tiny"], cwd=mingpt)
+    info = json.loads((mingpt / "bench/tiny.json").read_text())
+    assert (mingpt / "bench/tiny.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    ddp, fsdp = info["results"]
+    assert (ddp["strategy"], ddp["ranks"], fsdp["strategy"], fsdp["ranks"]) == \
+        ("ddp", 1, "fsdp", 2)
+    # One rank uses every core; two ranks share them, one thread each.
+    assert fsdp["threads"] == 1 and ddp["threads"] == info["machine"]["cores"]
+    for r in (ddp, fsdp):
+        assert len(r["tokens_per_s_rounds"]) == 2
+        assert r["tokens_per_s"] == statistics.median(r["tokens_per_s_rounds"])
+        assert r["tokens_per_s_per_rank"] == r["tokens_per_s"] / r["ranks"]
+        assert len(r["training_peak_mb"]) == len(r["model_state_mb"]) == r["ranks"]
+        assert r["save_s"] > 0 and r["load_s"] > 0 and r["mfu"] is None  # no peak for a CPU
+    # The bare loop runs beside ddp on one rank only, and the ratio is the trainer's over it.
+    assert ddp["overhead_ratio"] == ddp["tokens_per_s"] / ddp["bare_tokens_per_s"]
+    assert "bare_tokens_per_s" not in fsdp
+    # Model state counted from the tensors: fp32 parameters, gradients and AdamW's two moments
+    # (16 bytes a parameter) plus a 4-byte step per parameter tensor; FSDP holds half a rank.
+    n = ddp["num_params"]
+    assert 16 * n < ddp["model_state_mb"][0] * 2**20 < 16 * n + 4 * 100
+    assert max(fsdp["model_state_mb"]) == pytest.approx(ddp["model_state_mb"][0] / 2, rel=0.05)
+    assert re.search(r"^ddp:1 .* ms/step .* tokens/s .*\n .* bare loop [0-9,]+ tokens/s: the "
+                     r"trainer runs at [0-9.]+x of it$", proc.stdout, re.M)
+    assert "fsdp:2 " in proc.stdout and "wrote " in proc.stdout
+
+
+def test_bench_quality_times_main_py_to_every_validation(mingpt):
+    overrides = tiny("trainer_config.eval_every=5", "run_name=quality")
+    proc = run([PYTHON, "bench.py", "--quality", "--out", "bench/quality", "--", *overrides],
+               cwd=mingpt)
+    info = json.loads((mingpt / "bench/quality.json").read_text())
+    curve = info["curve"]  # (seconds since start, step, val loss) per validation
+    assert [step for _, step, _ in curve] == [0, 5, 10]
+    assert 0 < curve[0][0] < curve[1][0] < curve[2][0] < info["wall_s"]
+    assert info["final_val"] == curve[-1][2]
+    assert info["time_to_quality_s"] is None  # the tiny model never gets near 1.88
+    assert info["command"] == "python main.py " + " ".join(overrides)
+    # The trainer's own account of what evaluation and snapshots cost.
+    assert re.fullmatch(r"[0-9.]+ s in training: evaluation [0-9.]+ s \([0-9.]+%\), "
+                        r"snapshots [0-9.]+ s \([0-9.]+%\)", info["paused"])
+    assert "val <= 1.88 at never; final val" in proc.stdout
+    assert (mingpt / "bench/quality.png").read_bytes()[:4] == b"\x89PNG"
