@@ -32,11 +32,14 @@ QUALITY = 1.88  # the val loss of nanoGPT's CPU recipe (README: Benchmark)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    # argparse would take main.py's overrides for its own options: split them off first.
     argv = sys.argv[1:] if argv is None else argv
     # main.py overrides (section.key=value) come after `--`, for every run.
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # The defaults are nanoGPT's CPU recipe (4 layers, 128 wide, block 64, batch 12), so the
+    # figures compare with its published 39 ms/iteration on the same machine.
     parser.add_argument("--runs", nargs="+", default=["ddp:1", "ddp:2", "zero:2", "fsdp:2",
                                                       "tp:2"],
                         help="strategy:ranks pairs (default: %(default)s)")
@@ -54,6 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quality", action="store_true",
                         help="time `python main.py` (with the overrides after --) to val 1.88")
     parser.add_argument("--replot", metavar="JSON", help="redraw the PNG of a saved JSON")
+    # Set by launch() for the processes it starts; a user never types them.
     parser.add_argument("--worker", metavar="STRATEGY", help=argparse.SUPPRESS)
     parser.add_argument("--run_dir", help=argparse.SUPPRESS)  # the run's scratch folder
     args = parser.parse_args(argv)
@@ -64,6 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def overrides(args: argparse.Namespace, strategy: str, ranks: int) -> list[str]:
     """main.py's config for one run: nanoGPT's CPU configuration by default (no dropout, so
     every strategy computes the same steps), evaluation and snapshots only at each round's end."""
+    # tp_size: tensor parallelism spans every rank of the run; other strategies ignore it.
     return [f"gpt_config.model_type={args.preset}", f"gpt_config.block_size={args.block_size}",
             "gpt_config.dropout=0.0", f"trainer_config.distributed_method={strategy}",
             f"trainer_config.tp_size={ranks if strategy in ('tp', 'fsdp_tp') else 0}",
@@ -78,6 +83,7 @@ def overrides(args: argparse.Namespace, strategy: str, ranks: int) -> list[str]:
 
 def step_times(stamps: list[float], warmup: int) -> list[float]:
     """Seconds per step from the start times of consecutive steps, without the warm-up."""
+    # The first steps pay for allocator growth, lazy init and (with compile) compilation.
     return [b - a for a, b in zip(stamps, stamps[1:], strict=False)][warmup:]
 
 
@@ -89,14 +95,17 @@ def bare_round(model, optimizer, train_set, t, device, n: int, seed: int) -> lis
 
     from precision import autocast
 
+    # A shuffled order as the trainer's sampler draws one: the same gather cost per batch.
     order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(seed))
     b, stamps = t.batch_size, []
     for i in range(n + 1):
+        # GPU work is asynchronous: wait for the last step before reading the clock.
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         stamps.append(time.perf_counter())
         if i == n:
             return stamps
+        # The trainer's DataLoader collates the same way (default_collate of the samples).
         x, y = default_collate([train_set[j] for j in order[i * b:(i + 1) * b].tolist()])
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with autocast(device, t.precision):
@@ -113,6 +122,8 @@ def trainer_round(trainer, device) -> tuple[list[float], float]:
     """Train with trainer.train(), stamping the start of every step; (stamps, save seconds)."""
     import torch
 
+    # Wrap the trainer's own methods rather than add timers to it: the trainer stays as users
+    # run it, and what is timed is exactly its step, data loading and logging included.
     stamps, saves = [], []
     run_batch, save = trainer._run_batch, trainer._save_snapshot
 
@@ -145,6 +156,7 @@ def worker(args: argparse.Namespace) -> None:
     from trainer import Trainer
 
     strategy = args.worker
+    # torchrun sets WORLD_SIZE; a plain `python bench.py --worker` is one rank.
     ranks = int(os.environ.get("WORLD_SIZE", 1))
     try:
         cfg = config.load(overrides(args, strategy, ranks))
@@ -163,6 +175,8 @@ def worker(args: argparse.Namespace) -> None:
                                     args.warmup + args.steps, seed=r)
                 seconds = step_times(stamps, args.warmup)
                 bare_tps.append(t.batch_size * args.block_size * len(seconds) / sum(seconds))
+            # A fresh Trainer per round on the same model: each round starts at step 0 and
+            # keeps the weights and optimizer state the earlier rounds left (warm caches).
             trainer = Trainer(t, model, optimizer, train_set, val_set, device, cfg.run_dir,
                               meta, flops)
             stamps, saved = trainer_round(trainer, device)
@@ -173,14 +187,18 @@ def worker(args: argparse.Namespace) -> None:
             save_s.append(saved)
         training_peak = peak_memory_mb(device)  # since the last round's train() reset it
         setup_peak = trainer.setup_peak_mb
+        # Load time is the slowest rank's: start and stop together.
         dist.barrier()
         start = time.perf_counter()
         snapshot.load(t.snapshot_path, strategy, model, optimizer, meta, data.MATCH_KEYS)
         dist.barrier()
         load_s = time.perf_counter() - start
+        # Each rank's own bytes of model state (a shard under FSDP/ZeRO/TP), gathered on rank 0.
         states: list = [None] * dist.get_world_size()
         dist.all_gather_object(states, trainer.model_state)
+        # Only rank 0 prints the result line: launch() reads the first one it sees.
         if dist.get_rank() == 0:
+            # The median round: one round disturbed by the machine's other load moves it least.
             tps = statistics.median(trainer_tps)
             peak = peak_flops(device_name(device), t.precision)
             result = {
@@ -210,6 +228,8 @@ def launch(args: argparse.Namespace, run: str) -> dict | None:
     strategy, _, ranks = run.partition(":")
     ranks = int(ranks or 1)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    # As torchrun does by default (OMP_NUM_THREADS=1 on a machine of several workers), but
+    # sharing every core the process may use, so 1 rank x 2 threads compares with 2 x 1.
     threads = args.threads or max(1, cores // ranks)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     # Logs and snapshots of a benchmark are scratch: a fresh folder per run, removed after.
@@ -221,6 +241,7 @@ def launch(args: argparse.Namespace, run: str) -> dict | None:
             torchrun = str(Path(sys.executable).with_name("torchrun"))
             cmd = [torchrun, "--standalone", f"--nproc_per_node={ranks}", *script]
         proc = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True)
+    # A run that fails is reported and skipped: the others still give their figures.
     lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]
     if proc.returncode != 0 or not lines:
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
@@ -243,6 +264,7 @@ def row(r: dict) -> str:
     line = (f"{r['strategy'] + ':' + str(r['ranks']):9} {r['threads']:>3} thr | "
             f"{r['median_step_ms']:8.1f} ms/step | {r['tokens_per_s']:9,.0f} tokens/s "
             f"({r['tokens_per_s_per_rank']:,.0f}/rank) | ")
+    # MFU only where the device's peak is known (metrics.py); CPUs have none.
     line += f"MFU {100 * r['mfu']:.1f}% | " if r["mfu"] is not None else ""
     line += (f"peak {max(r['training_peak_mb']):,.0f} MB | state "
              f"{max(r['model_state_mb']):,.1f} MB | save {r['save_s']:.2f} s | load "
@@ -264,6 +286,7 @@ def plot(info: dict, path: Path) -> None:
     names = [f"{r['strategy']}:{r['ranks']}" for r in results]
     x = list(range(len(names)))
     fig, (ax_speed, ax_mem) = plt.subplots(1, 2, figsize=(11, 4.2))
+    # Left: throughput, the bare loop as a thin gray bar beside the run it was measured in.
     ax_speed.bar(x, [r["tokens_per_s"] for r in results], 0.6, label="trainer")
     bare = [(i, r["bare_tokens_per_s"]) for i, r in enumerate(results) if "bare_tokens_per_s" in r]
     if bare:
@@ -272,6 +295,7 @@ def plot(info: dict, path: Path) -> None:
     ax_speed.set_xticks(x, names)
     ax_speed.set(ylabel="tokens/s (all ranks)", title=info["title"])
     ax_speed.legend(fontsize=8)
+    # Right: the largest rank's memory (sharding shows as a lower model-state bar).
     ax_mem.bar([i - 0.2 for i in x], [max(r["training_peak_mb"]) for r in results], 0.4,
                label="training peak")
     ax_mem.bar([i + 0.2 for i in x], [max(r["model_state_mb"]) for r in results], 0.4,
@@ -287,6 +311,7 @@ def machine() -> dict:
     """What the figures were measured on."""
     import torch
 
+    # platform.processor() is often empty or just the architecture on Linux.
     cpu = platform.processor()
     try:
         with open("/proc/cpuinfo") as f:  # Linux: the CPU's marketing name
@@ -305,8 +330,10 @@ def quality(args: argparse.Namespace) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    # Unbuffered output: each val line is timed when main.py prints it, not at a flush.
     cmd = [sys.executable, "main.py", *args.overrides]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # From before the child starts, so imports and data preparation count as the user waits.
     start = time.perf_counter()
     curve, lines = [], []
     with subprocess.Popen(cmd, cwd=HERE, env=env, stdout=subprocess.PIPE, text=True) as proc:
@@ -320,7 +347,9 @@ def quality(args: argparse.Namespace) -> int:
     if proc.returncode != 0 or not curve:
         print(f"error: main.py exited {proc.returncode}", file=sys.stderr)
         return 1
+    # The first val loss at or below the target, the figure the issue's recipe is held to.
     reached = next(((s, step) for s, step, v in curve if v <= QUALITY), None)
+    # The trainer's own summary of evaluation and snapshot time (trainer.py, end of train()).
     paused = next((line for line in lines if " s in training: " in line), "")
     info = {"command": " ".join(["python", "main.py", *args.overrides]), "machine": machine(),
             "curve": curve, "wall_s": wall, "final_val": curve[-1][2],
@@ -346,6 +375,7 @@ def quality(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # Three modes: a worker (started by launch), the end-to-end quality run, and redrawing.
     if args.worker:
         worker(args)
         return 0
@@ -360,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         if result is not None:
             results.append(result)
             print(row(result), flush=True)
+    # Scaling: ddp on N ranks (one thread each) against ddp on one rank using all N cores.
     one = next((r for r in results if r["strategy"] == "ddp" and r["ranks"] == 1), None)
     for r in results:
         if one and r["strategy"] == "ddp" and r["ranks"] > 1:
