@@ -12,9 +12,11 @@ Each run (strategy:ranks) has its own processes: `python bench.py --worker` for 
 data, model and optimizer with main.py's load_train_objs and trains with the Trainer itself,
 at the default logging interval, timing every step. For ddp on one rank it also times a bare
 loop (forward, backward, clip, AdamW step, nothing else) on the same model, data and optimizer,
-in alternating rounds, so the trainer's overhead is a ratio measured under the same load.
+one bare step before each trainer step, so the trainer's overhead is a ratio measured under the
+same load.
 """
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -24,11 +26,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 RESULT = "BENCH_RESULT "  # the prefix of the worker's one JSON line (rank 0)
-QUALITY = 1.88  # the val loss of nanoGPT's CPU recipe (README: Benchmark)
+QUALITY = 1.88  # the val loss of nanoGPT's CPU recipe (README: Speed)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -87,9 +90,9 @@ def step_times(stamps: list[float], warmup: int) -> list[float]:
     return [b - a for a, b in zip(stamps, stamps[1:], strict=False)][warmup:]
 
 
-def bare_round(model, optimizer, train_set, t, device, n: int, seed: int) -> list[float]:
-    """n steps of forward, backward, clip, AdamW step and zero_grad: the start time of each,
-    and the end. Nothing else: no loss bookkeeping, no schedule, no logging."""
+def bare_steps(model, optimizer, train_set, t, device, seed: int) -> Iterator[float]:
+    """A generator: each next() runs one step of forward, backward, clip, AdamW step and
+    zero_grad, and gives its seconds. Nothing else: no loss bookkeeping, no schedule, no logs."""
     import torch
     from torch.utils.data import default_collate
 
@@ -97,14 +100,9 @@ def bare_round(model, optimizer, train_set, t, device, n: int, seed: int) -> lis
 
     # A shuffled order as the trainer's sampler draws one: the same gather cost per batch.
     order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(seed))
-    b, stamps = t.batch_size, []
-    for i in range(n + 1):
-        # GPU work is asynchronous: wait for the last step before reading the clock.
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        stamps.append(time.perf_counter())
-        if i == n:
-            return stamps
+    b = t.batch_size
+    for i in itertools.count():
+        start = time.perf_counter()
         # The trainer's DataLoader collates the same way (default_collate of the samples).
         x, y = default_collate([train_set[j] for j in order[i * b:(i + 1) * b].tolist()])
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -115,21 +113,28 @@ def bare_round(model, optimizer, train_set, t, device, n: int, seed: int) -> lis
             torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return stamps
+        # GPU work is asynchronous: wait for the step before reading the clock.
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        yield time.perf_counter() - start
 
 
-def trainer_round(trainer, device) -> tuple[list[float], float]:
-    """Train with trainer.train(), stamping the start of every step; (stamps, save seconds)."""
+def trainer_round(trainer, device, bare: Iterator[float] | None = None
+                  ) -> tuple[list[float], list[float], float]:
+    """Train with trainer.train(), stamping the start of every step; with `bare`, one bare step
+    runs just before each trainer step. (stamps, bare seconds, save seconds)."""
     import torch
 
     # Wrap the trainer's own methods rather than add timers to it: the trainer stays as users
     # run it, and what is timed is exactly its step, data loading and logging included.
-    stamps, saves = [], []
+    stamps, bare_s, saves = [], [], []
     run_batch, save = trainer._run_batch, trainer._save_snapshot
 
     def timed_batch(micro_batches):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        if bare is not None:
+            bare_s.append(next(bare))
         stamps.append(time.perf_counter())
         run_batch(micro_batches)
 
@@ -139,8 +144,8 @@ def trainer_round(trainer, device) -> tuple[list[float], float]:
         saves.append(time.perf_counter() - start)
 
     trainer._run_batch, trainer._save_snapshot = timed_batch, timed_save
-    trainer.train()
-    return stamps, sum(saves)
+    trainer.train()  # its last step is not timed: it ends in the final evaluation and save
+    return stamps, bare_s, sum(saves)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -170,17 +175,21 @@ def worker(args: argparse.Namespace) -> None:
         bare = strategy == "ddp" and ranks == 1
         trainer_tps, bare_tps, trainer_steps, save_s = [], [], [], []
         for r in range(args.rounds):
-            if bare:
-                stamps = bare_round(model, optimizer, train_set, t, device,
-                                    args.warmup + args.steps, seed=r)
-                seconds = step_times(stamps, args.warmup)
-                bare_tps.append(t.batch_size * args.block_size * len(seconds) / sum(seconds))
             # A fresh Trainer per round on the same model: each round starts at step 0 and
             # keeps the weights and optimizer state the earlier rounds left (warm caches).
             trainer = Trainer(t, model, optimizer, train_set, val_set, device, cfg.run_dir,
                               meta, flops)
-            stamps, saved = trainer_round(trainer, device)
+            # The bare loop and the trainer take turns step by step, so both see the machine
+            # as it is that second (other jobs make minutes differ by 10 %, more than the gap
+            # being measured).
+            steps = bare_steps(model, optimizer, train_set, t, device, seed=r) if bare else None
+            stamps, bare_s, saved = trainer_round(trainer, device, steps)
             seconds = step_times(stamps, args.warmup)
+            if bare:
+                # Between two trainer stamps ran a trainer step and the next bare step.
+                kept = bare_s[args.warmup + 1:]
+                seconds = [s - b for s, b in zip(seconds, kept, strict=True)]
+                bare_tps.append(t.batch_size * args.block_size * len(kept) / sum(kept))
             tokens = t.batch_size * args.block_size * trainer.dp_size  # per step, all ranks
             trainer_tps.append(tokens * len(seconds) / sum(seconds))
             trainer_steps.extend(seconds)
@@ -216,7 +225,11 @@ def worker(args: argparse.Namespace) -> None:
             if bare:
                 result["bare_tokens_per_s"] = statistics.median(bare_tps)
                 result["bare_tokens_per_s_rounds"] = bare_tps
-                result["overhead_ratio"] = tps / result["bare_tokens_per_s"]
+                # Each trainer round against the bare round just before it: a pair shares the
+                # machine's speed of that minute (other jobs come and go), so the median of the
+                # pairs' ratios is steadier than a ratio of medians.
+                result["overhead_ratio"] = statistics.median(
+                    tr / br for tr, br in zip(trainer_tps, bare_tps, strict=True))
             print(RESULT + json.dumps(result), flush=True)
         del trainer, model, optimizer  # everything that holds the group, before release_group
     finally:

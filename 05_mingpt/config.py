@@ -74,7 +74,7 @@ class TrainerConfig:
 class OptimizerConfig:
     lr: float = MISSING
     weight_decay: float = MISSING
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
 
 
 # gpt_config: the model's own dataclass, less vocab_size (that always comes from the data),

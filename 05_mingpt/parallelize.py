@@ -147,7 +147,7 @@ def parallelize(model: nn.Module, device: torch.device, method: str = "ddp",
         if dist.get_world_size() == 1:
             # One process has no gradients to average, but DDP would still copy each one into
             # its buckets and all-reduce them over a group of one: about 10 % of a small
-            # model's step on a CPU (README: Benchmark). Snapshots hold unwrap(model) anyway.
+            # model's step on a CPU (README: Speed). Snapshots hold unwrap(model) anyway.
             return model
         return apply_ddp(model, device)
     if method == "fsdp":

@@ -47,8 +47,8 @@ REUSED = [
     ("python main.py data_config.path=no/such.txt", "error: data file not found: .../no/such.txt "
      "(set data_config.path)", "test_mingpt_errors.py::test_main_py_missing_data_file"),
     ("python main.py data_config.path=100_chars.txt gpt_config.block_size=8 "
-     "trainer_config.grad_accum_steps=3", "error: each rank gets 82 samples per epoch ... one "
-     "step needs batch_size × grad_accum_steps = 32 × 3 = 96",
+     "trainer_config.grad_accum_steps=6", "error: each rank gets 82 samples per epoch ... one "
+     "step needs batch_size × grad_accum_steps = 16 × 6 = 96",
      "test_mingpt_errors.py::test_an_epoch_too_small_for_one_step_is_one_error_line"),
     ("python main.py (snapshot_path: a truncated file)", "error: cannot load snapshot ... it is "
      "corrupt or not a snapshot: move it away or set trainer_config.snapshot_path",

@@ -178,14 +178,14 @@ def test_device_cuda_without_a_gpu_is_an_error(mingpt_modules):
 
 
 def test_an_epoch_too_small_for_one_step_is_one_error_line(main_py, tmp_path):
-    # 100 characters, block 8: 82 training samples, fewer than one step of 32 x 3 needs. This
+    # 100 characters, block 8: 82 training samples, fewer than one step of 16 x 6 needs. This
     # used to print one val loss and then loop forever.
     (tmp_path / "t.txt").write_text("abcdefghij" * 10)
     proc = main_py(f"data_config.path={tmp_path / 't.txt'}", "gpt_config.block_size=8",
-                   "trainer_config.grad_accum_steps=3", "trainer_config.max_steps=5",
+                   "trainer_config.grad_accum_steps=6", "trainer_config.max_steps=5",
                    "trainer_config.eval_batches=1", "run_name=small")
     one_error_line(proc, "each rank gets 82 samples per epoch",
-                   "one step needs batch_size × grad_accum_steps = 32 × 3 = 96")
+                   "one step needs batch_size × grad_accum_steps = 16 × 6 = 96")
     assert "val loss" not in proc.stdout  # refused before any work
 
 
