@@ -296,6 +296,17 @@ class GPT(nn.Module):
         # newest token, instead of the whole sequence again (~T times less work per step).
         size = min(block_size, idx_cond.size(1) + max_new_tokens)
         caches: list[KVCache] | None = [KVCache(size) for _ in self.blocks]
+        # Eagerly, even where training compiled the model: every new length (and the cache
+        # objects) would trigger another compilation for a few hundred tiny steps.
+        with torch.compiler.set_stance("force_eager"):
+            return self._sample(idx, idx_cond, caches, max_new_tokens, temperature, top_k,
+                                do_sample)
+
+    def _sample(self, idx: torch.Tensor, idx_cond: torch.Tensor, caches: list | None,
+                max_new_tokens: int, temperature: float, top_k: int | None, do_sample: bool
+                ) -> torch.Tensor:
+        """generate's loop: one token per step, through the KV cache while the context fits."""
+        block_size = self.config.block_size
         for _ in range(max_new_tokens):
             if caches is not None and caches[0].length + idx_cond.size(1) > block_size:
                 # The context is full. Keeping only the last block_size tokens moves each one

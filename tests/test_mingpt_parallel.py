@@ -85,6 +85,20 @@ def test_one_process_trains_the_plain_model_without_ddp(m, group):
     assert optimizer.defaults["fused"] is True  # one kernel for every parameter's update
 
 
+def test_compile_takes_the_whole_model_for_ddp_and_each_block_for_fsdp(m, group):
+    # nn.Module.compile() in place sets _compiled_call_impl (nothing compiles before a call).
+    def compiled(module: torch.nn.Module) -> bool:
+        return module._compiled_call_impl is not None
+
+    model = m["parallelize"].parallelize(tiny_gpt(m), CPU, "ddp", compile=True)
+    assert compiled(model) and not any(compiled(block) for block in model.blocks)
+    model = m["parallelize"].parallelize(tiny_gpt(m), CPU, "fsdp", compile=True)
+    assert not compiled(model) and all(compiled(block) for block in model.blocks)
+    # In place: the parameter names (and so the snapshots) are those of the plain model.
+    names = [name for name, _ in model.named_parameters()]
+    assert names == [name for name, _ in tiny_gpt(m).named_parameters()]
+
+
 def test_fsdp_shards_every_block_and_the_root(m, group):
     model = m["parallelize"].parallelize(tiny_gpt(m), CPU, "fsdp")
     assert isinstance(model, FSDPModule)

@@ -133,6 +133,21 @@ def test_fsdp_single_process_bf16(mingpt, main_py):
         p.name for p in (snap / "step_00000010").iterdir()}
 
 
+def test_compiled_run_follows_the_eager_one_and_samples_eagerly(mingpt, main_py):
+    # compile=True: ddp compiles the whole model (parallelize.py), generation runs eagerly.
+    # No dropout (compiled code draws its masks from another generator); compiled kernels
+    # round differently, so the curves agree to a tolerance, not bit for bit.
+    args = ("gpt_config.dropout=0.0", "trainer_config.log_every=1")
+    eager = main_py(*tiny(*args, "run_name=eager"))
+    proc = main_py(*tiny(*args, "run_name=compiled", "trainer_config.compile=True"))
+    assert eager.returncode == proc.returncode == 0, proc.stderr
+    assert train_losses(proc.stdout) == pytest.approx(train_losses(eager.stdout), abs=1e-3)
+    assert len(train_losses(proc.stdout)) == 10
+    assert re.search(r"^sample:\n.{5,}", proc.stdout, re.M)
+    snap = load_ddp_snapshot(mingpt / "runs/compiled/snapshot")
+    assert not any("_orig_mod" in key for key in snap["model"])  # the plain model's names
+
+
 def test_fsdp_cpu_offload_with_fp16(main_py):
     proc = main_py(*tiny("trainer_config.distributed_method=fsdp", "run_name=offload",
                          "trainer_config.cpu_offload=True", "trainer_config.precision=fp16"))
