@@ -299,24 +299,16 @@ class GPT(nn.Module):
         # Eagerly, even where training compiled the model: every new length (and the cache
         # objects) would trigger another compilation for a few hundred tiny steps.
         with torch.compiler.set_stance("force_eager"):
-            return self._sample(idx, idx_cond, caches, max_new_tokens, temperature, top_k,
-                                do_sample)
-
-    def _sample(self, idx: torch.Tensor, idx_cond: torch.Tensor, caches: list | None,
-                max_new_tokens: int, temperature: float, top_k: int | None, do_sample: bool
-                ) -> torch.Tensor:
-        """generate's loop: one token per step, through the KV cache while the context fits."""
-        block_size = self.config.block_size
-        for _ in range(max_new_tokens):
-            if caches is not None and caches[0].length + idx_cond.size(1) > block_size:
-                # The context is full. Keeping only the last block_size tokens moves each one
-                # to another position, and the cached keys and values were computed at the old
-                # ones: from now on, run the whole cropped sequence every step (no cache).
-                caches, idx_cond = None, idx[:, -block_size:]
-            logits, _ = self(idx_cond, caches=caches)  # (B, T_cond, vocab_size)
-            idx_next = next_token(logits[:, -1, :], temperature, top_k, do_sample)  # (B, 1)
-            idx = torch.cat((idx, idx_next), dim=1)  # (B, T + 1)
-            idx_cond = idx_next if caches is not None else idx[:, -block_size:]
+            for _ in range(max_new_tokens):
+                if caches is not None and caches[0].length + idx_cond.size(1) > block_size:
+                    # The context is full. Keeping only the last block_size tokens moves each
+                    # one to another position, and the cached keys and values were computed at
+                    # the old ones: from now on, run the whole cropped sequence every step.
+                    caches, idx_cond = None, idx[:, -block_size:]
+                logits, _ = self(idx_cond, caches=caches)  # (B, T_cond, vocab_size)
+                idx_next = next_token(logits[:, -1, :], temperature, top_k, do_sample)  # (B, 1)
+                idx = torch.cat((idx, idx_next), dim=1)  # (B, T + 1)
+                idx_cond = idx_next if caches is not None else idx[:, -block_size:]
         return idx
 
     def num_params(self, non_embedding: bool = False) -> int:
