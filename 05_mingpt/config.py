@@ -12,7 +12,7 @@ and only global rank 0 writes (main.py).
 """
 import importlib
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from types import ModuleType
 
@@ -74,7 +74,7 @@ class TrainerConfig:
 class OptimizerConfig:
     lr: float = MISSING
     weight_decay: float = MISSING
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
+    betas: list[float] = MISSING
 
 
 # gpt_config: the model's own dataclass, less vocab_size (that always comes from the data),
@@ -168,6 +168,11 @@ def validate(cfg: DictConfig) -> None:
         except OmegaConfBaseException as e:  # a value of the wrong type
             key = f"{name}.{e.full_key}" if getattr(e, "full_key", None) else name
             raise ValueError(f"{key}: {str(e).splitlines()[0]}") from None
+        missing = sorted(OmegaConf.missing_keys(typed))
+        if missing:  # deleted with `~key` (or set to ???): the yaml's value is the one to give
+            key = f"{name}.{missing[0]}"
+            raise ValueError(f"{key} has no value (deleted with ~ or set to ???); give it one: "
+                             f"{key}=VALUE (gpt2_train_cfg.yaml has the default)")
         cfg[name] = typed  # the typed values (grad_clip=1 -> 1.0) for the checks and the run
     t, o = cfg.trainer_config, cfg.optimizer_config
     for key in ("max_steps", "batch_size", "grad_accum_steps", "log_every", "eval_batches",

@@ -341,7 +341,9 @@ def test_step04_unreachable_rendezvous_one_line(unreachable_rendezvous):
                                                    "'zero3'"]),
     (["gpt_config.model_type=null", "gpt_config.n_layer=2", "gpt_config.n_head=3",
       "gpt_config.n_embd=32"], ["n_embd (32) must be divisible by n_head (3)"]),
-], ids=["wrong_type", "invalid_strategy", "n_embd_not_divisible_by_n_head"])
+    (["~optimizer_config.lr"], ["optimizer_config.lr has no value (deleted with ~ or set to "
+                                "???); give it one: optimizer_config.lr=VALUE"]),
+], ids=["wrong_type", "invalid_strategy", "n_embd_not_divisible_by_n_head", "deleted_key"])
 def test_mingpt_config(mingpt, main_py, args, fragments):
     with nothing_lost(mingpt):
         proc = main_py(*args, "run_name=config_error")
