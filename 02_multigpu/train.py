@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 from datautils import MyTrainDataset
-from devices import backend_for, free_port, pick_device
+from devices import backend_for, free_port, pick_device, spawn_count
 from snapshot import atomic_save
 
 
@@ -156,11 +156,8 @@ if __name__ == "__main__":
             main(args)
         else:  # started by python: spawn one process per rank, on a free rendezvous port
             os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "localhost", str(free_port())
-            world_size = args.nproc or torch.cuda.device_count() or 2
-            if world_size > (limit := torch.cuda.device_count() or max(4, os.cpu_count() or 1)):
-                raise ValueError(f"--nproc {world_size} is more than this machine can run "
-                                 f"(at most {limit}: one process per GPU, or per CPU core)")
+            world_size = spawn_count(args.nproc)  # --nproc, or one per GPU; 2 on CPU
             pick_device(0, args.device)  # a bad --device fails here, not in every child
             torch.multiprocessing.spawn(spawn_rank, args=(world_size, args), nprocs=world_size)
-    except ValueError as e:  # bad input found after parsing (--device cuda without a GPU)
+    except (ValueError, torch.distributed.DistNetworkError) as e:  # bad input, or a busy port
         sys.exit(f"error: {e}")

@@ -3,6 +3,7 @@
 A GPU machine gets `cuda:<local_rank>` and NCCL; anything else gets the CPU and gloo, so every
 step of the series also runs (slowly, but correctly) on a laptop or a CI machine.
 """
+import os
 import socket
 
 import torch
@@ -35,6 +36,17 @@ def backend_for(device: torch.device, cpu_tensors_too: bool = False) -> str:
         return "gloo"  # NCCL cannot move CPU tensors; gloo can, and ships with every torch build
     # One backend per device type: each collective goes to the backend of its tensors' device.
     return "cuda:nccl,cpu:gloo" if cpu_tensors_too else "nccl"
+
+
+def spawn_count(nproc: int | None) -> int:
+    """How many processes `python train.py` spawns: --nproc, else one per GPU, else 2 on CPU."""
+    world_size = nproc or torch.cuda.device_count() or 2
+    # One process per GPU; on CPU one per core, but at least 4, so the examples' `--nproc 4`
+    # also runs (slowly) on a two-core laptop.
+    if world_size > (limit := torch.cuda.device_count() or max(4, os.cpu_count() or 1)):
+        raise ValueError(f"--nproc {world_size} is more than this machine can run "
+                         f"(at most {limit}: one process per GPU, or per CPU core)")
+    return world_size
 
 
 def free_port() -> int:

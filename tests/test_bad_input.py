@@ -292,9 +292,6 @@ def test_step03_worker_port_in_use(tmp_path, busy_port):
     one_error_line(proc, f"port: {busy_port}", "EADDRINUSE", "address already in use")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "02's train.py catches only ValueError: adding DistNetworkError as 03/04 do costs 2 changed "
-    "lines against 01, and 02's diff is at its test_docs budget (60); a traceback today"))
 def test_step02_worker_port_in_use(tmp_path, busy_port):
     with nothing_lost(tmp_path):
         proc = step_in_process("02_multigpu", tmp_path, "1", "1", **worker_env(busy_port))

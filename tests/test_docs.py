@@ -33,7 +33,7 @@ FORKED_HELPERS = {
 # step: STYLE.md allows about 60 per step, and step 03, whose README splits its diff into two
 # ideas (torchrun, snapshots), up to two steps' worth. Each budget is what the step reaches
 # today, so any growth is a decision taken here, not drift.
-DIFF_BUDGET = {"02_multigpu": 60, "03_torchrun_fault_tolerance": 80, "04_multinode": 27}
+DIFF_BUDGET = {"02_multigpu": 59, "03_torchrun_fault_tolerance": 77, "04_multinode": 27}
 MARKDOWN = sorted(p for p in REPO.rglob("*.md") if ".venv" not in p.parts
                   and ".pytest_cache" not in p.parts)
 
