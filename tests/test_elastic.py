@@ -25,8 +25,10 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="us
 def test_a_lost_node_leaves_the_other_to_finish_from_the_snapshot(tmp_path):
     cmd = [TORCHRUN, "--nnodes=1:2", "--nproc_per_node=1", "--max-restarts=3",
            "--rdzv-id=elastic", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-           # Once one node is in, wait 5 s for more before starting (default 30 s).
-           "--rdzv-conf=last_call_timeout=5", str(REPO / "04_multinode/train.py"), "200", "1"]
+           # Once one node is in, wait 5 s for more before starting (default 30 s); a node
+           # that missed 3 heartbeats 1 s apart is dead (default 5 s apart: 15 s).
+           "--rdzv-conf=last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3",
+           str(REPO / "04_multinode/train.py"), "60", "1"]
     lines: dict[str, list[str]] = {"a": [], "b": []}
 
     def start(node: str) -> subprocess.Popen:
@@ -55,4 +57,4 @@ def test_a_lost_node_leaves_the_other_to_finish_from_the_snapshot(tmp_path):
     resumed = out.split("Resuming training from snapshot at epoch ")
     assert len(resumed) == 2, out[-3000:]  # a's worker failed, a restarted it once
     assert "Steps: 64" in resumed[1] and "Steps: 32" not in resumed[1]  # now alone
-    assert torch.load(tmp_path / "snapshot.pt", weights_only=True)["EPOCHS_RUN"] == 200
+    assert torch.load(tmp_path / "snapshot.pt", weights_only=True)["EPOCHS_RUN"] == 60
