@@ -6,8 +6,13 @@ When Python starts to shut down (atexit: the last moment it still runs Python co
 prints `[rank R] gloo threads at exit: N`. N must be 0: destroy_process_group joins gloo's
 worker threads when it frees the group, and a worker still running while Python shuts down can
 abort the process (tests/test_teardown.py).
+
+PROBE_COMPILE_BACKEND=eager makes torch.compile trace with dynamo but run the traced graphs
+as they are: what the teardown depends on (dynamo's guards and caches, which keep references
+and weakref proxies) without the minutes of C++ compilation that inductor spends on 2 ranks.
 """
 import atexit
+import functools
 import os
 import runpy
 import sys
@@ -30,6 +35,11 @@ def report() -> None:
 
 
 atexit.register(report)
+if backend := os.environ.get("PROBE_COMPILE_BACKEND"):
+    import torch
+
+    # nn.Module.compile calls torch.compile: both take the backend from here.
+    torch.compile = functools.partial(torch.compile, backend=backend)
 script = os.path.abspath(sys.argv[1])
 sys.argv = [script, *sys.argv[2:]]
 sys.path.insert(0, os.path.dirname(script))  # the step's own helpers, as `python script` has
