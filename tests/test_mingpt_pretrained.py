@@ -16,12 +16,13 @@ from mingpt_helpers import (
     copy_mingpt,
     load_ddp_snapshot,
     mingpt_imported,
+    script_in_process,
     tiny,
     val_losses,
 )
 
 transformers = pytest.importorskip("transformers")
-OWN = ("pretrained", "prepare", "bpe_dataset")
+OWN = ("pretrained", "prepare", "bpe_dataset", "main")
 VOCAB = 457  # 256 bytes + 200 merges + <|endoftext|>
 
 
@@ -179,17 +180,20 @@ def one_error_line(proc) -> str:
     return lines[0]
 
 
-def test_missing_model_or_wrong_data_is_one_error_line(mingpt, gpt2_dir, tmp_path):
-    # An empty Hugging Face cache, and no downloads: as on a machine without network.
-    def main(*args: str) -> str:
-        proc = run([PYTHON, "main.py", *tiny(*args, f"run_dir={tmp_path}/run")], cwd=mingpt,
-                   check=False, HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
+def test_missing_model_or_wrong_data_is_one_error_line(mods, mingpt, gpt2_dir, tmp_path):
+    def main(*args: str, in_process: bool = True) -> str:
+        args = tiny(*args, f"run_dir={tmp_path}/run")
+        # An empty Hugging Face cache, and no downloads: as on a machine without network.
+        # huggingface_hub reads these when it is imported: that case needs a fresh process.
+        proc = script_in_process(mods["main"], mingpt, *args) if in_process else run(
+            [PYTHON, "main.py", *args], cwd=mingpt, check=False, HF_HOME=str(tmp_path / "hf"),
+            HF_HUB_OFFLINE="1")
         assert not (tmp_path / "run").exists()  # refused before the run directory exists
         return one_error_line(proc)
 
     assert main(f"gpt_config.init_from={tmp_path}/nope") == \
         f"error: gpt_config.init_from={tmp_path}/nope: no such directory ({tmp_path}/nope)"
-    assert main("gpt_config.init_from=gpt2-xl") == (
+    assert main("gpt_config.init_from=gpt2-xl", in_process=False) == (
         "error: cannot load gpt_config.init_from=gpt2-xl: not a local directory and not in the "
         "Hugging Face cache, and HF_HUB_OFFLINE is set; download it where there is network (hf "
         "download gpt2-xl) and copy the cache (HF_HOME), or set init_from to a directory "
@@ -273,16 +277,18 @@ def test_finetune_from_pretrained_ddp_fsdp_and_resume_slowest(mods, mingpt, gpt2
     for name, tensor in a["model"].items():
         assert torch.equal(tensor, b["model"][name]), name
     # The snapshot samples text through its BPE tokenizer (top-k 1: the likeliest tokens).
-    sample = run([PYTHON, "sample.py", "--snapshot", "runs/ft_ddp/snapshot", "--prompt",
-                  "ROMEO:", "--num-tokens", "6", "--top-k", "1"], cwd=mingpt)
+    sample = script_in_process(mods["sample"], mingpt, "--snapshot", "runs/ft_ddp/snapshot",
+                               "--prompt", "ROMEO:", "--num-tokens", "6", "--top-k", "1")
+    assert sample.returncode == 0, sample.stderr
     assert sample.stdout.startswith("ROMEO:") and len(sample.stdout) > len("ROMEO:\n")
 
 
-def test_sample_py_from_pretrained_weights(mingpt, gpt2_dir):
+def test_sample_py_from_pretrained_weights(mods, mingpt, gpt2_dir):
     """sample.py --init-from: the released model and its tokenizer, no snapshot; top-k 1
     gives Hugging Face's greedy continuation, decoded by Hugging Face's tokenizer."""
-    proc = run([PYTHON, "sample.py", "--init-from", str(gpt2_dir), "--prompt", "ROMEO: the",
-                "--num-tokens", "10", "--top-k", "1"], cwd=mingpt)
+    proc = script_in_process(mods["sample"], mingpt, "--init-from", str(gpt2_dir), "--prompt",
+                             "ROMEO: the", "--num-tokens", "10", "--top-k", "1")
+    assert proc.returncode == 0, proc.stderr
     # Hugging Face's greedy continuation, token by token, with its own tokenizer.
     tok = transformers.GPT2TokenizerFast.from_pretrained(gpt2_dir)
     hf = transformers.GPT2LMHeadModel.from_pretrained(gpt2_dir).eval()
@@ -291,7 +297,6 @@ def test_sample_py_from_pretrained_weights(mingpt, gpt2_dir):
         for _ in range(10):
             ids = torch.cat([ids, hf(ids).logits[:, -1:].argmax(-1)], dim=1)
     assert proc.stdout.rstrip("\n") == tok.decode(ids[0].tolist())
-    missing = run([PYTHON, "sample.py", "--init-from", "/nonexistent/model"], cwd=mingpt,
-                  check=False)
+    missing = script_in_process(mods["sample"], mingpt, "--init-from", "/nonexistent/model")
     assert one_error_line(missing) == ("error: gpt_config.init_from=/nonexistent/model: no such "
                                        "directory (/nonexistent/model)")
