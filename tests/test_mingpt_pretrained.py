@@ -260,11 +260,16 @@ def test_finetune_from_pretrained_ddp_fsdp_and_resume_slowest(mods, mingpt, gpt2
     assert abs(val[0] - expected) < 1e-4, (val, expected)
     assert val[4] < val[0]  # and training lowers it
     assert "sample:\n" in ddp.stdout  # decoded with the BPE tokenizer
-    # FSDP: every rank loads the whole model, then keeps its shards: the same start.
-    fsdp = run([*torchrun, "main.py", *tiny("run_name=ft_fsdp", *args,
-                                            "trainer_config.distributed_method=fsdp")],
-               cwd=mingpt)
-    assert abs(val_losses(fsdp.stdout)[0] - expected) < 1e-4
+    # FSDP: the whole model is loaded, then fully_shard turns its weights into DTensors (on
+    # one process here: a launch less; 2-rank sharding is test_mingpt_train's): the same start.
+    # (05's modules are imported from the repository: its relative data paths mean the
+    # repository's folder, so the copy's data is given by its absolute path.)
+    here = [a.replace("=data/tiny_bpe", f"={bpe_data}") for a in args]
+    fsdp = script_in_process(mods["main"], mingpt, *tiny(
+        "run_name=ft_fsdp", *here, "trainer_config.distributed_method=fsdp",
+        "trainer_config.max_steps=1", "trainer_config.sample_tokens=0"))
+    assert fsdp.returncode == 0, fsdp.stderr
+    assert abs(val_losses(fsdp.stdout)[0] - hf_val_loss(mods, gpt2_dir, bpe_data, 1)) < 1e-4
     # A worker killed before step 3 resumes from the step-2 snapshot: the BPE data position
     # and everything else carry over, so the final weights equal the uninterrupted run's.
     killed = run([*torchrun, "--max-restarts=1", "main.py", *tiny("run_name=ft_kill", *args)],

@@ -5,6 +5,7 @@ The slowest tests (several torchrun launches each) have `slowest` in their names
 """
 import re
 import signal
+import sys
 
 import pytest
 import torch
@@ -34,6 +35,12 @@ def main_py(mingpt):
     for the runs that only vary a setting; every command as written runs end to end too."""
     with mingpt_imported("main") as modules:
         yield lambda *args: script_in_process(modules["main"], mingpt, *args)
+
+
+@pytest.fixture(scope="module")
+def sample_py(mingpt, main_py):
+    """`python sample.py ARGS` likewise: main_py's import of 05's modules holds sample.py's."""
+    return lambda *args: script_in_process(sys.modules["sample"], mingpt, *args)
 
 
 GOLDEN = REPO / "tests/golden"
@@ -200,7 +207,8 @@ def test_ddp_killed_worker_resumes_bitwise_slowest(mingpt, ddp_reference):
     assert val_losses(reference.stdout)[10] == val_losses(proc.stdout)[10]
 
 
-def test_fsdp_kill_resume_and_world_size_change_slowest(mingpt, ddp_reference, main_py):
+def test_fsdp_kill_resume_and_world_size_change_slowest(mingpt, ddp_reference, main_py,
+                                                        sample_py):
     args = tiny("run_name=fsdp_a", "trainer_config.distributed_method=fsdp",
                 "trainer_config.activation_checkpointing=true", "trainer_config.grad_accum_steps=2")
     # Killed during its first save, after the shards were written and before `latest`: the
@@ -237,8 +245,9 @@ def test_fsdp_kill_resume_and_world_size_change_slowest(mingpt, ddp_reference, m
     assert val_losses(c.stdout)[10] == pytest.approx(final_a, abs=1e-4)  # the same weights
     assert (mingpt / "runs/fsdp_b/snapshot/latest").read_text() == "step_00000012"
     # sample.py reads the sharded snapshot into one process.
-    s = run([PYTHON, "sample.py", "--snapshot", "runs/fsdp_b/snapshot", "--prompt", "JULIET:",
-             "--num-tokens", "25"], cwd=mingpt)
+    s = sample_py("--snapshot", "runs/fsdp_b/snapshot", "--prompt", "JULIET:", "--num-tokens",
+                  "25")
+    assert s.returncode == 0, s.stderr
     assert s.stdout.startswith("JULIET:") and len(s.stdout.rstrip("\n")) == len("JULIET:") + 25
     assert "(fsdp, step 12, " in s.stderr
 
