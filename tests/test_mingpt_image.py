@@ -13,8 +13,8 @@ import torch
 from torchvision.datasets import CIFAR10
 
 from cifar_fixture import BASE_COLOURS, HALF_WIDTH, write_cifar10
-from conftest import PYTHON, REPO, TORCHRUN, run
-from mingpt_helpers import mingpt_imported
+from conftest import REPO, TORCHRUN, run
+from mingpt_helpers import mingpt_imported, script_in_process
 
 MINGPT = REPO / "05_mingpt"
 
@@ -235,10 +235,16 @@ def test_main_trains_the_tiny_preset_on_the_fixture(tmp_path):
     # The user's command with the tiny preset, pointed at the fixture: CIFAR-10 in, loss down.
     root = tmp_path / "cifar"
     write_cifar10(root)
-    proc = run([PYTHON, str(MINGPT / "main.py"), "data_config=cifar10_tiny",
-                f"data_config.root={root}", "data_config.download=false",
-                "data_config.check_md5=false", "trainer_config.max_steps=30",
-                "trainer_config.eval_every=30", "run_name=img"], cwd=tmp_path, timeout=180)
+    # In this process (the notebook test runs the same preset end to end, under torchrun).
+    with mingpt_imported("main") as modules:
+        proc = script_in_process(modules["main"], tmp_path, "data_config=cifar10_tiny",
+                                 f"data_config.root={root}", "data_config.download=false",
+                                 "data_config.check_md5=false", "trainer_config.max_steps=30",
+                                 "trainer_config.eval_every=30", "run_name=img")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        # sample.py writes text: it refuses an image snapshot with one line, not a traceback.
+        refused = script_in_process(modules["sample"], tmp_path, "--snapshot",
+                                    "runs/img/snapshot")
     losses = [float(v) for v in re.findall(r"val loss (\d+\.\d+)", proc.stdout)]
     # Guessing uniformly among 16 colours costs ln 16 = 2.77; neighbouring pixels of the
     # fixture's flat shapes share a colour, which a model learns within a few dozen steps.
@@ -247,9 +253,6 @@ def test_main_trains_the_tiny_preset_on_the_fixture(tmp_path):
     saved = np.load(root / "palette_k16_n200_p5_s1337.npy")
     assert state["data_meta"]["kind"] == "cifar10"
     assert state["data_meta"]["palette"] == saved.tolist()  # decodable from the snapshot alone
-    # sample.py writes text: it refuses an image snapshot with one line, not a traceback.
-    proc = run([PYTHON, str(MINGPT / "sample.py"), "--snapshot", "runs/img/snapshot"],
-               cwd=tmp_path, check=False)
-    assert proc.returncode == 2
-    assert proc.stderr.strip().endswith("was trained on cifar10 data; sample.py writes text "
-                                        "(see notebooks/ for images)"), proc.stderr
+    assert refused.returncode == 2
+    assert refused.stderr.strip().endswith("was trained on cifar10 data; sample.py writes "
+                                           "text (see notebooks/ for images)"), refused.stderr

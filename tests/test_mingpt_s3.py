@@ -76,7 +76,8 @@ def no_credentials(*procs: subprocess.CompletedProcess) -> None:
 
 
 @pytest.mark.parametrize("method", ["ddp", "fsdp"])
-def test_snapshot_on_s3_saves_survives_a_kill_resumes_and_samples_slowest(mingpt, s3_env,
+def test_snapshot_on_s3_saves_survives_a_kill_resumes_and_samples_slowest(mingpt, s3_env, aws,
+                                                                           mingpt_modules,
                                                                            method):
     url = f"s3://mingpt/{method}/snapshot"
     args = tiny(f"trainer_config.distributed_method={method}",
@@ -100,7 +101,9 @@ def test_snapshot_on_s3_saves_survives_a_kill_resumes_and_samples_slowest(mingpt
         assert fs.cat_file(f"mingpt/{method}/snapshot/latest") == b"step_00000002"
         steps = {o.split("/")[3] for o in fs.find(f"mingpt/{method}") if "/step_" in o}
         assert steps == {"step_00000002", "step_00000004"}
-    second = run([PYTHON, "main.py", *args, f"run_name={method}2"], cwd=mingpt, **s3_env)
+    # The resume and the sample need no fresh process (the kill did): run in this one.
+    second = script_in_process(mingpt_modules["main"], mingpt, *args, f"run_name={method}2")
+    assert second.returncode == 0, second.stderr[-2000:]
     assert f"resumed from {url} at step 2 (epoch 0)" in second.stdout
     assert "step 6: snapshot saved" in second.stdout
     objects = fs.find(f"mingpt/{method}")
@@ -114,8 +117,9 @@ def test_snapshot_on_s3_saves_survives_a_kill_resumes_and_samples_slowest(mingpt
         assert {o.split("/")[3] for o in objects if "/step_" in o} == {"step_00000004",
                                                                        "step_00000006"}
         assert f"mingpt/{method}/snapshot/step_00000006/train_state.pt" in objects
-    sample = run([PYTHON, "sample.py", "--snapshot", url, "--prompt", "KING:", "--num-tokens",
-                  "12"], cwd=mingpt, **s3_env)
+    sample = script_in_process(mingpt_modules["sample"], mingpt, "--snapshot", url, "--prompt",
+                               "KING:", "--num-tokens", "12")
+    assert sample.returncode == 0, sample.stderr[-2000:]
     assert sample.stdout.startswith("KING:") and len(sample.stdout.rstrip("\n")) == 5 + 12
     assert f"({method}, step 6, " in sample.stderr
     no_credentials(first, second, sample)
