@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,35 @@ TEARDOWN_ABORT = "terminate called without an active exception"
 # (tests/test_teardown.py). Launches that other tests make anyway go through it: the check
 # costs no launch of its own.
 TEARDOWN_PROBE = str(REPO / "tests/teardown_probe.py")
+
+
+# Where the background install of slurm-wlm and munge (below) reports its exit status.
+SLURM_INSTALL_VARIABLE = "DDP_SERIES_SLURM_INSTALL"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Start installing slurm-wlm and munge now, in the background, when the Slurm tests will
+    need them: apt-get's half minute then overlaps other tests instead of holding up the one
+    worker that runs tests/test_slurm.py (its cluster fixture waits for the result). Once, in
+    the main pytest process (xdist's workers inherit the variable that names the result), and
+    only where local_cluster.sh would install them: as root, with apt-get, tools missing."""
+    if hasattr(config, "workerinput") or os.environ.get(SLURM_INSTALL_VARIABLE):
+        return
+    slurm_test = REPO / "tests/test_slurm.py"
+    paths = [Path(a.split("::")[0]).resolve() for a in config.args] or [REPO / "tests"]
+    if not any(p == slurm_test or p in slurm_test.parents for p in paths):
+        return  # this run does not include the Slurm tests
+    sbin = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
+    if os.geteuid() != 0 or not shutil.which("apt-get") or all(
+            shutil.which(tool, path=sbin) for tool in ("munged", "slurmctld", "slurmd", "sbatch")):
+        return
+    state = tempfile.mkdtemp(prefix="ddp-series-slurm-install-")
+    os.environ[SLURM_INSTALL_VARIABLE] = state
+    # Never killed: an apt-get stopped halfway leaves dpkg for the next one to repair.
+    subprocess.Popen(["bash", "-c", 'bash "$1" install; echo $? > "$2/exit"', "install",
+                      str(REPO / "slurm_scripts/local_cluster.sh"), state],
+                     env={**os.environ, "SLURM_LOCAL_DIR": state}, start_new_session=True,
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def child_env(**extra: str) -> dict[str, str]:

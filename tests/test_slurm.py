@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import PYTHON, REPO, child_env, free_port
+from conftest import PYTHON, REPO, SLURM_INSTALL_VARIABLE, child_env, free_port
 from mingpt_helpers import copy_mingpt, load_ddp_snapshot, tiny
 
 CLUSTER = REPO / "slurm_scripts" / "local_cluster.sh"
@@ -88,6 +88,13 @@ def cluster(request) -> dict[str, str]:
         stderr=subprocess.DEVNULL)
     request.addfinalizer(stop)  # registered before start: a half-started cluster is stopped too
     start = time.monotonic()
+    installing = os.environ.get(SLURM_INSTALL_VARIABLE)
+    while installing and not (Path(installing) / "exit").exists():  # conftest started it
+        if time.monotonic() - start > 300:
+            pytest.fail(f"the background apt-get install did not finish: {installing}/apt.log")
+        time.sleep(0.5)  # then `start` finds the tools (or installs them, and says why not)
+    if installing:
+        shutil.rmtree(installing, ignore_errors=True)
     proc = subprocess.run(["bash", str(CLUSTER), "start"], env=child_env(**env),
                           capture_output=True, text=True, timeout=300)
     if proc.returncode == UNAVAILABLE:
