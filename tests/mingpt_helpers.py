@@ -105,9 +105,12 @@ def script_in_process(module, cwd: Path, *argv: str, **env: str) -> subprocess.C
     For runs that stop at an error or train a few steps: a launch costs seconds of imports,
     this costs none. What only a real process shows (its exit, torchrun) stays end to end."""
     out, err = io.StringIO(), io.StringIO()
-    old_cwd, old_env = os.getcwd(), dict(os.environ)
+    old_cwd, old_env, old_threads = os.getcwd(), dict(os.environ), torch.get_num_threads()
     os.environ.update(env)
     os.chdir(cwd)
+    # One thread, as child_env gives a launched command: beside the other test worker, a
+    # second one only spins (OpenMP waits busily) and costs more CPU than it saves.
+    torch.set_num_threads(1)
     code = 0
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
@@ -127,5 +130,6 @@ def script_in_process(module, cwd: Path, *argv: str, **env: str) -> subprocess.C
         os.chdir(old_cwd)
         os.environ.clear()
         os.environ.update(old_env)
+        torch.set_num_threads(old_threads)
     return subprocess.CompletedProcess([module.__name__, *argv], code, out.getvalue(),
                                        err.getvalue())
