@@ -17,6 +17,7 @@ import re
 import sys
 import tempfile
 import traceback
+import warnings
 from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
@@ -98,9 +99,11 @@ def load_train_objs(cfg: DictConfig, device: torch.device) -> tuple:
         model = GPT(gpt_config)
     if not on_meta:
         model = model.to(device)
-    if init_from:
+    if init_from and not has_snapshot(t.snapshot_path):
         # Into the plain model, before wrapping: every rank reads the whole checkpoint (on the
         # CPU) and copies it in; FSDP then keeps each rank's shards (README: FSDP and memory).
+        # Not on a resume: the snapshot replaces every weight, and reading GPT-2's (on every
+        # rank: 6 GB for gpt2-xl, and transformers' model code) would only delay the restart.
         pretrained.load_pretrained(model, init_from)
         print0(f"weights from {init_from}")
     print0(f"model: {model.num_params():,} parameters ({model.config.n_layer} layers, "
@@ -119,6 +122,14 @@ def load_train_objs(cfg: DictConfig, device: torch.device) -> tuple:
     # except that one tensor-parallel group's ranks draw the same: they hold the same activations.
     torch.manual_seed(cfg.trainer_config.seed + data_parallel(model)[0])
     return model, optimizer, train_set, val_set, data, snapshot_meta, flops_per_token
+
+
+def has_snapshot(url: str) -> bool:
+    """A committed snapshot is there to resume from (snapshot.load reads and checks it later,
+    on every rank; a foreign or unreadable one is refused there, never trained over)."""
+    with warnings.catch_warnings():  # an interrupted first save: load says so, once
+        warnings.simplefilter("ignore")
+        return snapshot.snapshot_kind(url) is not None
 
 
 def fail(error: Exception | str) -> None:

@@ -276,6 +276,8 @@ def test_finetune_from_pretrained_ddp_fsdp_and_resume_slowest(mods, mingpt, gpt2
                  cwd=mingpt, FAULT_AT_STEP="3")
     assert "FAULT_AT_STEP=3: killing this worker" in killed.stdout
     assert "resumed from" in killed.stdout and "at step 2" in killed.stdout
+    # The restart took the weights from the snapshot alone, not from the pretrained files too.
+    assert killed.stdout.count(f"weights from {gpt2_dir}") == 1
     a = load_ddp_snapshot(mingpt / "runs/ft_ddp/snapshot")
     b = load_ddp_snapshot(mingpt / "runs/ft_kill/snapshot")
     assert a["step"] == b["step"] == 4 and a["data_meta"] == b["data_meta"]
