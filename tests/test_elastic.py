@@ -2,10 +2,10 @@
 (its agent and worker SIGKILLed); the other re-rendezvouses alone and finishes the job from the
 snapshot, at world size 1.
 
-The rendezvous store lives in one agent: the first to start (it binds the endpoint). Losing that
-node ends the job (the others get `RendezvousConnectionError`), so node b, started second, is
-the one killed here. torchrun starts each worker in its own process group: losing a node means
-killing the agent and its worker.
+The rendezvous store lives in one agent: the first to start binds the endpoint, unless
+`--rdzv-conf=is_host=...` says which (here: a). Losing that node ends the job (the others get
+`RendezvousConnectionError`), so node b is the one killed here. torchrun starts each worker
+in its own process group: losing a node means killing the agent and its worker.
 """
 import os
 import signal
@@ -27,19 +27,21 @@ def test_a_lost_node_leaves_the_other_to_finish_from_the_snapshot(tmp_path):
            "--rdzv-id=elastic", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
            # Once one node is in, wait 5 s for more before starting (default 30 s); a node
            # that missed 3 heartbeats 1 s apart is dead (default 5 s apart: 15 s).
-           "--rdzv-conf=last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3",
-           str(REPO / "04_multinode/train.py"), "60", "1"]
+           "--rdzv-conf=last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3"]
+    script = [str(REPO / "04_multinode/train.py"), "60", "1"]
     lines: dict[str, list[str]] = {"a": [], "b": []}
 
     def start(node: str) -> subprocess.Popen:
-        proc = subprocess.Popen(cmd, cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        # a hosts the rendezvous store (is_host), b connects to it, whichever starts first:
+        # both start at once, so neither waits out last_call_timeout alone on a busy machine.
+        conf = f"{cmd[-1]},is_host={str(node == 'a').lower()}"
+        proc = subprocess.Popen([*cmd[:-1], conf, *script], cwd=tmp_path, env=child_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
         threading.Thread(target=lambda: lines[node].extend(proc.stdout), daemon=True).start()
         return proc
 
-    a = start("a")
-    time.sleep(2)  # a binds the rendezvous store first
-    b = start("b")
+    a, b = start("a"), start("b")
     try:
         deadline = time.monotonic() + 120
         while not any("Steps: 32" in line for line in lines["a"]):  # 2 ranks share 64 batches
