@@ -14,27 +14,20 @@ The security cases are at the end: a pickled snapshot that would run code is ref
 """
 import contextlib
 import hashlib
-import io
 import os
 import re
-import runpy
 import shutil
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from conftest import REPO, TORCHRUN, child_env, free_port
 from mingpt_helpers import copy_mingpt, mingpt_imported, script_in_process, tiny
-
-HELPERS = ("datautils", "devices", "faults", "snapshot")  # the steps' module names
-TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                 "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")
+from step_helpers import step_in_process, worker_env
 
 # Cases that other test files run already: (command as the user types it, the error line's
 # start or key words, "file::test" that checks it).
@@ -112,49 +105,6 @@ def nothing_lost(*folders: Path):
 
 # ---------------------------------------------------------------------------------------------
 # Running the commands in this process
-
-
-def step_in_process(step: str, cwd: Path, *argv: str, **env: str) -> subprocess.CompletedProcess:
-    """`python STEP/train.py ARGV` (with `env`, e.g. torchrun's worker variables) run here by
-    runpy; the exit status and output as `subprocess.run` gives them. Python prints a
-    SystemExit's text on stderr and exits 1: so does this."""
-    out, err = io.StringIO(), io.StringIO()
-    old = os.getcwd(), dict(os.environ), list(sys.argv), list(sys.path)
-    saved = {m: sys.modules.pop(m) for m in HELPERS if m in sys.modules}
-    # The steps' helpers share 05's module names: the step's own folder first, as for python.
-    sys.path.insert(0, str(REPO / step))
-    for var in TORCHRUN_VARS:  # only what this case gives: `python train.py` or one worker
-        os.environ.pop(var, None)
-    os.environ.update(env)
-    sys.argv = [str(REPO / step / "train.py"), *argv]
-    os.chdir(cwd)
-    code = 0
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                runpy.run_path(sys.argv[0], run_name="__main__")
-            except SystemExit as e:
-                if isinstance(e.code, str):
-                    print(e.code, file=sys.stderr)
-                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    finally:
-        if dist.is_initialized():  # a worker stopped by its error left its group behind
-            dist.destroy_process_group()
-        os.chdir(old[0])
-        os.environ.clear()
-        os.environ.update(old[1])
-        sys.argv[:], sys.path[:] = old[2], old[3]
-        for m in HELPERS:
-            sys.modules.pop(m, None)
-        sys.modules.update(saved)
-    return subprocess.CompletedProcess(sys.argv, code, out.getvalue(), err.getvalue())
-
-
-def worker_env(port: int | None = None) -> dict[str, str]:
-    """The variables torchrun gives the one worker of `--nproc_per_node=1` on a free port."""
-    return dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", GROUP_RANK="0",
-                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port or free_port()),
-                TORCHELASTIC_RESTART_COUNT="0")
 
 
 @pytest.fixture(scope="module")

@@ -26,9 +26,9 @@ from conftest import (
     gloo_threads_at_exit,
     run,
 )
+from step_helpers import HELPERS, step_in_process, worker_env
 
 STEPS = ["01_single_gpu", "02_multigpu", "03_torchrun_fault_tolerance", "04_multinode"]
-HELPERS = ("datautils", "devices", "faults", "snapshot")  # same names in every step folder
 
 
 def losses(stdout: str) -> list[float]:
@@ -257,15 +257,6 @@ def test_resume_on_a_non_cpu_device_restores_weights_momentum_and_rng(tmp_path, 
         assert torch.equal(momentum, optimizer.state[p]["momentum_buffer"])
 
 
-def as_torchrun_worker(script: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc_per_node=1 SCRIPT ARGS` for a run that stops at an error:
-    the one worker, with the environment torchrun gives it, without the agent's own start-up."""
-    env = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", GROUP_RANK="0",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               TORCHELASTIC_RESTART_COUNT="0")
-    return run([PYTHON, str(script), *args], cwd=cwd, check=False, **env)
-
-
 KILL_MID_WRITE = """
 import os, signal, sys, torch
 sys.path.insert(0, sys.argv[1])
@@ -282,14 +273,14 @@ snapshot.atomic_save({"EPOCHS_RUN": 99, "MODEL_STATE": {}}, sys.argv[2])
 
 def test_kill_during_snapshot_write_keeps_previous_snapshot(tmp_path):
     step = REPO / "03_torchrun_fault_tolerance"
-    assert as_torchrun_worker(step / "train.py", "2", "1", cwd=tmp_path).returncode == 0
+    assert step_in_process(step.name, tmp_path, "2", "1", **worker_env()).returncode == 0
     before = (tmp_path / "snapshot.pt").read_bytes()
     proc = run([PYTHON, "-c", KILL_MID_WRITE, str(step), "snapshot.pt"], cwd=tmp_path,
                check=False)
     assert proc.returncode == -signal.SIGKILL
     assert (tmp_path / "snapshot.pt.tmp").exists()  # the torn write...
     assert (tmp_path / "snapshot.pt").read_bytes() == before  # ...never reached the snapshot
-    proc = as_torchrun_worker(step / "train.py", "3", "1", cwd=tmp_path)
+    proc = step_in_process(step.name, tmp_path, "3", "1", **worker_env())
     assert proc.returncode == 0, proc.stderr
     assert "Resuming training from snapshot at epoch 2" in proc.stdout
     assert torch.load(tmp_path / "snapshot.pt", weights_only=True)["EPOCHS_RUN"] == 3
@@ -302,7 +293,7 @@ def test_corrupt_snapshot_is_an_error_and_is_not_overwritten(tmp_path, content):
         torch.save({"MODEL_STATE": {"w": torch.zeros(1000)}}, snap)
         content = snap.read_bytes()[:300]
     snap.write_bytes(content)
-    proc = as_torchrun_worker(REPO / "03_torchrun_fault_tolerance/train.py", "2", "1", cwd=tmp_path)
+    proc = step_in_process("03_torchrun_fault_tolerance", tmp_path, "2", "1", **worker_env())
     assert proc.returncode != 0
     assert "error: cannot load snapshot snapshot.pt" in proc.stderr
     assert snap.read_bytes() == content
@@ -310,7 +301,7 @@ def test_corrupt_snapshot_is_an_error_and_is_not_overwritten(tmp_path, content):
 
 def test_snapshot_of_another_script_is_refused(tmp_path):
     torch.save({"0.weight": torch.zeros(64, 20)}, tmp_path / "snapshot.pt")  # a 02 checkpoint
-    proc = as_torchrun_worker(REPO / "03_torchrun_fault_tolerance/train.py", "2", "1", cwd=tmp_path)
+    proc = step_in_process("03_torchrun_fault_tolerance", tmp_path, "2", "1", **worker_env())
     assert proc.returncode != 0
     assert "error: snapshot snapshot.pt lacks MODEL_STATE" in proc.stderr
 
