@@ -8,20 +8,24 @@ CIFAR-10 stand-in is a small dataset in the official layout at the default DATA_
 the official release, hence CHECK_MD5=False. Every other cell is the code a user runs, training
 included (torchrun with CPU processes).
 """
+import contextlib
+import importlib
 import importlib.util
+import io
 import re
 import shutil
 import sys
-import textwrap
 from pathlib import Path
 
 import nbformat
 import papermill
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from cifar_fixture import HALF_WIDTH, write_cifar10
 from conftest import PYTHON, REPO, run
+from mingpt_helpers import MINGPT_MODULES
 
 NOTEBOOKS = REPO / "notebooks"
 MINGPT = REPO / "05_mingpt"
@@ -48,6 +52,26 @@ def load_launch():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@contextlib.contextmanager
+def nbutils_imported(notebooks: Path):
+    """notebooks/nbutils.py of a checkout, imported here with the 05_mingpt modules it imports
+    (it puts its 05_mingpt/ on sys.path); afterwards sys.path and sys.modules are as before,
+    so modules of the same names (the steps', the repository's 05) are untouched."""
+    before, path = dict(sys.modules), list(sys.path)
+    sys.path.insert(0, str(notebooks))
+    for name in (*MINGPT_MODULES, "launch", "nbutils"):  # any imported from elsewhere
+        sys.modules.pop(name, None)
+    try:
+        yield importlib.import_module("nbutils")
+    finally:
+        sys.path[:] = path
+        root = notebooks.parent
+        for name, module in list(sys.modules.items()):
+            if root in Path(getattr(module, "__file__", None) or "/").parents:
+                del sys.modules[name]
+        sys.modules.update({n: m for n, m in before.items() if n not in sys.modules})
 
 
 @pytest.fixture(autouse=True)
@@ -158,16 +182,16 @@ def test_play_image(checkout):
     # model.generate, with its KV cache, draws what generating by running the whole sequence
     # for every new pixel draws (the same tokens for the same seed), on the snapshot the
     # notebook trained. And running the training cell again uses the finished snapshot
-    # instead of training.
+    # instead of training. (nbutils in this process, as the notebook's kernel imports it.)
     overrides = ["data_config=cifar10_tiny", "data_config.check_md5=false",
                  "trainer_config.max_steps=6"]
-    check = textwrap.dedent(f"""
-        import torch, nbutils
-        from model import next_token
-        nbutils.train({overrides!r}, nbutils.Path({str(run_dir)!r}))
-        model, meta = nbutils.load_model(nbutils.Path({str(run_dir / "snapshot")!r}), "cpu")
+    with nbutils_imported(checkout / "notebooks") as nbutils, \
+            contextlib.redirect_stdout(io.StringIO()) as out, torch.random.fork_rng():
+        nbutils.train(overrides, run_dir)
+        model, meta = nbutils.load_model(run_dir / "snapshot", "cpu")
+        next_token = sys.modules["model"].next_token
         first = torch.tensor([0, 3, 7, 15])
-        for kw in ({{"do_sample": False}}, {{"top_k": 5}}, {{"temperature": 2.0}}):
+        for kw in ({"do_sample": False}, {"top_k": 5}, {"temperature": 2.0}):
             torch.manual_seed(0)
             a = model.generate(first.view(-1, 1), 49, **kw)
             torch.manual_seed(0)
@@ -177,11 +201,9 @@ def test_play_image(checkout):
                     logits, _ = model(b)
                     b = torch.cat((b, next_token(logits[:, -1, :], **kw)), dim=1)
             assert a.shape == (4, 50) and torch.equal(a, b), kw
-        print("same")
-    """)
-    out = run([PYTHON, "-c", check], cwd=checkout / "notebooks", timeout=120).stdout
-    assert out.splitlines() == [f"{run_dir}/snapshot has finished training (step 6 of 6): using "
-                                f"it. Delete {run_dir} to train again.", "same"]
+    assert out.getvalue().splitlines() == [
+        f"{run_dir}/snapshot has finished training (step 6 of 6): using it. Delete {run_dir} "
+        "to train again."]
 
 
 def test_play_char(checkout):
