@@ -3,6 +3,8 @@
 Everything runs on CPU with the gloo backend. Child processes get one intra-op thread each:
 the CI machine has two cores and the tests start several processes at once.
 """
+import contextlib
+import io
 import os
 import re
 import shutil
@@ -10,9 +12,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -98,6 +102,42 @@ def run(cmd: list[str], cwd: Path = REPO, timeout: float = 240, check: bool = Tr
         pytest.fail(f"{cmd} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
                     f"\n--- stderr\n{proc.stderr[-4000:]}")
     return proc
+
+
+def in_process(main: Callable[[], object], args: list[str], cwd: Path, unset: tuple = (),
+               **env: str) -> subprocess.CompletedProcess:
+    """`main()` as if it were a launched command, without starting an interpreter: in `cwd`,
+    with `unset` removed from and `env` added to the environment, one intra-op thread; the exit
+    status, stdout and stderr as `run` returns them for `args`. Python prints a SystemExit's
+    text on stderr and exits 1: so does this. Everything is put back afterwards.
+
+    For runs that stop at an error or train a few steps: a launch costs seconds of imports,
+    this costs none. What only a real process shows (its exit, a kill, torchrun) stays end to
+    end."""
+    out, err = io.StringIO(), io.StringIO()
+    old_cwd, old_env, old_threads = os.getcwd(), dict(os.environ), torch.get_num_threads()
+    for name in unset:
+        os.environ.pop(name, None)
+    os.environ.update(env)
+    os.chdir(cwd)
+    # One thread, as child_env gives a launched command: beside the other test worker, a
+    # second one only spins (OpenMP waits busily) and costs more CPU than it saves.
+    torch.set_num_threads(1)
+    code = 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main()
+            except SystemExit as e:  # as the interpreter turns it into an exit status
+                if isinstance(e.code, str):
+                    print(e.code, file=sys.stderr)
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        os.chdir(old_cwd)
+        os.environ.clear()
+        os.environ.update(old_env)
+        torch.set_num_threads(old_threads)
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def free_port() -> int:

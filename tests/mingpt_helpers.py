@@ -2,8 +2,6 @@
 and parsers for the trainer's log lines."""
 import contextlib
 import importlib
-import io
-import os
 import re
 import shutil
 import subprocess
@@ -13,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from conftest import REPO
+from conftest import REPO, in_process
 
 MINGPT = REPO / "05_mingpt"
 
@@ -98,38 +96,15 @@ def mingpt_imported(*extra: str):
 
 
 def script_in_process(module, cwd: Path, *argv: str, **env: str) -> subprocess.CompletedProcess:
-    """`python main.py ARGV` (or sample.py: `module` is the imported script) without starting
-    an interpreter: `module.main(argv)` here, in `cwd`, with `env` added to the environment;
-    the exit status, stdout and stderr as `run` returns them.
-
-    For runs that stop at an error or train a few steps: a launch costs seconds of imports,
-    this costs none. What only a real process shows (its exit, torchrun) stays end to end."""
-    out, err = io.StringIO(), io.StringIO()
-    old_cwd, old_env, old_threads = os.getcwd(), dict(os.environ), torch.get_num_threads()
-    os.environ.update(env)
-    os.chdir(cwd)
-    # One thread, as child_env gives a launched command: beside the other test worker, a
-    # second one only spins (OpenMP waits busily) and costs more CPU than it saves.
-    torch.set_num_threads(1)
-    code = 0
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
-                warnings.catch_warnings():
+    """`python main.py ARGV` (or sample.py: `module` is the imported script) in this process:
+    `module.main(argv)` through conftest.in_process, in `cwd`, with `env` added."""
+    def main() -> None:
+        with warnings.catch_warnings():
             # As a fresh interpreter shows them: every warning, on stderr (pytest records them).
             warnings.simplefilter("always")
             warnings.showwarning = lambda message, category, filename, lineno, file=None, \
                 line=None: sys.stderr.write(warnings.formatwarning(message, category, filename,
                                                                    lineno, line))
-            try:
-                module.main(list(argv))
-            except SystemExit as e:  # as the interpreter turns it into an exit status
-                if isinstance(e.code, str):
-                    print(e.code, file=sys.stderr)
-                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    finally:
-        os.chdir(old_cwd)
-        os.environ.clear()
-        os.environ.update(old_env)
-        torch.set_num_threads(old_threads)
-    return subprocess.CompletedProcess([module.__name__, *argv], code, out.getvalue(),
-                                       err.getvalue())
+            module.main(list(argv))
+
+    return in_process(main, [module.__name__, *argv], cwd, **env)

@@ -4,18 +4,14 @@ A launch costs seconds of interpreter and torch start-up; for the runs that stop
 train an epoch or two, this costs none. What only a real process shows (a kill, the exit of a
 finished job, torchrun's agent) stays end to end.
 """
-import contextlib
-import io
-import os
 import runpy
 import subprocess
 import sys
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
-from conftest import REPO, free_port
+from conftest import REPO, free_port, in_process
 
 HELPERS = ("datautils", "devices", "faults", "snapshot")  # the same names in every step folder
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -24,41 +20,24 @@ TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_
 
 def step_in_process(step: str, cwd: Path, *argv: str, **env: str) -> subprocess.CompletedProcess:
     """`python STEP/train.py ARGV` (with `env`, e.g. torchrun's worker variables) run here by
-    runpy; the exit status and output as `subprocess.run` gives them. Python prints a
-    SystemExit's text on stderr and exits 1: so does this."""
-    out, err = io.StringIO(), io.StringIO()
-    old = os.getcwd(), dict(os.environ), list(sys.argv), list(sys.path)
+    runpy, through conftest.in_process."""
+    script = str(REPO / step / "train.py")
+    old_argv, old_path = list(sys.argv), list(sys.path)
     saved = {m: sys.modules.pop(m) for m in HELPERS if m in sys.modules}
     # The steps' helpers share 05's module names: the step's own folder first, as for python.
     sys.path.insert(0, str(REPO / step))
-    for var in TORCHRUN_VARS:  # only what this case gives: `python train.py` or one worker
-        os.environ.pop(var, None)
-    os.environ.update(env)
-    sys.argv = [str(REPO / step / "train.py"), *argv]
-    os.chdir(cwd)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as conftest.child_env gives a launched command
-    code = 0
+    sys.argv = [script, *argv]
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                runpy.run_path(sys.argv[0], run_name="__main__")
-            except SystemExit as e:
-                if isinstance(e.code, str):
-                    print(e.code, file=sys.stderr)
-                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        # TORCHRUN_VARS unset: only what this case gives (`python train.py` or one worker).
+        return in_process(lambda: runpy.run_path(script, run_name="__main__"), [script, *argv],
+                          cwd, unset=TORCHRUN_VARS, **env)
     finally:
         if dist.is_initialized():  # a worker stopped by its error left its group behind
             dist.destroy_process_group()
-        torch.set_num_threads(threads)
-        os.chdir(old[0])
-        os.environ.clear()
-        os.environ.update(old[1])
-        sys.argv[:], sys.path[:] = old[2], old[3]
+        sys.argv[:], sys.path[:] = old_argv, old_path
         for m in HELPERS:
             sys.modules.pop(m, None)
         sys.modules.update(saved)
-    return subprocess.CompletedProcess(sys.argv, code, out.getvalue(), err.getvalue())
 
 
 def worker_env(port: int | None = None) -> dict[str, str]:

@@ -5,7 +5,6 @@ The slowest tests (several torchrun launches each) have `slowest` in their names
 """
 import re
 import signal
-import sys
 
 import pytest
 import torch
@@ -30,17 +29,22 @@ def mingpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def main_py(mingpt):
-    """`python main.py ARGS` in the private copy, run in this process (no interpreter start):
-    for the runs that only vary a setting; every command as written runs end to end too."""
+def modules():
     with mingpt_imported("main") as modules:
-        yield lambda *args: script_in_process(modules["main"], mingpt, *args)
+        yield modules
 
 
 @pytest.fixture(scope="module")
-def sample_py(mingpt, main_py):
-    """`python sample.py ARGS` likewise: main_py's import of 05's modules holds sample.py's."""
-    return lambda *args: script_in_process(sys.modules["sample"], mingpt, *args)
+def main_py(mingpt, modules):
+    """`python main.py ARGS` in the private copy, run in this process (no interpreter start):
+    for the runs that only vary a setting; every command as written runs end to end too."""
+    return lambda *args: script_in_process(modules["main"], mingpt, *args)
+
+
+@pytest.fixture(scope="module")
+def sample_py(mingpt, modules):
+    """`python sample.py ARGS` likewise."""
+    return lambda *args: script_in_process(modules["sample"], mingpt, *args)
 
 
 GOLDEN = REPO / "tests/golden"
