@@ -110,8 +110,9 @@ def write_in_progress(snapshot: Path) -> bool:
     if snapshot.is_dir():
         latest = (snapshot / "latest").read_text().strip() if (snapshot / "latest").exists() \
             else None
-        return any(p.name.startswith("step_") and p.name != latest and p.is_dir()
-                   for p in snapshot.iterdir()) or any(snapshot.rglob("*.tmp"))
+        # Older step directories stay (keep_last): only one newer than `latest` is unfinished.
+        return any(p.name.startswith("step_") and (latest is None or p.name > latest)
+                   and p.is_dir() for p in snapshot.iterdir()) or any(snapshot.rglob("*.tmp"))
     return snapshot.with_name(snapshot.name + ".tmp").exists()
 
 
@@ -136,10 +137,36 @@ def reference(target: str, length: int, workdir: Path) -> tuple[dict, float]:
     return final_tensors(snapshot), time.monotonic() - start
 
 
+def account(target: str, records: list[dict], lines: list[tuple[float, str]],
+            start: float) -> None:
+    """Per kill (its time "t", and "restart_t" when the fresh workers were up): the step it
+    resumed at, the work lost and the kill -> next training step latency, added to its record.
+    03 prints an epoch as it starts (so the epoch killed counts as lost), 05 a step as it ends."""
+    pattern, resumed = (re.compile(TARGETS[target][k], re.M) for k in ("progress", "resumed"))
+    started = 1 if target == "03" else 0
+    attempt_start = start
+    for rec, following in zip(records, [*records[1:], None], strict=True):
+        done = [int(m.group(1)) for t, line in lines if attempt_start <= t <= rec["restart_t"]
+                and (m := pattern.search(line))]
+        attempt_start = rec["restart_t"]
+        # Only this attempt's lines: one that found no snapshot prints no resume line, and the
+        # next attempt's must not stand in for it.
+        until = following["t"] if following else float("inf")
+        after = [(t, line) for t, line in lines if rec["t"] < t < until]
+        resume = next(((t, int(m.group(1))) for t, line in after
+                       if (m := resumed.search(line))), None)
+        rec["resumed_at"] = resume[1] if resume else 0  # no snapshot yet: from the start
+        first = next((t for t, line in after if pattern.search(line)
+                      and t >= rec["restart_t"] and (resume is None or t >= resume[0])), None)
+        rec["latency_s"] = round(first - rec["t"], 2) if first else None
+        rec["lost"] = max(0, max(done, default=0) + started - rec["resumed_at"])
+        del rec["t"], rec["restart_t"]
+
+
 def storm(target: str, length: int, kills: int, seed: int, workdir: Path) -> dict:
     """Run the job under the killer; return what happened (see the module docstring)."""
     rng = random.Random(seed)
-    pattern, resumed = (re.compile(TARGETS[target][k], re.M) for k in ("progress", "resumed"))
+    pattern = re.compile(TARGETS[target]["progress"], re.M)
     # Distinct points in the first 90 % of training, so every kill leaves work to resume.
     points = sorted(rng.sample(range(1, max(kills + 1, int(length * 0.9))), kills))
     cmd, cwd, snapshot = command(target, length, workdir)
@@ -183,31 +210,18 @@ def storm(target: str, length: int, kills: int, seed: int, workdir: Path) -> dic
     agent.wait(timeout=900)
     reader.join(timeout=10)
     wall = time.monotonic() - start
-    # Per kill: the resume that followed (its step) and the first progress line after it. 03
-    # prints an epoch as it starts (so the epoch killed counts as lost), 05 a step as it ends.
-    started = 1 if target == "03" else 0
-    attempt_start = start
-    for rec in records:
-        done = [int(m.group(1)) for t, line in lines if attempt_start <= t <= rec["restart_t"]
-                and (m := pattern.search(line))]
-        attempt_start = rec["restart_t"]
-        after = [(t, line) for t, line in lines if t > rec["t"]]
-        resume = next(((t, int(m.group(1))) for t, line in after
-                       if (m := resumed.search(line))), None)
-        rec["resumed_at"] = resume[1] if resume else 0  # no snapshot yet: from the start
-        first = next((t for t, line in after if pattern.search(line)
-                      and t >= rec["restart_t"] and (resume is None or t >= resume[0])), None)
-        rec["latency_s"] = round(first - rec["t"], 2) if first else None
-        rec["lost"] = max(0, max(done, default=0) + started - rec["resumed_at"])
-        del rec["t"], rec["restart_t"]
+    account(target, records, lines, start)
     return {"exit": agent.returncode, "records": records, "wall_s": round(wall, 1),
             "tensors": final_tensors(snapshot) if agent.returncode == 0 else {},
             "log_tail": "".join(line for _, line in lines[-40:])}
 
 
-def run_storm(target: str, kills: int, seed: int, length: int, workdir: Path) -> dict:
-    """Reference, storm, comparison: the summary that the test asserts on and main prints."""
-    ref, ref_wall = reference(target, length, workdir / "reference")
+def run_storm(target: str, kills: int, seed: int, length: int, workdir: Path,
+              ref: dict[str, torch.Tensor] | None = None) -> dict:
+    """Reference, storm, comparison: the summary that the test asserts on and main prints.
+    `ref`: the uninterrupted run's final tensors, where the caller has them already."""
+    ref, ref_wall = (ref, None) if ref is not None else reference(target, length,
+                                                                 workdir / "reference")
     (workdir / "storm").mkdir()
     result = storm(target, length, kills, seed, workdir / "storm")
     tensors = result.pop("tensors")
@@ -215,7 +229,8 @@ def run_storm(target: str, kills: int, seed: int, length: int, workdir: Path) ->
         torch.equal(tensors[k], ref[k]) for k in ref)
     latencies = [r["latency_s"] for r in result["records"] if r["latency_s"] is not None]
     return {"target": target, "kills": len(result["records"]), "seed": seed,
-            "exit": result["exit"], "bitwise_equal": same, "reference_wall_s": round(ref_wall, 1),
+            "exit": result["exit"], "bitwise_equal": same,
+            "reference_wall_s": ref_wall and round(ref_wall, 1),
             "storm_wall_s": result["wall_s"],
             "mid_write_kills": sum(r["mid_write"] for r in result["records"]),
             "snapshots_always_loadable": all(r["snapshot_ok"] for r in result["records"]),

@@ -11,7 +11,15 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from conftest import REPO, free_port, in_process
+from conftest import (
+    REPO,
+    TEARDOWN_PROBE,
+    TORCHRUN,
+    free_port,
+    gloo_threads_at_exit,
+    in_process,
+    run,
+)
 
 HELPERS = ("datautils", "devices", "faults", "snapshot")  # the same names in every step folder
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -45,3 +53,17 @@ def worker_env(port: int | None = None) -> dict[str, str]:
     return dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", GROUP_RANK="0",
                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port or free_port()),
                 TORCHELASTIC_RESTART_COUNT="0")
+
+
+def probe(tmp_path: Path, step: str, nproc: int, *args: str, **env: str) -> Path:
+    """Train with the step's code under torchrun; return the folder of per-rank final weights.
+
+    Through tests/teardown_probe.py too: no gloo thread may be left as each rank's Python exits
+    (tests/test_teardown.py)."""
+    out = tmp_path / f"probe_{step}"
+    out.mkdir()
+    proc = run([TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", TEARDOWN_PROBE,
+                str(REPO / "tests/ddp_probe.py"), str(REPO / step), str(out), *args],
+               cwd=tmp_path, **env)
+    assert gloo_threads_at_exit(proc.stdout) == ["0"] * nproc, proc.stdout[-2000:]
+    return out

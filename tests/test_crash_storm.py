@@ -1,21 +1,54 @@
-"""A short crash storm (tests/crash_storm.py): step 03 under torchrun, a random worker SIGKILLed
-at three random points; the job finishes with the uninterrupted run's weights, bit for bit.
+"""Step 03 killed: once where its README says (FAULT_AT_EPOCH), then in a short crash storm
+(tests/crash_storm.py: a random worker SIGKILLed at three random points). Both jobs finish with
+the uninterrupted run's weights and momentum, bit for bit.
 
 The long storms (15 kills, step 03 and 05 with DDP and FSDP) run from the command line; their
 measured figures are in the README's "Crash storms" section.
 """
+import re
+import signal
 import sys
 
 import pytest
+import torch
 
-from crash_storm import run_storm
+from conftest import REPO, TORCHRUN, run
+from crash_storm import account, final_tensors, run_storm, write_in_progress
+from step_helpers import probe
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="finds torchrun's workers in /proc (Linux)")
 
 
-def test_three_random_kills_of_step_03_leave_the_result_bitwise_unchanged(tmp_path):
-    summary = run_storm("03", kills=3, seed=0, length=20, workdir=tmp_path)
+def test_step03_killed_worker_resumes_bitwise_exact_once_and_in_a_storm(tmp_path):
+    # An uninterrupted run of 6 epochs (through the probe, which also shows both ranks agree)...
+    out = probe(tmp_path, "03_torchrun_fault_tolerance", 2, "6", "2", "--snapshot_path", "a.pt")
+    rank0, rank1 = (torch.load(out / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+    assert all(torch.equal(rank0[k], rank1[k]) for k in rank0)
+    assert sorted(p.name for p in out.glob("writer_*")) == ["writer_rank0"]
+    # ...and a run whose last rank is SIGKILLed in the middle of epoch 3, restarted by torchrun.
+    proc = run([TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1",
+                str(REPO / "03_torchrun_fault_tolerance/train.py"), "6", "2",
+                "--snapshot_path", "b.pt"], cwd=tmp_path, FAULT_AT_EPOCH="3")
+    assert "FAULT_AT_EPOCH=3: killing this worker" in proc.stdout
+    assert f"exitcode: -{int(signal.SIGKILL)}" in proc.stderr
+    # Epochs 0 and 1 were snapshotted, so the restart runs 2 (not 1, not 3) next.
+    assert "Resuming training from snapshot at epoch 2" in proc.stdout
+    after = proc.stdout.split("Resuming training")[-1]
+    assert re.findall(r"Epoch (\d+) \| Batchsize", after) == ["2", "3", "4", "5"]
+    a = torch.load(tmp_path / "a.pt", weights_only=True)
+    b = torch.load(tmp_path / "b.pt", weights_only=True)
+    assert a["EPOCHS_RUN"] == b["EPOCHS_RUN"] == 6
+    for k in a["MODEL_STATE"]:
+        assert torch.equal(a["MODEL_STATE"][k], b["MODEL_STATE"][k]), k
+        assert torch.equal(a["MODEL_STATE"][k], rank0[k]), k
+    assert a["OPTIMIZER_STATE"]["state"][0]["momentum_buffer"].equal(
+        b["OPTIMIZER_STATE"]["state"][0]["momentum_buffer"])
+
+    # The storm snapshots every epoch; the uninterrupted run above, every second one: how often
+    # a run saves must not change what it computes either, so that run is the storm's reference.
+    summary = run_storm("03", kills=3, seed=0, length=6, workdir=tmp_path,
+                        ref=final_tensors(tmp_path / "a.pt"))
     assert summary["exit"] == 0, summary["log_tail"]
     assert summary["kills"] == 3
     assert summary["bitwise_equal"]  # weights and momentum, tensor for tensor
@@ -24,3 +57,27 @@ def test_three_random_kills_of_step_03_leave_the_result_bitwise_unchanged(tmp_pa
     # epoch it was in (03 saves every epoch).
     assert all(r["latency_s"] is not None for r in summary["records"]), summary["records"]
     assert all(0 <= lost <= 1 for lost in summary["lost_per_kill"]), summary["records"]
+
+
+def test_a_kill_before_the_first_snapshot_is_timed_on_its_own_restart():
+    """The first attempt is killed at step 2, before any snapshot: its restart trains from step
+    0 and prints no resume line. The next attempt's resume line (killed at 13, resumed at 12)
+    must not be taken for it."""
+    lines = [(0.5, "step 1/30 | loss 4.1\n"), (0.6, "step 2/30 | loss 4.0\n"),
+             (3.6, "step 1/30 | loss 4.1\n"), (3.7, "step 12: snapshot saved\n"),
+             (3.8, "step 13/30 | loss 3.3\n"),
+             (7.0, "resumed from snapshot at step 12 (epoch 0)\n"), (7.5, "step 13/30 | loss 3\n")]
+    records = [{"t": 1.0, "restart_t": 1.5}, {"t": 4.0, "restart_t": 4.5}]
+    account("05-ddp", records, lines, start=0.0)
+    assert [(r["resumed_at"], r["lost"], r["latency_s"]) for r in records] == [
+        (0, 2, 2.6), (12, 1, 3.5)]
+
+
+def test_older_kept_step_directories_are_not_a_write_in_progress(tmp_path):
+    snapshot = tmp_path / "snapshot"
+    for step in (3, 6):  # keep_last=2: the committed step and the one before it
+        (snapshot / f"step_{step:08d}").mkdir(parents=True)
+    (snapshot / "latest").write_text("step_00000006")
+    assert not write_in_progress(snapshot)
+    (snapshot / "step_00000009").mkdir()  # being written: `latest` does not name it yet
+    assert write_in_progress(snapshot)

@@ -8,6 +8,8 @@ CIFAR-10 stand-in is a small dataset in the official layout at the default DATA_
 the official release, hence CHECK_MD5=False. Every other cell is the code a user runs, training
 included (torchrun with CPU processes).
 """
+from __future__ import annotations
+
 import contextlib
 import importlib
 import importlib.util
@@ -16,9 +18,8 @@ import re
 import shutil
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import nbformat
-import papermill
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -26,6 +27,9 @@ from omegaconf import OmegaConf
 from cifar_fixture import HALF_WIDTH, write_cifar10
 from conftest import PYTHON, REPO, run
 from mingpt_helpers import MINGPT_MODULES
+
+if TYPE_CHECKING:
+    from nbformat import NotebookNode
 
 NOTEBOOKS = REPO / "notebooks"
 MINGPT = REPO / "05_mingpt"
@@ -94,39 +98,49 @@ def checkout(tmp_path) -> Path:
     return tmp_path
 
 
-def execute(checkout: Path, name: str, **parameters) -> nbformat.NotebookNode:
+def execute(checkout: Path, name: str, **parameters) -> NotebookNode:
     """Run the copy of a notebook as Jupyter would (the python3 kernel of this venv, cwd its
     notebooks/), with these parameters changed and every other one at its default.
 
     papermill raises PapermillExecutionError, with the traceback, when any cell fails.
     """
+    import papermill  # imported here, not at collection: see read()
+
     folder = checkout / "notebooks"
     out = checkout / f"out_{name}"
     papermill.execute_notebook(folder / name, out, parameters=parameters,
                                kernel_name="python3", cwd=folder, progress_bar=False)
-    nb = nbformat.read(out, as_version=4)
+    nb = read(out)
     injected = [c for c in nb.cells if "injected-parameters" in c.metadata.get("tags", [])]
     assert len(injected) == 1 and "NPROC" not in injected[0].source  # NPROC stays None
     return nb
 
 
-def cell(nb: nbformat.NotebookNode, snippet: str) -> nbformat.NotebookNode:
+def read(path: Path) -> NotebookNode:
+    # nbformat takes 3 s to import here (its schema checker builds a URI grammar); imported
+    # at collection, every pytest worker would pay it, not only the one that runs this file.
+    import nbformat
+
+    return nbformat.read(path, as_version=4)
+
+
+def cell(nb: NotebookNode, snippet: str) -> NotebookNode:
     """The one code cell whose source contains snippet."""
     found = [c for c in nb.cells if c.cell_type == "code" and snippet in c.source]
     assert len(found) == 1, snippet
     return found[0]
 
 
-def text(c: nbformat.NotebookNode) -> str:
+def text(c: NotebookNode) -> str:
     """Everything a cell printed (stdout and stderr streams)."""
     return "".join(o.text for o in c.outputs if o.output_type == "stream")
 
 
-def pngs(c: nbformat.NotebookNode) -> int:
+def pngs(c: NotebookNode) -> int:
     return sum("image/png" in o.get("data", {}) for o in c.outputs)
 
 
-def assert_no_errors(nb: nbformat.NotebookNode) -> None:
+def assert_no_errors(nb: NotebookNode) -> None:
     for c in nb.cells:
         if c.cell_type == "code":
             assert not [o for o in c.outputs if o.output_type == "error"], c.source
@@ -258,7 +272,7 @@ def test_play_char(checkout):
 def test_play_char_states_its_default_run():
     """The timing note names the model and steps the default parameters really train."""
     defaults = OmegaConf.load(MINGPT / "gpt2_train_cfg.yaml")
-    intro = nbformat.read(NOTEBOOKS / "play_char.ipynb", as_version=4).cells[0].source
+    intro = read(NOTEBOOKS / "play_char.ipynb").cells[0].source
     assert (f"The default parameters train `{defaults.gpt_config.model_type}`" in intro
             and f"for {defaults.trainer_config.max_steps} steps per run" in intro), intro
 

@@ -19,14 +19,12 @@ import torch
 from conftest import (
     PYTHON,
     REPO,
-    TEARDOWN_PROBE,
     TORCHRUN,
     child_env,
     free_port,
-    gloo_threads_at_exit,
     run,
 )
-from step_helpers import HELPERS, step_in_process, worker_env
+from step_helpers import HELPERS, probe, step_in_process, worker_env
 
 STEPS = ["01_single_gpu", "02_multigpu", "03_torchrun_fault_tolerance", "04_multinode"]
 
@@ -78,20 +76,6 @@ def seed_all(seed: int) -> None:
 def draws() -> tuple:
     """The next numbers of the three RNGs a snapshot restores."""
     return torch.rand(3).tolist(), np.random.rand(3).tolist(), random.random()
-
-
-def probe(tmp_path: Path, step: str, nproc: int, *args: str, **env: str) -> Path:
-    """Train with the step's code under torchrun; return the folder of per-rank final weights.
-
-    Through tests/teardown_probe.py too: no gloo thread may be left as each rank's Python exits
-    (tests/test_teardown.py)."""
-    out = tmp_path / f"probe_{step}"
-    out.mkdir()
-    proc = run([TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", TEARDOWN_PROBE,
-                str(REPO / "tests/ddp_probe.py"), str(REPO / step), str(out), *args],
-               cwd=tmp_path, **env)
-    assert gloo_threads_at_exit(proc.stdout) == ["0"] * nproc, proc.stdout[-2000:]
-    return out
 
 
 def test_step01_default_command_learns(tmp_path):
@@ -165,32 +149,6 @@ def test_ddp_ranks_end_identical_and_only_rank0_writes(tmp_path, step, late_work
     saved = torch.load(tmp_path / "s.pt", weights_only=True)
     saved = saved.get("MODEL_STATE", saved)
     assert all(torch.equal(saved[k], rank0[k]) for k in rank0)
-
-
-def test_step03_killed_worker_resumes_bitwise_exact(tmp_path):
-    # An uninterrupted run of 6 epochs (through the probe, which also shows both ranks agree)...
-    out = probe(tmp_path, "03_torchrun_fault_tolerance", 2, "6", "2", "--snapshot_path", "a.pt")
-    rank0, rank1 = (torch.load(out / f"rank{r}.pt", weights_only=True) for r in (0, 1))
-    assert all(torch.equal(rank0[k], rank1[k]) for k in rank0)
-    assert sorted(p.name for p in out.glob("writer_*")) == ["writer_rank0"]
-    # ...and a run whose last rank is SIGKILLed in the middle of epoch 3, restarted by torchrun.
-    proc = run([TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1",
-                str(REPO / "03_torchrun_fault_tolerance/train.py"), "6", "2",
-                "--snapshot_path", "b.pt"], cwd=tmp_path, FAULT_AT_EPOCH="3")
-    assert "FAULT_AT_EPOCH=3: killing this worker" in proc.stdout
-    assert f"exitcode: -{int(signal.SIGKILL)}" in proc.stderr
-    # Epochs 0 and 1 were snapshotted, so the restart runs 2 (not 1, not 3) next.
-    assert "Resuming training from snapshot at epoch 2" in proc.stdout
-    after = proc.stdout.split("Resuming training")[-1]
-    assert re.findall(r"Epoch (\d+) \| Batchsize", after) == ["2", "3", "4", "5"]
-    a = torch.load(tmp_path / "a.pt", weights_only=True)
-    b = torch.load(tmp_path / "b.pt", weights_only=True)
-    assert a["EPOCHS_RUN"] == b["EPOCHS_RUN"] == 6
-    for k in a["MODEL_STATE"]:
-        assert torch.equal(a["MODEL_STATE"][k], b["MODEL_STATE"][k]), k
-        assert torch.equal(a["MODEL_STATE"][k], rank0[k]), k
-    assert a["OPTIMIZER_STATE"]["state"][0]["momentum_buffer"].equal(
-        b["OPTIMIZER_STATE"]["state"][0]["momentum_buffer"])
 
 
 def tensors_in(obj) -> list[torch.Tensor]:
