@@ -10,8 +10,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import TORCHRUN, child_env, free_port
+from conftest import PYTHON, child_env, free_port
 from mingpt_helpers import copy_mingpt, mingpt_imported, script_in_process, tiny
+from step_helpers import worker_env
 
 
 @pytest.fixture(scope="module")
@@ -191,19 +192,21 @@ def test_an_epoch_too_small_for_one_step_is_one_error_line(main_py, tmp_path):
 
 def test_nodes_without_shared_storage_fail_with_one_line(mingpt_modules, tmp_path):
     # Two "nodes" on this machine, each in its own folder: only node a has a snapshot there.
+    # Node b's worker is a process, node a's runs here, each with the variables torchrun gives
+    # the one worker of a node (what is checked is the workers' agreement, not torchrun).
     nodes = [copy_mingpt(tmp_path / name) for name in ("a", "b")]
     args = tiny("run_name=shared", "trainer_config.max_steps=2", "trainer_config.sample_tokens=0")
     assert script_in_process(mingpt_modules["main"], nodes[0], *args).returncode == 0
-    port = free_port()
-    agents = [subprocess.Popen(
-        [TORCHRUN, "--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
-         f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=shared", "main.py", *args],
-        cwd=node, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for node in nodes]
-    outputs = [agent.communicate(timeout=180) for agent in agents]
-    assert all(agent.returncode != 0 for agent in agents)
-    errors = [line for _, err in outputs for line in err.splitlines() if line.startswith("error")]
-    assert len(errors) == 1, outputs  # printed once, by global rank 0
+    env = [{**worker_env(port := free_port()), "WORLD_SIZE": "2"},
+           {**worker_env(port), "WORLD_SIZE": "2", "RANK": "1", "GROUP_RANK": "1"}]
+    node_b = subprocess.Popen([PYTHON, "main.py", *args], cwd=nodes[1], env=child_env(**env[1]),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    node_a = script_in_process(mingpt_modules["main"], nodes[0], *args, **env[0])
+    out_b, err_b = node_b.communicate(timeout=120)
+    assert node_a.returncode != 0 and node_b.returncode != 0
+    assert err_b == ""  # printed once, by global rank 0: one line, no traceback
+    errors = node_a.stderr.splitlines()
+    assert len(errors) == 1 and errors[0].startswith("error: "), node_a.stderr
     assert "holds a snapshot for ranks [" in errors[0]
     assert "storage all nodes share" in errors[0]
-    assert "val loss" not in outputs[0][0] + outputs[1][0]  # refused before any training
+    assert "val loss" not in node_a.stdout + out_b  # refused before any training

@@ -308,21 +308,26 @@ def test_two_nodes_on_one_machine(tmp_path):
 
 
 def test_snapshot_missing_on_one_node_is_an_error(tmp_path):
-    """Two nodes without shared storage: the node that sees no snapshot must not start afresh."""
+    """Two nodes without shared storage: the node that sees no snapshot must not start afresh.
+    Node b's worker is a process, node a's runs here (what is checked is the workers' check;
+    torchrun's multi-node start: test_two_nodes_on_one_machine)."""
     nodes = [tmp_path / "node_a", tmp_path / "node_b"]
     for n in nodes:
         n.mkdir()
-    script = REPO / "04_multinode/train.py"
     # Node a's snapshot: its content is never read (the ranks compare what they see first).
     torch.save({"EPOCHS_RUN": 1}, nodes[0] / "snapshot.pt")
-    port = free_port()
-    cmd = [TORCHRUN, "--nnodes=2", "--nproc_per_node=1", "--rdzv-id=shared-storage-test",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", str(script), "2", "1"]
-    procs = [subprocess.Popen(cmd, cwd=n, env=child_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for n in nodes]
-    outs = [p.communicate(timeout=180) for p in procs]
-    assert all(p.returncode != 0 for p in procs)
-    assert "exists for 1 of 2 ranks: use shared storage" in outs[0][1] + outs[1][1]
+    # The variables torchrun gives the one worker on each of 2 nodes.
+    env = [{**worker_env(port := free_port()), "WORLD_SIZE": "2"},
+           {**worker_env(port), "WORLD_SIZE": "2", "RANK": "1", "GROUP_RANK": "1"}]
+    node_b = subprocess.Popen([PYTHON, str(REPO / "04_multinode/train.py"), "2", "1"],
+                              cwd=nodes[1], env=child_env(**env[1]), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    node_a = step_in_process("04_multinode", nodes[0], "2", "1", **env[0])
+    _, err_b = node_b.communicate(timeout=120)
+    assert node_a.returncode != 0 and node_b.returncode != 0
+    # Each rank stops with the same one line (no traceback).
+    assert node_a.stderr == err_b == "error: snapshot.pt exists for 1 of 2 ranks: use shared " \
+        "storage\n", (node_a.stderr, err_b)
     assert torch.load(nodes[0] / "snapshot.pt", weights_only=True)["EPOCHS_RUN"] == 1
 
 
