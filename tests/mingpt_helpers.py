@@ -105,6 +105,8 @@ def script_in_process(module, cwd: Path, *argv: str, **env: str) -> subprocess.C
             warnings.showwarning = lambda message, category, filename, lineno, file=None, \
                 line=None: sys.stderr.write(warnings.formatwarning(message, category, filename,
                                                                    lineno, line))
-            module.main(list(argv))
+            code = module.main(list(argv))
+            if code:  # as `sys.exit(main())` turns a returned status into the exit status
+                raise SystemExit(code)
 
     return in_process(main, [module.__name__, *argv], cwd, **env)

@@ -1,5 +1,5 @@
 """Step 03 killed: once where its README says (FAULT_AT_EPOCH), then in a short crash storm
-(tests/crash_storm.py: a random worker SIGKILLed at three random points). Both jobs finish with
+(tests/crash_storm.py: a random worker SIGKILLed at two random points). Both jobs finish with
 the uninterrupted run's weights and momentum, bit for bit.
 
 The long storms (15 kills, step 03 and 05 with DDP and FSDP) run from the command line; their
@@ -47,10 +47,10 @@ def test_step03_killed_worker_resumes_bitwise_exact_once_and_in_a_storm(tmp_path
 
     # The storm snapshots every epoch; the uninterrupted run above, every second one: how often
     # a run saves must not change what it computes either, so that run is the storm's reference.
-    summary = run_storm("03", kills=3, seed=0, length=6, workdir=tmp_path,
+    summary = run_storm("03", kills=2, seed=0, length=6, workdir=tmp_path,
                         ref=final_tensors(tmp_path / "a.pt"))
     assert summary["exit"] == 0, summary["log_tail"]
-    assert summary["kills"] == 3
+    assert summary["kills"] == 2
     assert summary["bitwise_equal"]  # weights and momentum, tensor for tensor
     assert summary["snapshots_always_loadable"]
     # Every kill was followed by a restart that trained again, having lost at most the one

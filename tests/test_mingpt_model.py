@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import PYTHON, REPO, run
+from mingpt_helpers import mingpt_imported, script_in_process
 
 MINGPT = REPO / "05_mingpt"
 
@@ -331,10 +332,14 @@ def test_model_size_script():
         assert f"{n_hf * 4 / 2**20:.2f} MiB" in rows[name] or \
             f"{n_hf * 4 / 2**30:.2f} GiB" in rows[name], rows[name]
     assert "1.39 GiB" in rows["gpt2"]  # train snapshot: 12 bytes/param = 1.39 GiB
-    bad = run([PYTHON, "model_size.py", "--preset", "gpt5"], cwd=MINGPT, check=False)
-    assert bad.returncode != 0 and bad.stdout == ""
-    assert bad.stderr.strip() == ("error: unknown preset 'gpt5'; allowed: gpt-nano, gpt-micro, "
-                                  "gpt-mini, gopher-44m, gpt2, gpt2-medium, gpt2-large, gpt2-xl")
-    bad = run([PYTHON, "model_size.py", "--block_size", "0"], cwd=MINGPT, check=False)
+    # Bad arguments, in this process (the same main() as above, without a second start-up).
+    with mingpt_imported("model_size") as modules:
+        size_script = modules["model_size"]
+        bad = script_in_process(size_script, MINGPT, "--preset", "gpt5")
+        assert bad.returncode != 0 and bad.stdout == ""
+        assert bad.stderr.strip() == (
+            "error: unknown preset 'gpt5'; allowed: gpt-nano, gpt-micro, gpt-mini, gopher-44m, "
+            "gpt2, gpt2-medium, gpt2-large, gpt2-xl")
+        bad = script_in_process(size_script, MINGPT, "--block_size", "0")
     assert bad.returncode != 0 and bad.stderr.startswith("error: ")
     assert "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
