@@ -55,6 +55,13 @@ def worker_env(port: int | None = None) -> dict[str, str]:
                 TORCHELASTIC_RESTART_COUNT="0")
 
 
+def node_envs(nodes: int) -> list[dict[str, str]]:
+    """The variables torchrun gives the one worker of each of `nodes` nodes (one rendezvous)."""
+    port = free_port()
+    return [{**worker_env(port), "RANK": str(n), "GROUP_RANK": str(n), "WORLD_SIZE": str(nodes)}
+            for n in range(nodes)]
+
+
 def probe(tmp_path: Path, step: str, nproc: int, *args: str, **env: str) -> Path:
     """Train with the step's code under torchrun; return the folder of per-rank final weights.
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import PYTHON, child_env, free_port
+from conftest import PYTHON, child_env
 from mingpt_helpers import copy_mingpt, mingpt_imported, script_in_process, tiny
-from step_helpers import worker_env
+from step_helpers import node_envs
 
 
 @pytest.fixture(scope="module")
@@ -197,8 +197,7 @@ def test_nodes_without_shared_storage_fail_with_one_line(mingpt_modules, tmp_pat
     nodes = [copy_mingpt(tmp_path / name) for name in ("a", "b")]
     args = tiny("run_name=shared", "trainer_config.max_steps=2", "trainer_config.sample_tokens=0")
     assert script_in_process(mingpt_modules["main"], nodes[0], *args).returncode == 0
-    env = [{**worker_env(port := free_port()), "WORLD_SIZE": "2"},
-           {**worker_env(port), "WORLD_SIZE": "2", "RANK": "1", "GROUP_RANK": "1"}]
+    env = node_envs(2)
     node_b = subprocess.Popen([PYTHON, "main.py", *args], cwd=nodes[1], env=child_env(**env[1]),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     node_a = script_in_process(mingpt_modules["main"], nodes[0], *args, **env[0])

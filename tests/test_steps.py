@@ -24,7 +24,7 @@ from conftest import (
     free_port,
     run,
 )
-from step_helpers import HELPERS, probe, step_in_process, worker_env
+from step_helpers import HELPERS, node_envs, probe, step_in_process, worker_env
 
 STEPS = ["01_single_gpu", "02_multigpu", "03_torchrun_fault_tolerance", "04_multinode"]
 
@@ -316,9 +316,7 @@ def test_snapshot_missing_on_one_node_is_an_error(tmp_path):
         n.mkdir()
     # Node a's snapshot: its content is never read (the ranks compare what they see first).
     torch.save({"EPOCHS_RUN": 1}, nodes[0] / "snapshot.pt")
-    # The variables torchrun gives the one worker on each of 2 nodes.
-    env = [{**worker_env(port := free_port()), "WORLD_SIZE": "2"},
-           {**worker_env(port), "WORLD_SIZE": "2", "RANK": "1", "GROUP_RANK": "1"}]
+    env = node_envs(2)
     node_b = subprocess.Popen([PYTHON, str(REPO / "04_multinode/train.py"), "2", "1"],
                               cwd=nodes[1], env=child_env(**env[1]), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
