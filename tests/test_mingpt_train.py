@@ -81,7 +81,7 @@ def loss_curve(stdout: str) -> list[str]:
             if re.match(r"step \d+(/\d+ \| loss| \| val loss)", line)]
 
 
-def test_python_main_py_then_sample_py(mingpt):
+def test_python_main_py_then_sample_py(mingpt, sample_py):
     proc = run([PYTHON, "main.py", *tiny("run_name=single", "trainer_config.log_every=1")],
                cwd=mingpt)
     out = proc.stdout
@@ -112,8 +112,10 @@ def test_python_main_py_then_sample_py(mingpt):
     text = proc.stdout.rstrip("\n")
     assert text.startswith("ROMEO:") and len(text) == len("ROMEO:") + 40
     assert "(ddp, step 10, " in proc.stderr
-    again = run([PYTHON, "sample.py", "--prompt", "ROMEO:", "--num-tokens", "40",
-                 "--temperature", "0.8", "--top-k", "5"], cwd=mingpt)  # newest runs/*/snapshot
+    # Without --snapshot: the newest runs/*/snapshot (in this process: one launch is enough).
+    again = sample_py("--prompt", "ROMEO:", "--num-tokens", "40", "--temperature", "0.8",
+                      "--top-k", "5")
+    assert again.returncode == 0, again.stderr
     assert again.stdout == proc.stdout  # same seed, same text
 
 
