@@ -152,6 +152,16 @@ def gloo_threads_at_exit(stdout: str) -> list[str]:
     return re.findall(r"gloo threads at exit: (\d+)", stdout)
 
 
+@pytest.fixture(scope="module")
+def mingpt_modules():
+    """05_mingpt's modules with main.py, as its scripts import them, for one test file
+    (mingpt_helpers.mingpt_imported: removed from sys.modules again afterwards)."""
+    from mingpt_helpers import mingpt_imported  # here: mingpt_helpers imports this module
+
+    with mingpt_imported("main") as modules:
+        yield modules
+
+
 @pytest.fixture(scope="session")
 def late_worker_shim(tmp_path_factory):
     """tests/late_gloo_worker.c, built: gloo's workers run late (as on a busy machine)."""

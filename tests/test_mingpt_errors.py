@@ -11,14 +11,8 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import PYTHON, child_env
-from mingpt_helpers import copy_mingpt, mingpt_imported, script_in_process, tiny
+from mingpt_helpers import copy_mingpt, script_in_process, tiny
 from step_helpers import node_envs
-
-
-@pytest.fixture(scope="module")
-def mingpt_modules():
-    with mingpt_imported("main") as modules:
-        yield modules
 
 
 @pytest.fixture

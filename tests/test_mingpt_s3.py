@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import PYTHON, free_port, run
-from mingpt_helpers import copy_mingpt, mingpt_imported, script_in_process, tiny
+from mingpt_helpers import copy_mingpt, script_in_process, tiny
 
 SECRET = "mingpt-test-secret-never-logged"
 KEY_ID = "mingpt-test-key-id"
@@ -126,12 +126,6 @@ def test_snapshot_on_s3_saves_survives_a_kill_resumes_and_samples_slowest(mingpt
 
 
 # --- faults, in this process --------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def mingpt_modules():
-    with mingpt_imported("main") as modules:
-        yield modules
-
 
 @pytest.fixture
 def aws(s3_env, monkeypatch):

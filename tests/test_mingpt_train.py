@@ -29,22 +29,16 @@ def mingpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def modules():
-    with mingpt_imported("main") as modules:
-        yield modules
-
-
-@pytest.fixture(scope="module")
-def main_py(mingpt, modules):
+def main_py(mingpt, mingpt_modules):
     """`python main.py ARGS` in the private copy, run in this process (no interpreter start):
     for the runs that only vary a setting; every command as written runs end to end too."""
-    return lambda *args: script_in_process(modules["main"], mingpt, *args)
+    return lambda *args: script_in_process(mingpt_modules["main"], mingpt, *args)
 
 
 @pytest.fixture(scope="module")
-def sample_py(mingpt, modules):
+def sample_py(mingpt, mingpt_modules):
     """`python sample.py ARGS` likewise."""
-    return lambda *args: script_in_process(modules["sample"], mingpt, *args)
+    return lambda *args: script_in_process(mingpt_modules["sample"], mingpt, *args)
 
 
 GOLDEN = REPO / "tests/golden"
