@@ -59,13 +59,15 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 # The test files that take longest (seconds of test time in a full run on 2 cores, measured:
-# steps 113, train 78, notebooks 70, pretrained 40, teardown 38, strategies 30, S3 28,
-# slurm 28, crash storm 24), in that order, before all others: xdist hands out whole files
-# in collection order, and a long file handed out last keeps one worker busy while the other
-# idles. The Slurm tests come late enough for the background install to have finished.
-SLOW_FILES = ("test_steps.py", "test_mingpt_train.py", "test_notebooks.py",
-              "test_mingpt_pretrained.py", "test_teardown.py", "test_mingpt_strategies.py",
-              "test_mingpt_s3.py", "test_slurm.py", "test_crash_storm.py")
+# train 80 (97 with no compile cache), notebooks 57, steps 55, teardown 42, crash storm 40,
+# pretrained 33, bench 30, strategies 27, S3 27, elastic 23, slurm 21), in that order, before
+# all others: xdist hands out whole files in collection order, and a long file handed out last
+# keeps one worker busy while the other idles. The Slurm tests come late enough for the
+# background install to have finished.
+SLOW_FILES = ("test_mingpt_train.py", "test_notebooks.py", "test_steps.py", "test_teardown.py",
+              "test_crash_storm.py", "test_mingpt_pretrained.py", "test_mingpt_bench.py",
+              "test_mingpt_strategies.py", "test_mingpt_s3.py", "test_elastic.py",
+              "test_slurm.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -36,8 +36,8 @@ import torch
 from conftest import REPO, TORCHRUN, child_env
 from mingpt_helpers import copy_mingpt, tiny
 
-# Per target: how progress, resumes and snapshots show. 03 counts epochs (printed as each one
-# starts), 05 counts optimizer steps (printed as each one ends, log_every=1).
+# Per target: how progress, resumes and snapshots show. 03 counts epochs, 05 optimizer steps
+# (log_every=1); each is printed as it ends: 03 numbers epochs from 0, 05 steps from 1.
 TARGETS = {
     "03": dict(progress=r"Epoch (\d+) \| Batchsize", resumed=r"from snapshot at epoch (\d+)"),
     "05-ddp": dict(progress=r"^step (\d+)/\d+ \| loss", resumed=r"at step (\d+) \(epoch"),
@@ -105,15 +105,24 @@ def committed_snapshot_loads(snapshot: Path) -> bool:
         return False
 
 
-def write_in_progress(snapshot: Path) -> bool:
-    """A snapshot write was cut off: its temporary file, or a step directory not yet committed."""
+def write_in_progress(snapshot: Path, since: float = 0.0) -> bool:
+    """A snapshot write was cut off: its temporary file, or a step directory not yet committed,
+    written to at or after `since` (time.time()). What an earlier attempt left unfinished stays
+    until the next commit replaces it: that is no write of this attempt."""
+    def written_since(path: Path) -> bool:
+        files = [path, *path.rglob("*")] if path.is_dir() else [path]
+        return max(f.stat().st_mtime for f in files) >= since
+
     if snapshot.is_dir():
         latest = (snapshot / "latest").read_text().strip() if (snapshot / "latest").exists() \
             else None
         # Older step directories stay (keep_last): only one newer than `latest` is unfinished.
-        return any(p.name.startswith("step_") and (latest is None or p.name > latest)
-                   and p.is_dir() for p in snapshot.iterdir()) or any(snapshot.rglob("*.tmp"))
-    return snapshot.with_name(snapshot.name + ".tmp").exists()
+        partial = [p for p in snapshot.iterdir() if p.is_dir() and p.name.startswith("step_")
+                   and (latest is None or p.name > latest)]
+        partial += list(snapshot.rglob("*.tmp"))
+    else:
+        partial = [p for p in [snapshot.with_name(snapshot.name + ".tmp")] if p.exists()]
+    return any(written_since(p) for p in partial)
 
 
 def worker_pids(agent: int) -> list[int]:
@@ -140,8 +149,9 @@ def reference(target: str, length: int, workdir: Path) -> tuple[dict, float]:
 def account(target: str, records: list[dict], lines: list[tuple[float, str]],
             start: float) -> None:
     """Per kill (its time "t", and "restart_t" when the fresh workers were up): the step it
-    resumed at, the work lost and the kill -> next training step latency, added to its record.
-    03 prints an epoch as it starts (so the epoch killed counts as lost), 05 a step as it ends."""
+    resumed at, the work lost (finished epochs or steps trained again) and the kill -> next
+    training step latency (to the first progress line after the restart), added to its record.
+    03's progress lines number epochs from 0: epoch N done means N + 1 epochs done."""
     pattern, resumed = (re.compile(TARGETS[target][k], re.M) for k in ("progress", "resumed"))
     started = 1 if target == "03" else 0
     attempt_start = start
@@ -179,6 +189,7 @@ def storm(target: str, length: int, kills: int, seed: int, workdir: Path) -> dic
     reader.start()
     records, seen = [], 0
     start = time.monotonic()
+    attempt_began = time.time()  # wall clock, as file times are
     progress = -1
     while agent.poll() is None and points:
         time.sleep(0.002)
@@ -199,12 +210,12 @@ def storm(target: str, length: int, kills: int, seed: int, workdir: Path) -> dic
             continue
         killed_at = time.monotonic()
         records.append({"point": points.pop(0), "progress": progress, "t": killed_at,
-                        "mid_write": write_in_progress(snapshot)})
+                        "mid_write": write_in_progress(snapshot, since=attempt_began)})
         # torchrun stops the other worker and starts two fresh ones: wait for them, so that
         # nothing the old attempt still printed counts as progress of the new one.
         while agent.poll() is None and len(set(worker_pids(agent.pid)) - set(pids)) < 2:
             time.sleep(0.02)
-        records[-1]["restart_t"] = time.monotonic()
+        records[-1]["restart_t"], attempt_began = time.monotonic(), time.time()
         records[-1]["snapshot_ok"] = committed_snapshot_loads(snapshot)
         seen, progress = len(lines), -1
     agent.wait(timeout=900)
@@ -220,8 +231,9 @@ def run_storm(target: str, kills: int, seed: int, length: int, workdir: Path,
               ref: dict[str, torch.Tensor] | None = None) -> dict:
     """Reference, storm, comparison: the summary that the test asserts on and main prints.
     `ref`: the uninterrupted run's final tensors, where the caller has them already."""
-    ref, ref_wall = (ref, None) if ref is not None else reference(target, length,
-                                                                 workdir / "reference")
+    ref_wall = None
+    if ref is None:
+        ref, ref_wall = reference(target, length, workdir / "reference")
     (workdir / "storm").mkdir()
     result = storm(target, length, kills, seed, workdir / "storm")
     tensors = result.pop("tensors")
@@ -230,7 +242,7 @@ def run_storm(target: str, kills: int, seed: int, length: int, workdir: Path,
     latencies = [r["latency_s"] for r in result["records"] if r["latency_s"] is not None]
     return {"target": target, "kills": len(result["records"]), "seed": seed,
             "exit": result["exit"], "bitwise_equal": same,
-            "reference_wall_s": ref_wall and round(ref_wall, 1),
+            "reference_wall_s": None if ref_wall is None else round(ref_wall, 1),
             "storm_wall_s": result["wall_s"],
             "mid_write_kills": sum(r["mid_write"] for r in result["records"]),
             "snapshots_always_loadable": all(r["snapshot_ok"] for r in result["records"]),

@@ -1,12 +1,16 @@
-"""Run a step's train.py in the test process, as `python train.py` or as torchrun's worker.
+"""Run a step's train.py in the test process, as `python train.py` or as torchrun's worker, and
+the other helpers the steps' tests share: torchrun's variables for a worker, a second rank as a
+process beside one in the test process, and the probe launch that dumps each rank's weights.
 
 A launch costs seconds of interpreter and torch start-up; for the runs that stop at an error or
 train an epoch or two, this costs none. What only a real process shows (a kill, the exit of a
 finished job, torchrun's agent) stays end to end.
 """
+import contextlib
 import runpy
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch.distributed as dist
@@ -15,6 +19,7 @@ from conftest import (
     REPO,
     TEARDOWN_PROBE,
     TORCHRUN,
+    child_env,
     free_port,
     gloo_threads_at_exit,
     in_process,
@@ -60,6 +65,22 @@ def node_envs(nodes: int) -> list[dict[str, str]]:
     port = free_port()
     return [{**worker_env(port), "RANK": str(n), "GROUP_RANK": str(n), "WORLD_SIZE": str(nodes)}
             for n in range(nodes)]
+
+
+@contextlib.contextmanager
+def peer_process(cmd: list[str], cwd: Path, env: dict[str, str]) -> Iterator[subprocess.Popen]:
+    """Another rank, as its own process, beside one that runs in the test process: its output
+    goes to files in `cwd` (a pipe no one reads while this process works could fill and block
+    it), and it is killed if it still runs when the block ends (an assertion failed)."""
+    with open(cwd / "peer.out", "w") as out, open(cwd / "peer.err", "w") as err:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=child_env(**env), stdout=out, stderr=err,
+                                text=True)
+        try:
+            yield proc
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def probe(tmp_path: Path, step: str, nproc: int, *args: str, **env: str) -> Path:

@@ -3,16 +3,15 @@ snapshots that are corrupt or belong to another model (which are never overwritt
 
 The slowest tests (many launches each) have `slowest` in their names.
 """
-import subprocess
 
 import fsspec
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import PYTHON, child_env
+from conftest import PYTHON
 from mingpt_helpers import copy_mingpt, script_in_process, tiny
-from step_helpers import node_envs
+from step_helpers import node_envs, peer_process
 
 
 @pytest.fixture
@@ -184,6 +183,7 @@ def test_an_epoch_too_small_for_one_step_is_one_error_line(main_py, tmp_path):
     assert "val loss" not in proc.stdout  # refused before any work
 
 
+@pytest.mark.timeout(180, method="thread")  # node a waits in C++ (in this process) for node b
 def test_nodes_without_shared_storage_fail_with_one_line(mingpt_modules, tmp_path):
     # Two "nodes" on this machine, each in its own folder: only node a has a snapshot there.
     # Node b's worker is a process, node a's runs here, each with the variables torchrun gives
@@ -192,14 +192,15 @@ def test_nodes_without_shared_storage_fail_with_one_line(mingpt_modules, tmp_pat
     args = tiny("run_name=shared", "trainer_config.max_steps=2", "trainer_config.sample_tokens=0")
     assert script_in_process(mingpt_modules["main"], nodes[0], *args).returncode == 0
     env = node_envs(2)
-    node_b = subprocess.Popen([PYTHON, "main.py", *args], cwd=nodes[1], env=child_env(**env[1]),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    node_a = script_in_process(mingpt_modules["main"], nodes[0], *args, **env[0])
-    out_b, err_b = node_b.communicate(timeout=120)
+    with peer_process([PYTHON, "main.py", *args], nodes[1], env[1]) as node_b:
+        node_a = script_in_process(mingpt_modules["main"], nodes[0], *args, **env[0])
+        node_b.wait(timeout=120)
     assert node_a.returncode != 0 and node_b.returncode != 0
-    assert err_b == ""  # printed once, by global rank 0: one line, no traceback
-    errors = node_a.stderr.splitlines()
-    assert len(errors) == 1 and errors[0].startswith("error: "), node_a.stderr
+    outputs = [(node_a.stdout, node_a.stderr),
+               tuple((nodes[1] / f"peer.{kind}").read_text() for kind in ("out", "err"))]
+    errors = [line for _, err in outputs for line in err.splitlines() if line.startswith("error")]
+    assert len(errors) == 1, outputs  # printed once, by global rank 0
+    assert errors[0] in node_a.stderr and not any("Traceback" in err for _, err in outputs)
     assert "holds a snapshot for ranks [" in errors[0]
     assert "storage all nodes share" in errors[0]
-    assert "val loss" not in node_a.stdout + out_b  # refused before any training
+    assert "val loss" not in "".join(out for out, _ in outputs)  # refused before any training

@@ -147,7 +147,7 @@ def test_compiled_run_follows_the_eager_one_and_samples_eagerly(mingpt, main_py)
     args = ("gpt_config.dropout=0.0", "trainer_config.log_every=1")
     eager = main_py(*tiny(*args, "run_name=eager"))
     # Scalar C++ kernels: on a machine with no inductor cache yet, generating and compiling the
-    # vectorised ones took 27 s here, these 19 s; what is checked does not depend on them.
+    # vectorised ones took 27 s here, these 15 s; what is checked does not depend on them.
     import torch._inductor.config  # here: only this test compiles in the test process
 
     with torch._inductor.config.patch({"cpp.vec_isa_ok": False}):
