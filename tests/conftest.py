@@ -58,16 +58,30 @@ def pytest_configure(config: pytest.Config) -> None:
                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-# The test files that take longest (seconds of test time in a full run on 2 cores, measured:
-# train 80 (97 with no compile cache), notebooks 57, steps 55, teardown 42, crash storm 40,
-# pretrained 33, bench 30, strategies 27, S3 27, elastic 23, slurm 21), in that order, before
-# all others: xdist hands out whole files in collection order, and a long file handed out last
-# keeps one worker busy while the other idles. The Slurm tests come late enough for the
-# background install to have finished.
-SLOW_FILES = ("test_mingpt_train.py", "test_notebooks.py", "test_steps.py", "test_teardown.py",
-              "test_crash_storm.py", "test_mingpt_pretrained.py", "test_mingpt_bench.py",
-              "test_mingpt_strategies.py", "test_mingpt_s3.py", "test_elastic.py",
-              "test_slurm.py")
+# Test files by the seconds of test time they took in a full run on 2 cores (measured; the
+# rest take about a second or less): handed out longest first, one file to a worker at a time
+# (pytest-xdist --dist loadfile --no-loadscope-reorder, pyproject.toml; xdist's own order is by
+# number of tests, and put two 20-second files last on one worker while the other idled for
+# 40 s). The Slurm tests come late enough for the background install to have finished.
+SLOW_FILES = (
+    "test_mingpt_train.py",  # 82
+    "test_notebooks.py",  # 75
+    "test_steps.py",  # 70
+    "test_teardown.py",  # 48
+    "test_mingpt_pretrained.py",  # 41
+    "test_crash_storm.py",  # 40
+    "test_mingpt_strategies.py",  # 34
+    "test_mingpt_s3.py",  # 31
+    "test_mingpt_bench.py",  # 22
+    "test_elastic.py",  # 20
+    "test_slurm.py",  # 29, most of it waiting for the daemons and the job
+    "test_mingpt_parallel.py",  # 15
+    "test_mingpt_image.py",  # 15
+    "test_bad_input.py",  # 14
+    "test_mingpt_errors.py",  # 12
+    "test_mingpt_memory.py",  # 9
+    "test_mingpt_model.py",  # 6
+)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
