@@ -48,12 +48,14 @@ DDP_ARGS = ("trainer_config.grad_accum_steps=2", "trainer_config.eval_every=4")
 
 @pytest.fixture(scope="module")
 def ddp_reference(mingpt):
-    """An uninterrupted 2-process DDP run with gradient accumulation (fp32), through
-    tests/teardown_probe.py: no gloo thread may be left at exit (tests/test_teardown.py)."""
-    proc = run([TORCHRUN, "--standalone", "--nproc_per_node=2", TEARDOWN_PROBE, "main.py",
-                *tiny("run_name=ddp_a", *DDP_ARGS)], cwd=mingpt)
-    assert gloo_threads_at_exit(proc.stdout) == ["0", "0"], proc.stdout[-2000:]
-    return proc, mingpt / "runs/ddp_a/snapshot"
+    """`python launch.py` (2 CPU processes under torchrun; its default count is unit-tested in
+    test_notebooks) with gradient accumulation, fp32, no run_name: the uninterrupted DDP run the
+    kill tests compare with. Its output and the one run directory it made."""
+    before = set((mingpt / "runs").glob("*"))  # other tests' runs, if any
+    proc = run([PYTHON, "launch.py", "--nproc", "2", *tiny(*DDP_ARGS)], cwd=mingpt)
+    new = set((mingpt / "runs").glob("*")) - before
+    assert len(new) == 1, new  # see test_launch_py_runs_torchrun_and_its_workers_share_...
+    return proc, new.pop()
 
 
 def val_events(run_dir) -> list[int]:
@@ -167,39 +169,38 @@ def test_fsdp_cpu_offload_with_fp16(main_py):
     assert_learned(proc.stdout)
 
 
-def test_launch_py_as_written_and_its_workers_share_one_run_dir(mingpt):
-    # launch.py only builds the torchrun command: one run shows it (the FSDP runs below use
+def test_launch_py_runs_torchrun_and_its_workers_share_one_run_dir(ddp_reference):
+    # launch.py only builds the torchrun command: one run shows it (the runs below use
     # torchrun directly, with the same overrides launch.py passes on).
-    before = set((mingpt / "runs").glob("*"))  # other tests' runs, if any
-    proc = run([PYTHON, "launch.py", *tiny()], cwd=mingpt)
-    assert "--nproc_per_node=2" in proc.stdout  # 2 CPU cores: 2 processes
+    proc, run_dir = ddp_reference
+    assert "--nproc_per_node=2" in proc.stdout
     assert "world size 2" in proc.stdout
     assert_learned(proc.stdout)
     # No run_name given: both workers still picked the same directory (torchrun's run id),
-    # where each would compute its own start time to the second.
-    new = set((mingpt / "runs").glob("*")) - before
-    assert len(new) == 1, new
-    run_dir = new.pop()
+    # where each would compute its own start time to the second (the fixture found one).
     assert {f"memory/peak_mb_rank{r}" for r in range(2)} <= scalar_tags(run_dir)
     assert load_ddp_snapshot(run_dir / "snapshot")["world_size"] == 2
 
 
 def test_ddp_killed_worker_resumes_bitwise_slowest(mingpt, ddp_reference):
-    reference, a_path = ddp_reference
-    assert_learned(reference.stdout)
-    proc = run([TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1", "main.py",
-                *tiny("run_name=ddp_b", *DDP_ARGS)], cwd=mingpt, FAULT_AT_STEP="7")
+    reference, a_dir = ddp_reference
+    # Through tests/teardown_probe.py: no gloo thread may be left as the restarted workers
+    # exit (tests/test_teardown.py).
+    proc = run([TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1",
+                TEARDOWN_PROBE, "main.py", *tiny("run_name=ddp_b", *DDP_ARGS)], cwd=mingpt,
+               FAULT_AT_STEP="7")
     assert "FAULT_AT_STEP=7: killing this worker" in proc.stdout
     assert f"exitcode: -{int(signal.SIGKILL)}" in proc.stderr
     # Steps 4 and 8 are snapshotted; the kill comes before step 8 ends, so 4 is the restart.
     assert "resumed from" in proc.stdout and "at step 4 (epoch 0)" in proc.stdout
     assert "resuming with" not in proc.stdout  # the same config: the schedule goes on as saved
     after = proc.stdout.split("resumed from")[-1]
+    assert gloo_threads_at_exit(after) == ["0", "0"], after[-2000:]
     assert sorted(train_losses(after)) == [5, 10]
     # Step 4 was evaluated before its snapshot was saved: the resumed run does not redo it.
     assert sorted(val_losses(after)) == [8, 10]
-    assert val_events(mingpt / "runs/ddp_b") == val_events(mingpt / "runs/ddp_a") == [0, 4, 8, 10]
-    a, b = load_ddp_snapshot(a_path), load_ddp_snapshot(mingpt / "runs/ddp_b/snapshot")
+    assert val_events(mingpt / "runs/ddp_b") == val_events(a_dir) == [0, 4, 8, 10]
+    a, b = load_ddp_snapshot(a_dir / "snapshot"), load_ddp_snapshot(mingpt / "runs/ddp_b/snapshot")
     assert a["step"] == b["step"] == 10
     for key in a["model"]:
         assert torch.equal(a["model"][key], b["model"][key]), key
