@@ -59,7 +59,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 # Test files by the seconds of test time they took in a full run on 2 cores (measured; the
-# rest take about a second or less): handed out longest first, one file to a worker at a time
+# rest take about a second or less): handed out longest first, each file whole to one worker
 # (pytest-xdist --dist loadfile --no-loadscope-reorder, pyproject.toml; xdist's own order is by
 # number of tests, and put two 20-second files last on one worker while the other idled for
 # 40 s). The Slurm tests come late enough for the background install to have finished.

@@ -31,26 +31,38 @@ TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_
                  "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")
 
 
+@contextlib.contextmanager
+def step_on_path(step: str) -> Iterator[None]:
+    """The step's folder first on sys.path, as `python STEP/train.py` has it, with its helpers
+    (HELPERS: every step folder and 05 use these names) imported afresh from there; afterwards
+    sys.path and those modules are as before."""
+    saved = {m: sys.modules.pop(m) for m in HELPERS if m in sys.modules}
+    old_path = list(sys.path)
+    sys.path.insert(0, str(REPO / step))
+    try:
+        yield
+    finally:
+        sys.path[:] = old_path
+        for m in HELPERS:
+            sys.modules.pop(m, None)
+        sys.modules.update(saved)
+
+
 def step_in_process(step: str, cwd: Path, *argv: str, **env: str) -> subprocess.CompletedProcess:
     """`python STEP/train.py ARGV` (with `env`, e.g. torchrun's worker variables) run here by
     runpy, through conftest.in_process."""
     script = str(REPO / step / "train.py")
-    old_argv, old_path = list(sys.argv), list(sys.path)
-    saved = {m: sys.modules.pop(m) for m in HELPERS if m in sys.modules}
-    # The steps' helpers share 05's module names: the step's own folder first, as for python.
-    sys.path.insert(0, str(REPO / step))
+    old_argv = list(sys.argv)
     sys.argv = [script, *argv]
     try:
-        # TORCHRUN_VARS unset: only what this case gives (`python train.py` or one worker).
-        return in_process(lambda: runpy.run_path(script, run_name="__main__"), [script, *argv],
-                          cwd, unset=TORCHRUN_VARS, **env)
+        with step_on_path(step):
+            # TORCHRUN_VARS unset: only what this case gives (`python train.py` or one worker).
+            return in_process(lambda: runpy.run_path(script, run_name="__main__"),
+                              [script, *argv], cwd, unset=TORCHRUN_VARS, **env)
     finally:
         if dist.is_initialized():  # a worker stopped by its error left its group behind
             dist.destroy_process_group()
-        sys.argv[:], sys.path[:] = old_argv, old_path
-        for m in HELPERS:
-            sys.modules.pop(m, None)
-        sys.modules.update(saved)
+        sys.argv[:] = old_argv
 
 
 def worker_env(port: int | None = None) -> dict[str, str]:

@@ -22,7 +22,14 @@ from conftest import (
     free_port,
     run,
 )
-from step_helpers import HELPERS, node_envs, peer_process, probe, step_in_process, worker_env
+from step_helpers import (
+    node_envs,
+    peer_process,
+    probe,
+    step_in_process,
+    step_on_path,
+    worker_env,
+)
 
 STEPS = ["01_single_gpu", "02_multigpu", "03_torchrun_fault_tolerance", "04_multinode"]
 
@@ -41,18 +48,11 @@ def copy_steps(tmp_path: Path) -> Path:
 def import_step(step: str, name: str) -> ModuleType:
     """Import one step's `name`.py in-process. The step folders share helper module names, so
     the helpers imported here are taken out of sys.modules again afterwards."""
-    saved = {m: sys.modules.pop(m) for m in HELPERS if m in sys.modules}
-    sys.path.insert(0, str(REPO / step))
-    try:
+    with step_on_path(step):
         spec = importlib.util.spec_from_file_location(f"{step}_{name}", REPO / step / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module
-    finally:
-        sys.path.remove(str(REPO / step))
-        for m in HELPERS:
-            sys.modules.pop(m, None)
-        sys.modules.update(saved)
 
 
 @pytest.fixture
@@ -278,15 +278,8 @@ def test_bad_input_is_one_clear_line(tmp_path, monkeypatch, capsys, step, args, 
     # A private environment: 02 sets MASTER_ADDR/MASTER_PORT before its --nproc check.
     monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"})
     monkeypatch.setattr(sys, "argv", [str(REPO / step / "train.py"), *args])
-    saved = {m: sys.modules.pop(m) for m in HELPERS if m in sys.modules}
-    monkeypatch.syspath_prepend(str(REPO / step))
-    try:
-        with pytest.raises(SystemExit) as exit_:
-            runpy.run_path(str(REPO / step / "train.py"), run_name="__main__")
-    finally:
-        for m in HELPERS:
-            sys.modules.pop(m, None)
-        sys.modules.update(saved)
+    with step_on_path(step), pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(REPO / step / "train.py"), run_name="__main__")
     out = capsys.readouterr()
     assert isinstance(exit_.value.code, str), exit_.value.code  # a message: exit status 1
     assert exit_.value.code.startswith(message), exit_.value.code

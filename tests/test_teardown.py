@@ -12,8 +12,8 @@ Two checks, each deterministic: no gloo thread is left when Python starts to shu
 (tests/late_gloo_worker.c) the launch exits 0. Before the fix the probe failed every time and
 the shim made most launches abort (about 1 in 100 without it).
 The probe also runs in launches other tests make anyway (no extra launch): steps 02 and 04
-(tests/test_steps.py, 02 with the shim too), 03's uninterrupted run, and 05's DDP kill run and
-FSDP runs (tests/test_mingpt_train.py). Here: what no other test launches.
+(tests/test_steps.py, 02 with the shim too), 03's uninterrupted run, and 05's DDP kill run
+(tests/test_mingpt_train.py). Here: what no other test launches (05's FSDP runs).
 `python tests/stress_teardown.py` launches the real commands many times, without or with the shim.
 """
 import sys
