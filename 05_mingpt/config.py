@@ -133,10 +133,15 @@ def _compose(overrides: list[str]) -> DictConfig:
             raise ValueError(" ".join(str(e).split())) from None
 
 
-def _check_dp(method: str, device: str) -> None:
+def _check_dp(method: str, device: str, compile: bool) -> None:
     """nn.DataParallel needs CUDA GPUs and exactly one process; say so before anything starts."""
     if method != "dp":
         return
+    # Before the GPU check, so that a CPU machine (and its tests) sees this line too.
+    # Module.compile() binds the compiled call to the module it compiled; DataParallel's
+    # replicas copy each module's __dict__, so every replica would run GPU 0's block.
+    _check(not compile, "trainer_config.compile", "False with distributed_method=dp (each "
+           "GPU's replica would run the first GPU's compiled blocks); use ddp to compile", compile)
     if device == "cpu" or not torch.cuda.is_available():
         raise ValueError("distributed_method=dp (nn.DataParallel) splits each batch across CUDA "
                          "GPUs from one process, and this run has none (device=cpu or no GPU); "
@@ -187,9 +192,15 @@ def validate(cfg: DictConfig) -> None:
            t.tp_size)
     _check(t.tp_size == 0 or t.distributed_method in TP_METHODS, "trainer_config.tp_size",
            f"0 unless distributed_method is {' or '.join(TP_METHODS)}", t.tp_size)
-    _check_dp(t.distributed_method, t.device)
+    _check_dp(t.distributed_method, t.device, t.compile)
     _check(t.precision in PRECISIONS, "trainer_config.precision",
            f"one of {', '.join(PRECISIONS)}", t.precision)
+    # fp16's loss scaler unscales all gradients in one foreach pass, and under tp some are
+    # DTensors and some plain tensors (LayerNorms, embeddings): torch refuses the mix. (Under
+    # fsdp_tp FSDP makes every parameter a DTensor, and fp16 works.)
+    _check(t.precision != "fp16" or t.distributed_method != "tp", "trainer_config.precision",
+           "fp32 or bf16 with distributed_method=tp (fp16's GradScaler cannot unscale its "
+           "sharded and plain gradients together; fsdp_tp takes fp16)", t.precision)
     _check(t.device in DEVICES, "trainer_config.device", f"one of {', '.join(DEVICES)}", t.device)
     # Here rather than when the device is picked: before any process group or file exists.
     _check(t.device != "cuda" or torch.cuda.is_available(), "trainer_config.device",

@@ -26,6 +26,8 @@ from sklearn.cluster import MiniBatchKMeans
 from torch.utils.data import Dataset
 from torchvision.datasets import CIFAR10
 
+import errors
+
 HERE = Path(__file__).resolve().parent
 SIDE = 32  # CIFAR-10 images are 32x32 RGB
 SEQ_LEN = SIDE * SIDE  # 1024 tokens per image; the model sees 1023 and predicts the next
@@ -232,18 +234,25 @@ def build_datasets(data_cfg: DictConfig | dict, block_size: int, seed: int
                    ) -> tuple[ImageTokens, ImageTokens, dict]:
     """(train, val, meta): CIFAR-10 train and test images as colour-token sequences.
 
-    Call it after `init_process_group` in a distributed run: global rank 0 downloads the data and
-    computes the palette while the other ranks wait, then every rank uses rank 0's palette.
+    Call it after `init_process_group` in a distributed run: each node's first rank downloads
+    the data, global rank 0 computes the palette while the other ranks wait, then every rank
+    uses rank 0's palette.
     """
     opts = options(data_cfg)
     if block_size != SEQ_LEN - 1:
         raise ValueError(f"cifar10 needs gpt_config.block_size={SEQ_LEN - 1} (32x32 pixels less "
                          f"the one predicted), got {block_size}")
     root, size = opts["root"], opts["palette_size"]
-    train_images = palette = error = None
+    # Nodes need not share a filesystem: each node's first process makes sure the images are
+    # on its own storage (downloading them where asked) while the others wait, and every rank
+    # hears of a node that failed (errors.agreed).
+    node_first = os.environ.get("LOCAL_RANK", "0") == "0"
+    train_images = errors.agreed(
+        lambda: load_images(root, True, opts["download"], opts["check_md5"]) if node_first
+        else None)
+    palette = error = None
     if _rank() == 0:
         try:
-            train_images = load_images(root, True, opts["download"], opts["check_md5"])
             train_images = train_images[:opts["max_train_images"]]
             # Everything the palette depends on is in its name, so no stale palette is reused.
             path = root / (f"palette_k{size}_n{len(train_images)}_"
@@ -263,9 +272,9 @@ def build_datasets(data_cfg: DictConfig | dict, block_size: int, seed: int
     palette, error = _from_rank0([palette, error])
     if error is not None:
         raise ValueError(error)
-    if train_images is None:  # other ranks: rank 0 has made sure the files are there
+    if train_images is None:  # other ranks: their node's first rank made sure of the files
         train_images = load_images(root, True, False, opts["check_md5"])
-        train_images = train_images[:opts["max_train_images"]]
+    train_images = train_images[:opts["max_train_images"]]
     val_images = load_images(root, False, False, opts["check_md5"])[:opts["max_val_images"]]
 
     start = time.perf_counter()

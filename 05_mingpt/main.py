@@ -31,8 +31,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
 
 import config
+import errors
 import snapshot
 from devices import backend_for, pick_device
+from errors import fail
 from metrics import print0
 from model import GPT, GPTConfig
 from parallelize import build_optimizer, data_parallel, init_sharded, parallelize, unwrap
@@ -71,8 +73,8 @@ def print_versions(device: torch.device) -> None:
            f"{dist.get_world_size()}")
 
 
-def load_train_objs(cfg: DictConfig, device: torch.device) -> tuple:
-    """Data, model (wrapped for DDP/FSDP) and optimizer; ValueError for bad data or config."""
+def build_local(cfg: DictConfig, device: torch.device) -> tuple:
+    """Data and the plain model, from this node's own files; ValueError for bad data or config."""
     data = config.data_module(cfg.data_config.name)
     train_set, val_set, meta = data.build_datasets(cfg.data_config, cfg.gpt_config.block_size,
                                                    cfg.trainer_config.seed)
@@ -106,6 +108,15 @@ def load_train_objs(cfg: DictConfig, device: torch.device) -> tuple:
         # rank: 6 GB for gpt2-xl, and transformers' model code) would only delay the restart.
         pretrained.load_pretrained(model, init_from)
         print0(f"weights from {init_from}")
+    return data, train_set, val_set, meta, model, on_meta
+
+
+def load_train_objs(cfg: DictConfig, device: torch.device) -> tuple:
+    """Data, model (wrapped for DDP/FSDP) and optimizer; ValueError for bad data or config."""
+    # Each node reads its own files: every rank hears of any rank's failure before the first
+    # collective (DDP's broadcast, FSDP's sharding), instead of waiting in it (errors.py).
+    data, train_set, val_set, meta, model, on_meta = errors.agreed(build_local, cfg, device)
+    t = cfg.trainer_config
     print0(f"model: {model.num_params():,} parameters ({model.config.n_layer} layers, "
            f"{model.config.n_head} heads, {model.config.n_embd} wide, vocab "
            f"{model.config.vocab_size}, block {model.config.block_size})")
@@ -130,15 +141,6 @@ def has_snapshot(url: str) -> bool:
     with warnings.catch_warnings():  # an interrupted first save: load says so, once
         warnings.simplefilter("ignore")
         return snapshot.snapshot_kind(url) is not None
-
-
-def fail(error: Exception | str) -> None:
-    """One `error:` line (from rank 0: every rank hits the same config/data error) and exit 2."""
-    # RANK from torchrun's environment, not dist.get_rank(): config errors come before the
-    # process group exists.
-    if os.environ.get("RANK", "0") == "0":
-        print(f"error: {error}", file=sys.stderr, flush=True)
-    sys.exit(2)
 
 
 def save_config(cfg: DictConfig) -> None:
@@ -250,14 +252,18 @@ def check_writable(url: str) -> None:
 
 def run(cfg: DictConfig) -> None:
     try:
-        check_writable(cfg.trainer_config.snapshot_path)
         device = ddp_setup(cfg.trainer_config.device, cfg.trainer_config.cpu_offload)
     except ValueError as e:
         fail(e)
     except (dist.DistNetworkError, dist.DistStoreError) as e:  # no traceback for a busy port
         fail(group_error(e))
     try:
-        error = train(cfg, device)
+        try:  # each node's own disk: every rank hears of it, before any work (errors.agreed)
+            errors.agreed(check_writable, cfg.trainer_config.snapshot_path)
+        except ValueError as e:
+            error = str(e)
+        else:
+            error = train(cfg, device)
     finally:
         release_group()
     if error is not None:

@@ -1,7 +1,7 @@
 """What the logs report, for every module: rank-0 printing, model FLOPs utilisation, memory.
 
     print0("only global rank 0 prints this")
-    mfu = flops_per_token * tokens_per_s / (peak_flops(gpu_name, "bf16") * world_size)
+    mfu(flops_per_token, tokens_per_s, peak_flops(gpu_name, "bf16"), devices=world_size)
     setup = peak_memory_mb(device); reset_peak_memory(device)  # then train: a training peak
     model_state_bytes(model, optimizer)  # this rank's parameters, gradients, optimizer state
 """
@@ -56,16 +56,18 @@ def device_name(device: torch.device) -> str | None:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else None
 
 
-def reset_peak_memory(device: torch.device) -> None:
+def reset_peak_memory(device: torch.device | list[torch.device]) -> None:
     """Start a new peak, so that training's peak is not the setup's (building, loading).
 
-    CUDA: the allocator's counter. CPU (Linux): writing 5 to /proc/self/clear_refs resets the
-    kernel's high-water mark of the resident set (VmHWM) to the current RSS.
+    CUDA: the allocator's counter, of each device given (nn.DataParallel drives several). CPU
+    (Linux): writing 5 to /proc/self/clear_refs resets the kernel's high-water mark of the
+    resident set (VmHWM) to the current RSS.
     Elsewhere the CPU peak stays the peak since the process started.
     """
-    if device.type == "cuda":
-        # The caching allocator's own counter: what tensors used, not what it reserved.
-        torch.cuda.reset_peak_memory_stats(device)
+    devices = device if isinstance(device, list) else [device]
+    if devices[0].type == "cuda":
+        for d in devices:  # the caching allocator's own counter: what tensors used
+            torch.cuda.reset_peak_memory_stats(d)
         return
     try:
         # 5: "reset the peak resident set size" (man 5 proc); the process's own file, no root.
@@ -92,17 +94,26 @@ def _peak_rss_kib() -> int:
         return rss // 1024 if sys.platform == "darwin" else rss
 
 
-def peak_memory_mb(device: torch.device) -> list[float]:
-    """Peak memory of every rank since its last reset_peak_memory (a collective): CUDA
-    allocations, or peak RSS on a CPU (what the process touched, freed or not; see README)."""
-    if device.type == "cuda":
-        mb = torch.cuda.max_memory_allocated(device) / 2**20
+def peak_memory_mb(device: torch.device | list[torch.device]) -> list[float]:
+    """Peak memory since the last reset_peak_memory, one value per GPU of every rank (per rank
+    on a CPU), a collective: CUDA allocations of each device given (nn.DataParallel drives
+    several from one process), or peak RSS on a CPU (what the process touched; see README)."""
+    devices = device if isinstance(device, list) else [device]
+    if devices[0].type == "cuda":
+        mb = [torch.cuda.max_memory_allocated(d) / 2**20 for d in devices]
     else:
-        mb = _peak_rss_kib() / 1024
-    # Every rank's value on every rank: rank 0 logs them all (one TensorBoard curve per rank).
-    gathered = [torch.zeros(1, device=device) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, torch.tensor([mb], device=device))
-    return [t.item() for t in gathered]
+        mb = [_peak_rss_kib() / 1024]
+    # Every rank's values on every rank: rank 0 logs them all (one TensorBoard curve per GPU).
+    mine = torch.tensor(mb, device=devices[0])
+    gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    return torch.cat(gathered).tolist()
+
+
+def mfu(flops_per_token: float, tokens_per_s: float, peak: float, devices: int) -> float:
+    """Model FLOPs utilisation: the model's FLOP/s over the peak of all `devices` that worked
+    (every GPU of every rank: nn.DataParallel's one process drives several)."""
+    return flops_per_token * tokens_per_s / (peak * devices)
 
 
 def local_bytes(tensor: torch.Tensor) -> int:

@@ -31,7 +31,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from precision import fsdp_policy
+from precision import fsdp_policy, keep_autocast
 from tensor_parallel import apply_tp
 
 # The strategies that split each block's matmuls: they keep a (dp, tp) mesh on the model.
@@ -130,7 +130,29 @@ def apply_dp(model: nn.Module, device: torch.device) -> nn.Module:
         raise ValueError(f"distributed_method=dp runs in ONE process that drives every GPU, "
                          f"got {dist.get_world_size()} processes: start it with python main.py, "
                          "not torchrun (or use ddp)")
-    return nn.DataParallel(model)
+    return DataParallel(model)
+
+
+class DataParallel(nn.DataParallel):
+    """nn.DataParallel whose replicas compute in this run's autocast dtype.
+
+    torch's parallel_apply re-enters autocast in each replica's thread with `enabled` only, and
+    a new thread starts from the default dtype, fp16 on CUDA: a bf16 run would compute every
+    replica in fp16, with no loss scaling. So each replica is called under the dtype of the
+    thread that calls the model (precision.keep_autocast)."""
+
+    def parallel_apply(self, replicas: list[nn.Module], inputs: list, kwargs: list) -> list:
+        calls = [keep_autocast(replica, self.src_device_obj.type) for replica in replicas]
+        return super().parallel_apply(calls, inputs, kwargs)
+
+
+def local_devices(model: nn.Module, device: torch.device) -> list[torch.device]:
+    """The devices this process computes on: every GPU of nn.DataParallel, else `device`.
+
+    MFU and peak memory count these: one dp process keeps N GPUs busy."""
+    if isinstance(model, nn.DataParallel) and model.device_ids:
+        return [torch.device(device.type, index) for index in model.device_ids]
+    return [device]
 
 
 def parallelize(model: nn.Module, device: torch.device, method: str = "ddp",
@@ -176,13 +198,37 @@ def build_optimizer(model: nn.Module, method: str, lr: float, betas: Iterable[fl
     # The fused kernel updates every parameter in one pass: 0.5 ms instead of 2.3 ms per step
     # for gpt-micro on a CPU, where foreach still loops per op. It takes plain tensors or
     # DTensors of one mesh (FSDP), not a mix of them (TP), and only on CPUs and CUDA GPUs.
-    params = [p for g in groups for p in g["params"]]
-    meshes = {p.device_mesh if isinstance(p, DTensor) else None for p in params}
-    fused = len(meshes) == 1 and all(p.device.type in ("cpu", "cuda") for p in params)
+    fused = can_fuse([p for g in groups for p in g["params"]])
     if method == "zero":
         return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, lr=lr,
                                        betas=tuple(betas), fused=fused)
     return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), fused=fused)
+
+
+def can_fuse(params: list[torch.Tensor]) -> bool:
+    """AdamW's fused kernel takes these parameters: plain tensors or DTensors of one mesh."""
+    meshes = {p.device_mesh if isinstance(p, DTensor) else None for p in params}
+    return len(meshes) == 1 and all(p.device.type in ("cpu", "cuda") for p in params)
+
+
+def keep_own_optimizer_settings(optimizer: torch.optim.Optimizer) -> None:
+    """After `optimizer.load_state_dict`: this run's kernel choice and devices, not the saver's.
+
+    load_state_dict restores the saved param groups whole, `fused` included: an fsdp snapshot
+    (fused) resumed under tp (whose mix of DTensors and plain tensors the fused kernel refuses)
+    crashed at its first step, and tp -> fsdp lost the fused kernel silently. And ZeRO's
+    load_state_dict leaves AdamW's 0-dim `step` counts on the CPU, which CUDA's fused kernel
+    refuses ("Expected all tensors to be on the same device ... state_steps"; an open torch
+    issue, 124133): they go where their parameter lives, as AdamW's own load puts them."""
+    local = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    # build_optimizer's choice, made again from this run's parameters (ZeRO: all of them).
+    fused = can_fuse([p for g in optimizer.param_groups for p in g["params"]])
+    for group in [*optimizer.param_groups, *local.param_groups]:  # ZeRO: both copies
+        group["fused"], group["foreach"] = fused, None
+    for param, state in local.state.items():
+        step = state.get("step")
+        if fused and isinstance(step, torch.Tensor) and step.device != param.device:
+            state["step"] = step.to(param.device)  # what AdamW's own load does when fused
 
 
 def unwrap(model: nn.Module) -> nn.Module:

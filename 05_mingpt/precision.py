@@ -5,6 +5,8 @@ policy FSDP uses to gather parameters and reduce gradients.
         _, loss = model(x, y)
     scaler = grad_scaler(device, "fp16")   # a no-op for fp32 and bf16
 """
+from collections.abc import Callable
+
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -35,3 +37,18 @@ def fsdp_policy(precision: str) -> MixedPrecisionPolicy | None:
     # Only the gathered copies used for compute are cast: the sharded parameters the optimizer
     # updates stay fp32, so small updates are not rounded away.
     return MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
+
+
+def keep_autocast(function: Callable, device_type: str) -> Callable:
+    """`function`, to be called in another thread under this thread's autocast settings.
+
+    Autocast's dtype is per thread, and a new thread starts from the device's default (fp16 on
+    CUDA, bf16 on a CPU) even inside `torch.autocast(..., enabled=True)`: nn.DataParallel's
+    replica threads (parallelize.DataParallel) need the caller's dtype passed on."""
+    enabled = torch.is_autocast_enabled(device_type)
+    dtype = torch.get_autocast_dtype(device_type)
+
+    def call(*args, **kwargs):
+        with torch.autocast(device_type, dtype=dtype, enabled=enabled):
+            return function(*args, **kwargs)
+    return call

@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from parallelize import unwrap
+from parallelize import keep_own_optimizer_settings, unwrap
 from tensor_parallel import load_strided, whole_strided
 
 TRAIN_STATE = "train_state.pt"
@@ -485,4 +485,7 @@ def load(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.O
         optimizer.load_state_dict(state.pop("optimizer"))
     else:
         load_sharded(url, model, optimizer)
+    # The saved param groups came back with the saving run's kernel choice (fused or not) and
+    # ZeRO put AdamW's step counts on the CPU: this run's own choices and devices again.
+    keep_own_optimizer_settings(optimizer)
     return state

@@ -25,13 +25,14 @@ import snapshot
 from faults import inject_fault
 from metrics import (
     device_name,
+    mfu,
     model_state_bytes,
     peak_flops,
     peak_memory_mb,
     print0,
     reset_peak_memory,
 )
-from parallelize import clip_grad_norm_, data_parallel, set_grad_sync
+from parallelize import clip_grad_norm_, data_parallel, local_devices, set_grad_sync
 from precision import autocast, grad_scaler
 
 # The settings that shape the lr schedule besides the base lr (LambdaLR saves none of them).
@@ -76,6 +77,8 @@ class Trainer:
         # The ranks that see different data: all of them, except under tensor parallelism,
         # where the ranks of one TP group share each batch (samplers, seeds, tokens/s use these).
         self.dp_rank, self.dp_size = data_parallel(model)
+        # The devices this process computes on (nn.DataParallel: several GPUs), for MFU and memory.
+        self.devices = local_devices(model, device)
         self.train_set, self.val_set = train_set, val_set
         self.snapshot_meta, self.flops_per_token = snapshot_meta, flops_per_token
         self.scheduler = LambdaLR(optimizer, partial(
@@ -130,6 +133,8 @@ class Trainer:
             "epoch": self.epoch,
             "samples_in_epoch": self.samples_in_epoch,  # over all ranks
             "world_size": self.world_size,
+            # The layout the RNG streams belong to: the ranks of one TP group share a stream.
+            "dp_size": self.dp_size,
             "scheduler": self.scheduler.state_dict(),
             "schedule": {key: self.cfg[key] for key in SCHEDULE_KEYS},
             "last_val": self.last_val,  # a resume at this step need not evaluate it again
@@ -145,14 +150,20 @@ class Trainer:
         self.step, self.epoch = state["step"], state["epoch"]
         self.samples_in_epoch = state["samples_in_epoch"]
         self.last_val = state["last_val"]
-        if len(state["rng"]) == self.world_size:
+        # Each rank's streams belong to its place in the (dp, tp) layout: the ranks of one TP
+        # group must draw the same dropout masks, or the weights they hold alike (LayerNorms,
+        # embeddings) drift apart. (A snapshot from before dp_size was saved: dp = world.)
+        saved = (len(state["rng"]), state.get("dp_size", len(state["rng"])))
+        if saved == (self.world_size, self.dp_size):
             snapshot.set_rng_state(state["rng"][self.rank], self.device)  # our own streams
-        else:  # a different number of ranks: new (but still reproducible) dropout streams
+        else:  # another number of ranks or TP groups: new (but reproducible) dropout streams,
+            # one per data-parallel rank, so each TP group's ranks still draw alike
             torch.manual_seed(self.cfg.seed + 1000 * self.step + self.dp_rank)
             self.last_val = None  # evaluate the resharded weights once more, to show they load
-            print0(f"snapshot saved by {len(state['rng'])} ranks, now {self.world_size}: the "
-                   "rest of the epoch is dealt out anew (each sample still once), dropout "
-                   "draws from new random streams")
+            print0(f"snapshot saved by {saved[0]} ranks, now {self.world_size} (data-parallel "
+                   f"size {saved[1]} then, {self.dp_size} now): the rest of the epoch is dealt "
+                   "out anew (each sample still once), dropout draws from new random streams "
+                   "(the same within each tensor-parallel group)")
         print0(f"resumed from {self.cfg.snapshot_path} at step {self.step} (epoch {self.epoch})")
 
     def _load_schedule(self, state: dict) -> None:
@@ -282,21 +293,22 @@ class Trainer:
         loss = (totals[0] / totals[1]).item()
         elapsed = time.perf_counter() - self.t_log
         tokens_per_s = self.tokens_since_log * self.dp_size / elapsed  # TP ranks share tokens
-        memory = peak_memory_mb(self.device)
+        memory = peak_memory_mb(self.devices)
         lr = self.scheduler.get_last_lr()[0]
         line = (f"step {self.step}/{self.cfg.max_steps} | loss {loss:.4f} | lr {lr:.2e} | "
                 f"{tokens_per_s:,.0f} tokens/s")
         peak = peak_flops(device_name(self.device), self.cfg.precision)
         if peak:
-            mfu = self.flops_per_token * tokens_per_s / (peak * self.world_size)
-            line += f" | MFU {100 * mfu:.1f}%"
+            utilisation = mfu(self.flops_per_token, tokens_per_s, peak,
+                              self.world_size * len(self.devices))
+            line += f" | MFU {100 * utilisation:.1f}%"
         print0(line + f" | peak memory {max(memory):,.0f} MB")
         if self.writer:
             self.writer.add_scalar("train/loss", loss, self.step)
             self.writer.add_scalar("train/lr", lr, self.step)
             self.writer.add_scalar("perf/tokens_per_s", tokens_per_s, self.step)
             if peak:
-                self.writer.add_scalar("perf/mfu", mfu, self.step)
+                self.writer.add_scalar("perf/mfu", utilisation, self.step)
             for r, mb in enumerate(memory):
                 self.writer.add_scalar(f"memory/peak_mb_rank{r}", mb, self.step)
         self.loss_sum.zero_()
@@ -350,8 +362,8 @@ class Trainer:
         # A progress bar on rank 0 only, and only on a terminal (log files get the log lines).
         # The peak so far is the setup's (model, snapshot, first evaluation); from here on the
         # peaks logged are training's, so DDP and FSDP compare on what training needs.
-        self.setup_peak_mb = peak_memory_mb(self.device)
-        reset_peak_memory(self.device)
+        self.setup_peak_mb = peak_memory_mb(self.devices)
+        reset_peak_memory(self.devices)
         self.bar = tqdm(total=cfg.max_steps, initial=self.step, disable=True if self.rank
                         else None, dynamic_ncols=True, leave=False)
         self.t_log = time.perf_counter()
@@ -371,10 +383,11 @@ class Trainer:
         """Every rank's setup and training peaks and model-state bytes, one row each (MB)."""
         states: list = [None] * self.world_size
         dist.all_gather_object(states, self.model_state)  # None where no step ran
-        rows = {"setup peak": self.setup_peak_mb, "training peak": peak_memory_mb(self.device)}
+        rows = {"setup peak": self.setup_peak_mb, "training peak": peak_memory_mb(self.devices)}
         for key in ("parameters", "gradients", "optimizer"):
             rows[key] = [s[key] / 2**20 if s else 0.0 for s in states]
-        print0("memory per rank (MB; peaks: " + ("CUDA allocated" if self.device.type == "cuda"
+        print0("memory per rank (MB; peaks: " + ("CUDA allocated, per GPU"
+                                                 if self.device.type == "cuda"
                                                  else "resident set size") + "):")
         for name, values in rows.items():
             print0(f"  {name:<14}" + "".join(f"{v:>12,.1f}" for v in values))

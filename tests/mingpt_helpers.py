@@ -74,7 +74,7 @@ def load_ddp_snapshot(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-MINGPT_MODULES = ("config", "char_dataset", "devices", "faults", "metrics", "model",
+MINGPT_MODULES = ("config", "char_dataset", "devices", "errors", "faults", "metrics", "model",
                   "parallelize", "precision", "sample", "snapshot", "tensor_parallel", "trainer")
 
 

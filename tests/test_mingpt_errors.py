@@ -199,8 +199,34 @@ def test_nodes_without_shared_storage_fail_with_one_line(mingpt_modules, tmp_pat
     outputs = [(node_a.stdout, node_a.stderr),
                tuple((nodes[1] / f"peer.{kind}").read_text() for kind in ("out", "err"))]
     errors = [line for _, err in outputs for line in err.splitlines() if line.startswith("error")]
-    assert len(errors) == 1, outputs  # printed once, by global rank 0
+    # Printed once on each node (its LOCAL_RANK 0), the same line: every rank agreed on it
+    # (each names its own run folder: here the two "nodes" are two folders of one machine).
+    assert len(errors) == 2, outputs
+    assert errors[0].replace(str(nodes[0]), str(nodes[1])) == errors[1]
     assert errors[0] in node_a.stderr and not any("Traceback" in err for _, err in outputs)
     assert "holds a snapshot for ranks [" in errors[0]
     assert "storage all nodes share" in errors[0]
     assert "val loss" not in "".join(out for out, _ in outputs)  # refused before any training
+
+
+@pytest.mark.timeout(180, method="thread")  # node a waits in C++ (in this process) for node b
+def test_a_data_error_on_another_node_is_printed_and_stops_every_node(mingpt_modules, tmp_path):
+    # Node b has no data file on its own storage. It used to exit 2 without a word (only
+    # global rank 0 printed), while node a went on into DDP's first broadcast and failed there
+    # with gloo's "Connection closed by peer" traceback (NCCL waits for its timeout instead).
+    nodes = [copy_mingpt(tmp_path / name) for name in ("a", "b")]
+    (nodes[1] / "data/input.txt").unlink()
+    args = tiny("run_name=local_data", "trainer_config.max_steps=2",
+                "trainer_config.sample_tokens=0")
+    env = node_envs(2)
+    with peer_process([PYTHON, "main.py", *args], nodes[1], env[1]) as node_b:
+        node_a = script_in_process(mingpt_modules["main"], nodes[0], *args, **env[0])
+        node_b.wait(timeout=120)
+    b_err = (nodes[1] / "peer.err").read_text()
+    assert node_a.returncode == 2 and node_b.returncode == 2, (node_a.stderr, b_err)
+    for stderr in (node_a.stderr, b_err):  # each node says it, in the same one line
+        lines = [line for line in stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and "Traceback" not in stderr, stderr
+        assert lines[0].startswith("error: rank 1 on ") and "input.txt" in lines[0], lines[0]
+    assert node_a.stderr.strip() == b_err.strip()
+    assert "val loss" not in node_a.stdout  # stopped before any training

@@ -1,0 +1,55 @@
+"""Bad input ends a run with one `error:` line, on every node, and every rank learns of it.
+
+    data = errors.agreed(build_datasets, cfg)   # a ValueError on one rank: on all of them
+    errors.fail(e)                              # print `error: ...` once per node, exit 2
+
+A config mistake is the same on every rank. A node's own storage is not: a BPE directory, a
+CIFAR-10 download or a writable snapshot folder can be there on one node and missing on
+another. Without agreement the failing node would exit while the others went on into their
+next collective and waited there until the timeout; without a print on every node, a failure
+on a node other than global rank 0's would be seen nowhere.
+"""
+import os
+import socket
+import sys
+from collections.abc import Callable
+from typing import NoReturn, TypeVar
+
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+
+def fail(error: Exception | str) -> NoReturn:
+    """One `error:` line from each node (its LOCAL_RANK 0) and exit 2 on every rank.
+
+    LOCAL_RANK from torchrun's environment, not the process group: config errors come before
+    the group exists, and a worker that cannot reach MASTER_ADDR never joins it."""
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"error: {error}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def agreed(function: Callable[..., T], *args, **kwargs) -> T:
+    """`function(*args, **kwargs)` on every rank; a ValueError on any rank is raised on all.
+
+    A collective: every rank calls it at the same point. Where only some ranks failed, the
+    message names the first of them and its host (the node whose storage to look at)."""
+    try:
+        result, error = function(*args, **kwargs), None
+    except ValueError as e:
+        result, error = None, str(e)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        if error is not None:
+            raise ValueError(error)
+        return result
+    seen: list = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, error and (error, socket.gethostname()))
+    failed = [(rank, report) for rank, report in enumerate(seen) if report]
+    if not failed:
+        return result
+    rank, (message, host) = failed[0]
+    if len(failed) == len(seen) and len({report[0] for _, report in failed}) == 1:
+        raise ValueError(message)  # the same on every rank: a mistake in the config
+    others = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
+    raise ValueError(f"rank {rank} on {host}{others}: {message}")

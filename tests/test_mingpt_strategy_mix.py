@@ -1,0 +1,188 @@
+"""05_mingpt resumes a snapshot under another strategy of its layout with this run's own
+settings: the optimizer's kernel choice (fused or not), where AdamW's step counts live, and
+dropout streams that stay alike within a tensor-parallel group. Also the strategy pairs that
+cannot work are refused in one line, and nn.DataParallel's replicas keep the run's autocast
+dtype and count every GPU for MFU (the GPU side: tests/test_gpu.py).
+
+The multi-rank checks run in ONE pair of spawned gloo processes, through main.load_train_objs
+and the Trainer as main.py runs them (test_mingpt_strategies.fit)."""
+import gc
+import json
+import threading
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from conftest import REPO
+from mingpt_helpers import mingpt_imported, train_losses
+from test_mingpt_strategies import configure, overrides
+
+CPU = torch.device("cpu")
+HALF, STEPS = 2, 4
+
+
+def fit(m: dict, args: list[str]) -> tuple[str, nn.Module, torch.optim.Optimizer]:
+    """main.train's steps: build, resume, train; (rank 0's log, the model, the optimizer)."""
+    import contextlib
+    import io
+    cfg = configure(m, args)
+    t = cfg.trainer_config
+    model, optimizer, train_set, val_set, data, meta, flops = \
+        m["main"].load_train_objs(cfg, CPU)
+    trainer = m["trainer"].Trainer(t, model, optimizer, train_set, val_set, CPU, cfg.run_dir,
+                                   meta, flops)
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        state = m["snapshot"].load(t.snapshot_path, t.distributed_method, model, optimizer,
+                                   meta, data.MATCH_KEYS)
+        if state is not None:
+            trainer.load_state_dict(state)
+        trainer.train()
+    return log.getvalue(), model, optimizer
+
+
+def settings(optimizer: torch.optim.Optimizer) -> dict:
+    """The kernel choice of every param group, and where each AdamW step count lives."""
+    local = getattr(optimizer, "optim", optimizer)  # ZeRO's local AdamW
+    return {"fused": sorted({str(g["fused"]) for g in
+                             [*optimizer.param_groups, *local.param_groups]}),
+            "steps_on_param_device": all(s["step"].device == p.device
+                                         for p, s in local.state.items())}
+
+
+def _worker(rank: int, store: str, out: str, text: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,
+                            timeout=timedelta(seconds=120))
+    out_dir, result = Path(out), {}
+    with mingpt_imported("main", "tensor_parallel") as m:
+        # (first, then): HALF steps under `first`, then the same run_dir resumed under `then`.
+        # With dropout: the resumed tp run must draw one mask per TP group.
+        for first, then in (("fsdp", "tp"), ("tp", "fsdp"), ("zero", "zero"), ("tp", "tp")):
+            run = out_dir / f"{first}-{then}"
+            dropout = ["gpt_config.dropout=0.1"]
+            fit(m, overrides(first, run, text, HALF) + dropout)
+            log, model, optimizer = fit(m, overrides(then, run, text, STEPS) + dropout)
+            # ln_f is whole on every rank under tp: both ranks must hold the same values.
+            ln_f = m["parallelize"].unwrap(model).ln_f.weight
+            ln_f = ln_f.full_tensor() if hasattr(ln_f, "full_tensor") else ln_f.detach()
+            both = [torch.empty_like(ln_f) for _ in range(2)]
+            dist.all_gather(both, ln_f.contiguous())
+            result[f"{first}-{then}"] = {**settings(optimizer), "log": log,
+                                         "ln_f_equal": torch.equal(*both)}
+            del model, optimizer
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+    for mesh in [o for o in gc.get_objects() if issubclass(type(o), DeviceMesh)]:
+        getattr(mesh, "_pg_registry", {}).clear()
+    gc.collect()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    out = tmp_path_factory.mktemp("strategy_mix")
+    text = out / "input.txt"
+    text.write_text((REPO / "05_mingpt/data/input.txt").read_text()[:40_000])
+    mp.start_processes(_worker, args=(str(out / "store"), str(out), str(text)), nprocs=2,
+                       start_method="spawn")
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_an_fsdp_snapshot_resumes_under_tp_with_tps_optimizer(mixed):
+    # The fsdp run's groups said fused=True; tp's mix of DTensors and plain tensors cannot take
+    # the fused kernel, and the restored groups crashed at the first step.
+    for result in mixed:
+        assert result["fsdp-tp"]["fused"] == ["False"], result["fsdp-tp"]
+        assert sorted(train_losses(result["fsdp-tp"]["log"])) in ([], [3, 4])
+    assert sorted(train_losses(mixed[0]["fsdp-tp"]["log"])) == [3, 4]
+
+
+def test_a_tp_snapshot_resumes_under_fsdp_with_the_fused_kernel(mixed):
+    for result in mixed:
+        assert result["tp-fsdp"]["fused"] == ["True"], result["tp-fsdp"]  # not tp's False
+
+
+def test_zero_resumes_with_its_fused_adamw_and_step_counts_beside_the_parameters(mixed):
+    # ZeRO's load_state_dict puts AdamW's step counts on the CPU; on a GPU the fused kernel
+    # refused them (tests/test_gpu.py resumes zero on CUDA). Here: what build_optimizer built.
+    for result in mixed:
+        assert result["zero-zero"]["fused"] == ["True"]
+        assert result["zero-zero"]["steps_on_param_device"]
+
+
+def test_a_changed_tp_layout_keeps_one_dropout_stream_per_tp_group(mixed):
+    # fsdp -> tp at the same world size: the two fsdp ranks' RNG states were restored onto
+    # the two ranks of one TP group, whose dropout masks then differed, and the weights both
+    # ranks must hold alike (ln_f) drifted apart. tp -> tp restores the (equal) states.
+    for pair in ("fsdp-tp", "tp-tp"):
+        assert mixed[0][pair]["ln_f_equal"] and mixed[1][pair]["ln_f_equal"], pair
+    assert "data-parallel size 2 then, 1 now" in mixed[0]["fsdp-tp"]["log"]
+    assert "then," not in mixed[0]["tp-tp"]["log"]  # the same layout: the saved streams
+
+
+# --- in this process -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def m():
+    with mingpt_imported() as modules:
+        yield modules
+
+
+@pytest.mark.parametrize("args, message", [
+    (["trainer_config.distributed_method=tp", "trainer_config.precision=fp16"],
+     "trainer_config.precision must be fp32 or bf16 with distributed_method=tp (fp16's "
+     "GradScaler cannot unscale its sharded and plain gradients together; fsdp_tp takes "
+     "fp16), got 'fp16'"),
+    (["trainer_config.distributed_method=dp", "trainer_config.compile=true"],
+     "trainer_config.compile must be False with distributed_method=dp (each GPU's replica "
+     "would run the first GPU's compiled blocks); use ddp to compile, got True"),
+])
+def test_pairs_that_cannot_work_are_refused_in_one_line(m, args, message):
+    with pytest.raises(ValueError) as e:
+        m["config"].load(args)
+    assert str(e.value) == message
+
+
+def test_fsdp_tp_takes_fp16(m):
+    m["config"].load(["trainer_config.distributed_method=fsdp_tp", "trainer_config.precision=fp16"])
+
+
+def test_a_replica_thread_computes_in_the_callers_autocast_dtype(m):
+    # nn.DataParallel's threads enter autocast with `enabled` only; a new thread starts from
+    # the device's default dtype (CUDA: fp16, CPU: bf16). Here the CPU shows the mechanism:
+    # the caller asks for fp16, a plain thread computes in bf16, keep_autocast's in fp16.
+    dtypes = {}
+
+    def matmul(name: str) -> None:
+        a = torch.ones(4, 4)
+        dtypes[name] = (a @ a).dtype
+
+    def in_thread(function, name: str) -> None:
+        def body() -> None:
+            with torch.autocast("cpu", enabled=True):  # as parallel_apply's worker does
+                function(name)
+        thread = threading.Thread(target=body)
+        thread.start()
+        thread.join()
+
+    with torch.autocast("cpu", dtype=torch.float16):
+        in_thread(matmul, "plain")
+        in_thread(m["precision"].keep_autocast(matmul, "cpu"), "kept")
+    assert dtypes == {"plain": torch.bfloat16, "kept": torch.float16}
+
+
+def test_dataparallel_counts_every_gpu_for_mfu(m):
+    p = m["parallelize"]
+    model = p.DataParallel(nn.Linear(2, 2))  # no GPU here: DataParallel keeps no device ids
+    assert p.local_devices(model, CPU) == [CPU]
+    model.device_ids = [0, 1]  # as on a 2-GPU machine
+    cuda = torch.device("cuda")
+    assert p.local_devices(model, cuda) == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    # One process, two GPUs: the model's FLOP/s over both GPUs' peak, not one.
+    assert m["metrics"].mfu(6e9, 1e4, 1e14, devices=2) == pytest.approx(0.3)
