@@ -200,3 +200,38 @@ def test_mingpt_tensor_parallel_on_gpus(tmp_path, method):
     losses = val_losses(proc.stdout)
     assert losses[max(losses)] < losses[0]
     assert (mingpt / f"runs/{method}/snapshot/latest").is_file()  # the sharded (DCP) layout
+
+
+@pytest.mark.skipif(GPUS < 2, reason="ZeRO shards its optimizer over 2 GPUs")
+def test_mingpt_zero_resumes_on_gpus_with_fused_adamw(tmp_path):
+    """ZeroRedundancyOptimizer.load_state_dict leaves AdamW's step counts on the CPU, and CUDA's
+    fused kernel (what build_optimizer builds) refused them at the first resumed step."""
+    mingpt = copy_mingpt(tmp_path)
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", "main.py", "run_name=zero",
+           "trainer_config.distributed_method=zero"]
+    run([*cmd, *tiny("trainer_config.max_steps=4")], cwd=mingpt, CUDA_VISIBLE_DEVICES=VISIBLE)
+    proc = run([*cmd, *tiny()], cwd=mingpt, CUDA_VISIBLE_DEVICES=VISIBLE)  # resumes at step 4
+    assert "resumed from" in proc.stdout and "step 10/10" in proc.stdout, proc.stdout[-2000:]
+
+
+@pytest.mark.skipif(GPUS < 2, reason="nn.DataParallel's replicas need 2 GPUs")
+def test_mingpt_dp_replicas_compute_in_bf16_and_count_every_gpu(tmp_path):
+    """parallel_apply's replica threads started from CUDA's default autocast dtype, fp16, in a
+    bf16 run; and MFU and peak memory counted GPU 0 only."""
+    mods_dir = copy_mingpt(tmp_path)
+    with mingpt_imported() as m:
+        p = m["parallelize"]
+        dtypes = []
+        layer = torch.nn.Linear(8, 8).cuda()
+        layer.register_forward_hook(lambda mod, args, out: dtypes.append(out.dtype))
+        model = p.DataParallel(layer)
+        with m["precision"].autocast(torch.device("cuda"), "bf16"):
+            model(torch.ones(2 * GPUS, 8, device="cuda"))
+        assert set(dtypes) == {torch.bfloat16} and len(dtypes) == GPUS, dtypes
+        assert len(p.local_devices(model, torch.device("cuda"))) == GPUS
+    proc = run([PYTHON, "main.py", *tiny("run_name=dp", "trainer_config.distributed_method=dp",
+                                         "trainer_config.precision=bf16")],
+               cwd=mods_dir, CUDA_VISIBLE_DEVICES=VISIBLE)
+    table = proc.stdout[proc.stdout.index("memory per rank"):]
+    peaks = re.search(r"training peak(.*)", table).group(1).split()
+    assert len(peaks) == GPUS, table  # one column per GPU of the one process
