@@ -29,8 +29,10 @@ import functools
 import io
 import os
 import random
+import shutil
 import warnings
 from collections.abc import Callable
+from typing import BinaryIO
 
 import fsspec
 import numpy as np
@@ -45,7 +47,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from parallelize import keep_own_optimizer_settings, unwrap
-from tensor_parallel import load_strided, whole_strided
+from tensor_parallel import checkpointable
 
 TRAIN_STATE = "train_state.pt"
 LATEST = "latest"
@@ -167,12 +169,18 @@ def write_bytes_atomic(url: str, data: bytes, before_commit: Callable[[], None] 
     `before_commit` runs when the new bytes are written but not yet visible (a fault-injection
     point: a crash there must leave the old snapshot in place).
     """
+    _write_atomic(url, lambda f: f.write(data), before_commit)
+
+
+def _write_atomic(url: str, write: Callable[[BinaryIO], object],
+                  before_commit: Callable[[], None] | None) -> None:
+    """write_bytes_atomic, where `write(f)` writes the new content into the open file `f`."""
     fs, path = _fs(url)
     if isinstance(fs, LocalFileSystem):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         tmp = f"{path}.tmp"
         with open(tmp, "wb") as f:
-            f.write(data)
+            write(f)
             f.flush()
             os.fsync(f.fileno())  # the bytes are on disk before the rename makes them visible
         if before_commit:
@@ -185,7 +193,7 @@ def write_bytes_atomic(url: str, data: bytes, before_commit: Callable[[], None] 
             before_commit()
         f = fs.open(path, "wb")
         try:
-            f.write(data)  # large data: a multipart upload, one part per block
+            write(f)  # large data: a multipart upload, one part per block
             f.close()  # the last part, then "complete the upload": the commit point
         except BaseException:
             # Not `with fs.open(...)`: its exit closes the file even after an error, and
@@ -197,21 +205,51 @@ def write_bytes_atomic(url: str, data: bytes, before_commit: Callable[[], None] 
             raise
 
 
+def _is_local(url: str) -> bool:
+    return fsspec.utils.get_protocol(url) in ("file", "local")  # as _fs's LocalFileSystem
+
+
 def save_file(url: str, obj: dict, before_commit: Callable[[], None] | None = None) -> None:
-    buffer = io.BytesIO()
+    """torch.save(obj) to `url`, atomically (write_bytes_atomic)."""
+    if _is_local(url):
+        # Straight into the temporary file, tensor by tensor: serialising into a buffer first
+        # held a second copy of the whole snapshot (weights and both moments) in memory.
+        _write_atomic(url, lambda f: torch.save(obj, f), before_commit)
+        return
+    buffer = io.BytesIO()  # an object store: one upload of the finished bytes, as before
     torch.save(obj, buffer)
     write_bytes_atomic(url, buffer.getvalue(), before_commit)
 
 
+def _load_mapped(path: str) -> dict | None:
+    """torch.load of a local file, memory-mapped: a tensor's pages are read when it is used.
+    None where it cannot be mapped: not a zip-format torch file (an older format, or none at
+    all), a corrupt one, or a filesystem that refuses mmap. load_file then reads it as it
+    reads an object, which loads it or raises the error its message has always named.
+
+    Reading the whole file into a buffer and unpickling that held it twice in memory (3x the
+    weights, with AdamW's two moments) on every rank at once. Mapped, the pages come from the
+    page cache, which the ranks of a node share and the kernel can drop again. The tensors
+    are views of the file (mapped private: writes never reach it): load() copies whatever
+    outlives it (_unmapped)."""
+    try:
+        return torch.load(path, mmap=True, map_location="cpu", weights_only=True)
+    except Exception:
+        return None
+
+
 def load_file(url: str) -> dict:
-    """A snapshot dict on the CPU; weights_only=True refuses pickled code."""
+    """A snapshot dict on the CPU; weights_only=True refuses pickled code. The tensors of a
+    local file are views of it (_load_mapped): copy those that must outlive it."""
     try:
         fs, path = _fs(url)
-        with fs.open(path, "rb") as f:
-            data = f.read()
-        # To the CPU whatever device saved it: RNG states must be CPU tensors, and
-        # load_state_dict moves each weight to its parameter's device (module docstring).
-        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        state = _load_mapped(path) if isinstance(fs, LocalFileSystem) else None
+        if state is None:  # an object store, or a file that could not be mapped
+            with fs.open(path, "rb") as f:
+                data = f.read()
+            # To the CPU whatever device saved it: RNG states must be CPU tensors, and
+            # load_state_dict moves each weight to its parameter's device (module docstring).
+            state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:  # truncated, corrupt, not a torch file, unreadable
         if storage_error(url, e):  # the store failed, not the snapshot
             raise SnapshotError(f"cannot read snapshot {url}: {storage_error(url, e)}") from None
@@ -221,6 +259,52 @@ def load_file(url: str) -> dict:
         raise SnapshotError(f"{url} is not a training snapshot of this trainer; move it away or "
                             "set trainer_config.snapshot_path")
     return state
+
+
+def _tensors(tree: object) -> list[torch.Tensor]:
+    """Every tensor in nested dicts, lists and tuples."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    values = tree.values() if isinstance(tree, dict) else tree \
+        if isinstance(tree, list | tuple) else ()
+    return [t for value in values for t in _tensors(value)]
+
+
+def _unmapped(tree: object, mapped: set[int], copies: dict[int, torch.Tensor]) -> object:
+    """`tree` with each CPU tensor whose memory is one of `mapped` (storage addresses) replaced
+    by a copy; a tensor met twice gets the same copy (`copies`, by id). Containers without
+    such a tensor come back as they are (the optimizer's own lists stay its own)."""
+    if isinstance(tree, torch.Tensor):
+        # torch.load gives plain tensors (DTensors, parameters: never from the file, and a
+        # DTensor has no storage of its own to ask).
+        if type(tree) is not torch.Tensor or tree.device.type != "cpu" \
+                or tree.untyped_storage().data_ptr() not in mapped:
+            return tree
+        return copies.setdefault(id(tree), tree.clone())
+    if isinstance(tree, dict):
+        new = {key: _unmapped(value, mapped, copies) for key, value in tree.items()}
+        return tree if all(new[key] is value for key, value in tree.items()) else new
+    if isinstance(tree, list | tuple):
+        items = [_unmapped(value, mapped, copies) for value in tree]
+        return tree if all(a is b for a, b in zip(items, tree, strict=True)) else \
+            type(tree)(items)
+    return tree
+
+
+def _unmap_optimizer(optimizer: torch.optim.Optimizer, mapped: set[int]) -> None:
+    """Give the optimizer its own copy of any state that is still a view of the snapshot file.
+
+    load_state_dict keeps a saved tensor as it is when it already has the parameter's device
+    and dtype: on the CPU AdamW's moments (on a GPU its step counts) would stay views of the
+    mapped file, which would then stay mapped for the whole run (the disk space of a deleted
+    snapshot never freed; a file overwritten in place changing under it, or SIGBUS)."""
+    copies: dict[int, torch.Tensor] = {}
+    # ZeRO: its own state and its local AdamW's hold the same tensors; both get one copy.
+    local = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    for opt in {id(o): o for o in (optimizer, local)}.values():
+        for entries in [*opt.state.values(), *opt.param_groups]:
+            for key, value in entries.items() if isinstance(entries, dict) else ():
+                entries[key] = _unmapped(value, mapped, copies)
 
 
 def _is_step_dir(path: str) -> bool:
@@ -315,9 +399,10 @@ def save_sharded(url: str, step: int, model: torch.nn.Module, optimizer: torch.o
     if dist.get_rank() == 0 and fs.exists(f"{path}/{name}"):
         fs.rm(f"{path}/{name}", recursive=True)  # left by a save of this step that was cut off
     dist.barrier()  # ... and removed before any rank writes into it again
-    # Sharded state dicts: each rank only holds (and writes) its own shards, no gather.
+    # Sharded state dicts: each rank only holds (and writes) its own shards, no gather; TP's
+    # strided q/k/v shards too, as row runs DCP records (tensor_parallel.checkpointable).
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save(whole_strided({"model": model_sd, "optim": optim_sd}),
+    dcp.save(checkpointable({"model": model_sd, "optim": optim_sd}),
              storage_writer=_writer(f"{url}/{name}"))
     # dcp.save is collective: it returns only once every rank's shards are written and rank 0
     # (its coordinator) has written .metadata, so the step directory is complete here. One
@@ -370,7 +455,8 @@ def load_sharded(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimi
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     try:
-        load_strided(state, lambda tree: dcp.load(tree, storage_reader=_reader(checkpoint)))
+        # Into each rank's own rows of TP's q/k/v too: views of the DTensors in `state`.
+        dcp.load(checkpointable(state), storage_reader=_reader(checkpoint))
     # DCP raises CheckpointException, a BaseException, when any rank fails to read.
     except (Exception, CheckpointException) as e:  # missing or truncated shards, bad metadata
         raise SnapshotError(f"cannot load sharded snapshot {checkpoint} ({_reason(e)}): it is "
@@ -433,10 +519,18 @@ def keep_previous(url: str, keep_last: int) -> None:
             fs.mv(f"{path}.{i - 1}", f"{path}.{i}")
     if fs.exists(f"{path}.1"):
         fs.rm(f"{path}.1")
-    if isinstance(fs, LocalFileSystem):
-        os.link(path, f"{path}.1")  # no copy: the replace below gives `path` a new file
-    else:
+    if not isinstance(fs, LocalFileSystem):
         fs.copy(path, f"{path}.1")
+        return
+    try:
+        os.link(path, f"{path}.1")  # no copy: the replace below gives `path` a new file
+    except OSError:
+        # Object-store mounts (gcsfuse, blobfuse, ...) and some network filesystems have no
+        # hard links (EPERM, ENOTSUP, ENOSYS, EXDEV, ...): every save would fail. A copy of
+        # the bytes instead (copyfile: such mounts may refuse copy2's metadata), under a
+        # temporary name, so that a cut-off copy never poses as the previous snapshot.
+        shutil.copyfile(path, f"{path}.1.tmp")
+        os.replace(f"{path}.1.tmp", f"{path}.1")
 
 
 @_storage_errors(OSError)
@@ -478,6 +572,10 @@ def load(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.O
         raise SnapshotError(f"ranks read {url} at different steps {steps}: put "
                             "trainer_config.snapshot_path on storage all nodes share")
     check_compatible(state, meta["model_config"], meta["data_meta"], url, match_keys)
+    # A local file is mapped (_load_mapped): the memory of every tensor read from it. (From
+    # an object store they are the process's own: nothing to copy.)
+    mapped = {t.untyped_storage().data_ptr() for t in _tensors(state)} if _is_local(url) \
+        else set()
     if kind == "ddp":  # load_state_dict copies each tensor to where its parameter lives
         # pop: the state returned to the trainer must not keep a second copy of the weights.
         unwrap(model).load_state_dict(state.pop("model"))
@@ -488,4 +586,7 @@ def load(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.O
     # The saved param groups came back with the saving run's kernel choice (fused or not) and
     # ZeRO put AdamW's step counts on the CPU: this run's own choices and devices again.
     keep_own_optimizer_settings(optimizer)
-    return state
+    _unmap_optimizer(optimizer, mapped)
+    # Nothing returned is a view of the file either (RNG states: small), so the file is
+    # unmapped once the loaded dicts are gone, when this returns.
+    return _unmapped(state, mapped, {})

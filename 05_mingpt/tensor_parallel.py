@@ -17,8 +17,6 @@ attention: the trainer deals data out over the `dp` mesh dimension only (data_pa
 model.py knows nothing of this: its attention derives the local head count from the width of
 the q/k/v projection it gets (n_embd / tp under TP, n_embd otherwise).
 """
-from collections.abc import Callable
-
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -118,45 +116,73 @@ def _whole(value: DTensor) -> torch.Tensor:
                               stride=value.stride()).full_tensor()
 
 
-def _cut(whole: torch.Tensor, value: DTensor) -> torch.Tensor:
-    """This rank's part of `whole`, laid out as `value` holds it (the inverse of _whole)."""
-    dp_mesh, tp_mesh = _meshes(value)
-    # src_data_rank=None: every rank holds the whole tensor, each keeps its own slice.
-    mine = distribute_tensor(whole, tp_mesh, [_StridedShard(0, split_factor=3)],
-                             src_data_rank=None).to_local()
-    if dp_mesh is not None:  # FSDP's dim-0 chunk of the TP slice
-        mine = distribute_tensor(mine, dp_mesh, [Shard(0)], src_data_rank=None).to_local()
-    return mine
-
-
 def whole_strided(tree: object) -> object:
-    """`tree` (a state dict) with every q/k/v DTensor gathered into a whole tensor.
+    """`tree` (a state dict, or one tensor) with every q/k/v DTensor gathered whole.
 
-    TP's fused q/k/v weights are strided shards (QKVColwiseParallel): a rank's slice is three
-    separate row ranges of the global tensor, and DCP describes a shard by one offset, so it
-    cannot save them as they are. They are saved whole instead (gathered on every rank for
-    the save; DCP writes identical tensors once): a quarter of each block's weights, and the
-    snapshot keeps GPT-2's layout, so any strategy and sample.py read it."""
+    Collective, and every rank then holds the whole tensors: for comparing weights (tests)
+    and for tools, not for snapshots, which save each rank's own rows (checkpointable)."""
     if isinstance(tree, dict):
         return {key: whole_strided(value) for key, value in tree.items()}
     return _whole(tree) if _is_qkv(tree) else tree
 
 
-def load_strided(tree: dict, load: Callable[[dict], None]) -> None:
-    """`load(tree)` with every q/k/v DTensor read whole, then cut into this rank's slice."""
-    strided: list[tuple[dict, str, DTensor]] = []
+def qkv_rows(rows: int, tp_rank: int, tp_size: int, dp_rank: int = 0, dp_size: int = 1
+             ) -> list[tuple[int, int, int]]:
+    """The row runs of a q/k/v tensor (`rows` = 3 * n_embd global rows) that one rank holds:
+    (first local row, first global row, number of rows) per run, in local order.
 
-    def swap(node: dict) -> None:  # q/k/v DTensors -> whole-size plain tensors, to read into
-        for key, value in node.items():
-            if isinstance(value, dict):
-                swap(value)
-            elif _is_qkv(value):
-                strided.append((node, key, value))
-                node[key] = torch.empty(value.shape, dtype=value.dtype,
-                                        device=value.to_local().device)
-    swap(tree)
-    load(tree)
-    for node, key, value in strided:
-        value.to_local().copy_(_cut(node[key], value))
-        node[key] = value
+    TP rank r holds [q_r; k_r; v_r], n_embd / tp rows of each of q, k and v
+    (QKVColwiseParallel); under fsdp_tp, FSDP keeps dp chunk d of that slice (dim 0, as
+    torch.chunk cuts: ceil-sized chunks, the last ones shorter or empty). A chunk can start
+    inside q_r and end inside v_r: up to three runs, each contiguous in the global tensor."""
+    part = rows // 3 // tp_size  # rows of q (and of k, of v) per TP rank
+    chunk = -(-3 * part // dp_size)  # FSDP's chunk of the TP slice, rounded up
+    start, end = min(dp_rank * chunk, 3 * part), min((dp_rank + 1) * chunk, 3 * part)
+    runs = []
+    while start < end:
+        which, within = divmod(start, part)  # 0, 1, 2: q, k, v
+        length = min(end, (which + 1) * part) - start
+        runs.append((start - dp_rank * chunk, which * rows // 3 + tp_rank * part + within,
+                     length))
+        start += length
+    return runs
 
+
+def _checkpointable(value: DTensor) -> torch.Tensor:
+    """This rank's rows of a q/k/v DTensor as a plain tensor on the same memory, marked with
+    where its row runs lie in the global tensor (DCP's CheckpointableTensor protocol)."""
+    mesh = value.device_mesh
+    coordinate = mesh.get_coordinate()  # (tp,) under tp, (dp, tp) under fsdp_tp
+    dp_rank, dp_size = (coordinate[0], mesh.size(0)) if mesh.ndim == 2 else (0, 1)
+    runs = qkv_rows(value.shape[0], coordinate[-1], mesh.size(-1), dp_rank, dp_size)
+    local = value.to_local().detach()  # a new tensor object: the attributes stay off the param
+    if sum(length for *_, length in runs) != local.shape[0]:  # FSDP cut it some other way
+        raise RuntimeError(f"a q/k/v shard of {local.shape[0]} rows where {runs} was expected")
+    rest = tuple(value.shape[1:])  # the bias has no second dimension
+    zeros = (0,) * len(rest)
+    local.global_shape = tuple(value.shape)
+    local.global_offsets = tuple((first, *zeros) for _, first, _ in runs)
+    local.local_offsets = tuple((first, *zeros) for first, _, _ in runs)
+    local.local_sizes = tuple((length, *rest) for *_, length in runs)
+    return local
+
+
+def checkpointable(tree: object) -> object:
+    """`tree` (a state dict) for dcp.save and dcp.load, q/k/v DTensors replaced by plain
+    tensors on their memory that describe themselves as several pieces of the global tensor.
+
+    TP's fused q/k/v weights are strided shards (QKVColwiseParallel): a rank's slice is
+    three separate row ranges of the global tensor, and DCP describes a DTensor's shard by
+    one offset, so it cannot save them as they are. Gathering them whole for the save (and
+    reading them whole to cut on load) held every layer's q/k/v and both AdamW moments on
+    every rank at once: about 4.4 GB more per GPU for gpt2-xl. Instead each rank hands DCP
+    its own rows, as up to three runs (CheckpointableTensor: global_offsets, local_offsets,
+    local_sizes), which DCP records as chunks of the one global tensor, exactly as it does
+    any other shard: no rank ever holds a whole q/k/v. The snapshot keeps GPT-2's layout
+    (one global tensor per name), so every strategy, sample.py and another number of ranks
+    read it (DCP maps saved chunks onto any requested ones); snapshots that earlier code
+    wrote whole load the same way. dcp.load writes into the views, so the DTensors in `tree`
+    itself (not changed) hold the loaded values."""
+    if isinstance(tree, dict):
+        return {key: checkpointable(value) for key, value in tree.items()}
+    return _checkpointable(tree) if _is_qkv(tree) else tree
