@@ -25,6 +25,8 @@ def fail(error: Exception | str) -> NoReturn:
 
     LOCAL_RANK from torchrun's environment, not the process group: config errors come before
     the group exists, and a worker that cannot reach MASTER_ADDR never joins it."""
+    # Once per node: the node's log shows it (a Slurm job or a cluster UI often keeps one
+    # log per node), and its other ranks, which hit the same error, keep quiet.
     if os.environ.get("LOCAL_RANK", "0") == "0":
         print(f"error: {error}", file=sys.stderr, flush=True)
     sys.exit(2)
@@ -37,12 +39,14 @@ def agreed(function: Callable[..., T], *args, **kwargs) -> T:
     message names the first of them and its host (the node whose storage to look at)."""
     try:
         result, error = function(*args, **kwargs), None
-    except ValueError as e:
+    except ValueError as e:  # only the expected kind: anything else is a bug, with traceback
         result, error = None, str(e)
+    # One process (or none in a group yet: a notebook, a unit test): nothing to agree on.
     if not dist.is_initialized() or dist.get_world_size() == 1:
         if error is not None:
             raise ValueError(error)
         return result
+    # Every rank's outcome on every rank: (message, host) where it failed, else None.
     seen: list = [None] * dist.get_world_size()
     dist.all_gather_object(seen, error and (error, socket.gethostname()))
     failed = [(rank, report) for rank, report in enumerate(seen) if report]
@@ -51,5 +55,6 @@ def agreed(function: Callable[..., T], *args, **kwargs) -> T:
     rank, (message, host) = failed[0]
     if len(failed) == len(seen) and len({report[0] for _, report in failed}) == 1:
         raise ValueError(message)  # the same on every rank: a mistake in the config
+    # Some ranks only: name the first, and its host, whose storage is the one to look at.
     others = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
     raise ValueError(f"rank {rank} on {host}{others}: {message}")
