@@ -30,16 +30,18 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
 
-import config
-import errors
-import snapshot
-from devices import backend_for, pick_device
-from errors import fail
-from metrics import print0
-from model import GPT, GPTConfig
-from parallelize import build_optimizer, data_parallel, init_sharded, parallelize, unwrap
+from mingpt import config, errors, snapshot
+from mingpt.data import data_module
+from mingpt.devices import backend_for, pick_device
+from mingpt.errors import fail
+from mingpt.metrics import print0
+from mingpt.model import GPT, GPTConfig
+from mingpt.optim import build_optimizer
+from mingpt.parallel import parallelize
+from mingpt.parallel.common import data_parallel, unwrap
+from mingpt.parallel.fsdp import init_sharded
+from mingpt.trainer import NonFiniteLoss, Trainer
 from sample import generate_text
-from trainer import NonFiniteLoss, Trainer
 
 USAGE = """usage: python main.py [--cfg job] [section.key=value ...]
 
@@ -75,14 +77,14 @@ def print_versions(device: torch.device) -> None:
 
 def build_local(cfg: DictConfig, device: torch.device) -> tuple:
     """Data and the plain model, from this node's own files; ValueError for bad data or config."""
-    data = config.data_module(cfg.data_config.name)
+    data = data_module(cfg.data_config.name)
     train_set, val_set, meta = data.build_datasets(cfg.data_config, cfg.gpt_config.block_size,
                                                    cfg.trainer_config.seed)
     # The vocabulary (and block size) come from the data, the rest from gpt_config.
     settings = OmegaConf.to_container(cfg.gpt_config, resolve=True)
     init_from = settings.pop("init_from", None)
     if init_from:  # GPT-2 weights: transformers is imported only for them
-        import pretrained
+        from mingpt import pretrained
         gpt_config = pretrained.gpt_config_from(init_from, settings, meta["vocab_size"],
                                                 meta["block_size"], cfg.data_config.name)
     else:
@@ -122,8 +124,9 @@ def load_train_objs(cfg: DictConfig, device: torch.device) -> tuple:
            f"{model.config.vocab_size}, block {model.config.block_size})")
     snapshot_meta = {"model_config": asdict(model.config), "data_meta": meta}
     flops_per_token = model.flops_per_token()
-    model = parallelize(model, device, t.distributed_method, t.precision, t.cpu_offload,
-                        t.activation_checkpointing, t.compile, t.tp_size)
+    model = parallelize(model, device, t.distributed_method, precision=t.precision,
+                        cpu_offload=t.cpu_offload, compile=t.compile, tp_size=t.tp_size,
+                        activation_checkpointing=t.activation_checkpointing)
     if on_meta:  # the weights GPT(gpt_config) would have drawn, bit for bit, in shards
         init_sharded(model, device, t.cpu_offload)
     # Built after wrapping: FSDP has replaced every parameter with its sharded version.
@@ -194,7 +197,7 @@ def train(cfg: DictConfig, device: torch.device) -> str | None:
                 "resume")
     print0(f"final val loss {val_loss:.4f} (run dir {cfg.run_dir})")
     meta = snapshot_meta["data_meta"]
-    if meta["kind"] in ("char", "bpe") and cfg.trainer_config.sample_tokens:
+    if data.TEXT and cfg.trainer_config.sample_tokens:
         # Every rank generates (FSDP needs all of them for each forward); rank 0 prints.
         # A newline: any BPE encodes it, a char vocabulary may lack it.
         prompt = "\n" if "\n" in meta.get("itos", "\n") else meta["itos"][0]

@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from model import GPT, PRESETS, GPTConfig
+from mingpt.model import GPT, PRESETS, GPTConfig
 
 # Bytes per parameter. A training snapshot keeps fp32 weights plus AdamW's two fp32 moments
 # (exp_avg, exp_avg_sq): 3 x 4 bytes. Mixed precision does not change this: the optimizer

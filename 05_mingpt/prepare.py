@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bpe_dataset import fingerprint, load_tokenizer
+from mingpt.data.bpe import fingerprint, load_tokenizer
 
 # Where a text may be cut into chunks without changing its tokens: after a newline that sits
 # between two visible ASCII characters. GPT-2's pre-tokenizer (bpe_dataset.GPT2_PATTERN) makes

@@ -22,26 +22,10 @@ from pathlib import Path
 
 import torch
 
-import bpe_dataset
-import snapshot
-from devices import pick_device
-from model import GPT, GPTConfig
-
-
-def encode(text: str, meta: dict) -> list[int]:
-    if meta.get("kind") == "bpe":  # GPT-2 BPE: the tokenizer the data was prepared with
-        return bpe_dataset.tokenizer(meta).encode_ordinary(text)
-    stoi = {ch: i for i, ch in enumerate(meta["itos"])}
-    unknown = sorted(set(text) - set(stoi))
-    if unknown:
-        raise ValueError(f"the prompt has characters the model never saw: {''.join(unknown)!r}")
-    return [stoi[ch] for ch in text]
-
-
-def decode(ids: list[int], meta: dict) -> str:
-    if meta.get("kind") == "bpe":
-        return bpe_dataset.tokenizer(meta).decode(ids)  # bytes cut mid-character become U+FFFD
-    return "".join(meta["itos"][i] for i in ids)
+from mingpt import snapshot
+from mingpt.data import data_module
+from mingpt.devices import pick_device
+from mingpt.model import GPT, GPTConfig
 
 
 def generate_text(model: torch.nn.Module, meta: dict, prompt: str, num_tokens: int,
@@ -53,7 +37,8 @@ def generate_text(model: torch.nn.Module, meta: dict, prompt: str, num_tokens: i
     seed on every rank makes them all generate the same text.
     """
     device = device or pick_device(0)
-    idx = torch.tensor([encode(prompt, meta)], dtype=torch.long, device=device)  # (1, T)
+    data = data_module(meta["kind"])  # the vocabulary is the snapshot's: meta has it
+    idx = torch.tensor([data.encode(prompt, meta)], dtype=torch.long, device=device)  # (1, T)
     was_training = model.training
     model.eval()  # no dropout while generating
     # Sample from our own seed without disturbing the training RNG streams.
@@ -61,7 +46,7 @@ def generate_text(model: torch.nn.Module, meta: dict, prompt: str, num_tokens: i
         torch.manual_seed(seed)
         out = model.generate(idx, num_tokens, temperature=temperature, top_k=top_k)  # (1, T+n)
     model.train(was_training)
-    return decode(out[0].tolist(), meta)
+    return data.decode(out[0].tolist(), meta)
 
 
 def load_model(path: str, device: torch.device) -> tuple[GPT, dict]:
@@ -134,7 +119,7 @@ def main(argv: list[str]) -> None:
     device = pick_device(0)
     try:
         if args.init_from:  # pretrained weights as released (pretrained.py)
-            import pretrained
+            from mingpt import pretrained
             model, meta = pretrained.load_for_sampling(args.init_from)
             model, path = model.to(device), args.init_from
         else:
@@ -142,7 +127,7 @@ def main(argv: list[str]) -> None:
             if "://" not in path:  # Path would turn s3://bucket into s3:/bucket
                 path = str(Path(path))
             model, meta = load_model(path, device)
-        if meta.get("kind") not in ("char", "bpe"):
+        if not data_module(meta["kind"]).TEXT:
             raise ValueError(f"{path} was trained on {meta.get('kind')} data; sample.py writes "
                              "text (see notebooks/ for images)")
         text = generate_text(model, meta, args.prompt, args.num_tokens, args.temperature,

@@ -1,6 +1,6 @@
 """Helpers shared by the notebooks: train with 05_mingpt's trainer, read its logs and snapshots.
 
-    import nbutils                       # also puts 05_mingpt/ on sys.path: `import model` works
+    import nbutils                       # also puts 05_mingpt/ on sys.path: `import mingpt` works
     cfg = nbutils.compose_config(["data_config=cifar10_tiny"])   # the config main.py will see
     nbutils.train(["data_config=cifar10_tiny"], run_dir, nproc=2)  # torchrun main.py ...
     scalars = nbutils.read_scalars(run_dir)  # {"train/loss": (steps, values), ...}
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 MINGPT = Path(__file__).resolve().parent.parent / "05_mingpt"
-# 05_mingpt is a folder of scripts, not a package: its modules import each other by name.
+# 05_mingpt holds the scripts and the `mingpt` package: both import from that folder.
 sys.path.insert(0, str(MINGPT))
 
 import matplotlib.pyplot as plt  # noqa: E402
@@ -24,11 +24,10 @@ from omegaconf import DictConfig  # noqa: E402
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-import config  # noqa: E402
 import launch  # noqa: E402
 import sample  # noqa: E402
-import snapshot  # noqa: E402
-from model import GPT  # noqa: E402
+from mingpt import config, snapshot  # noqa: E402
+from mingpt.model import GPT  # noqa: E402
 
 # The trainer's log lines: "training steps 0..200: ..." once, "step 20/200 | loss ..." per log.
 START_LINE = re.compile(r"training steps (\d+)\.\.(\d+)")

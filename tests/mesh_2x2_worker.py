@@ -22,8 +22,9 @@ def main(rank: int, out: str) -> None:
     torch.set_num_threads(1)
     sys.path.insert(0, str(MINGPT))  # a fresh process: nothing of the steps' modules loaded
     import parallelize  # noqa: PLC0415  (from 05_mingpt, once the path is set)
-    import snapshot  # noqa: PLC0415
     from model import GPT, GPTConfig  # noqa: PLC0415
+
+    import snapshot  # noqa: PLC0415
     dist.init_process_group("gloo", store=dist.FileStore(f"{out}/store", 4), rank=rank,
                             world_size=4, timeout=timedelta(seconds=120))
     x = torch.randint(0, 5, (2, 4), generator=torch.Generator().manual_seed(1))

@@ -74,24 +74,39 @@ def load_ddp_snapshot(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-MINGPT_MODULES = ("config", "char_dataset", "devices", "errors", "faults", "metrics", "model",
-                  "parallelize", "precision", "sample", "snapshot", "tensor_parallel", "trainer")
+# 05's library modules, by the short names the tests use; scripts (main, launch, ...) and the
+# modules below that only some tests need are `extra` names of mingpt_imported.
+MINGPT_MODULES = {
+    "config": "mingpt.config", "data": "mingpt.data", "char_dataset": "mingpt.data.char",
+    "devices": "mingpt.devices", "errors": "mingpt.errors", "faults": "mingpt.faults",
+    "metrics": "mingpt.metrics", "model": "mingpt.model", "optim": "mingpt.optim",
+    "parallel": "mingpt.parallel", "common": "mingpt.parallel.common",
+    "ddp": "mingpt.parallel.ddp", "dp": "mingpt.parallel.dp", "fsdp": "mingpt.parallel.fsdp",
+    "tensor": "mingpt.parallel.tensor", "precision": "mingpt.precision",
+    "snapshot": "mingpt.snapshot", "trainer": "mingpt.trainer", "sample": "sample"}
+EXTRA_MODULES = {"bpe_dataset": "mingpt.data.bpe", "image_dataset": "mingpt.data.image",
+                 "pretrained": "mingpt.pretrained"}
+SCRIPTS = ("main", "sample", "launch", "prepare", "model_size")
+
+
+def is_mingpt_module(name: str) -> bool:
+    """A module of a 05_mingpt folder: the `mingpt` package or one of the scripts."""
+    return name == "mingpt" or name.startswith("mingpt.") or name in SCRIPTS
 
 
 @contextlib.contextmanager
 def mingpt_imported(*extra: str):
-    """05_mingpt's modules (and the `extra` ones named), imported by name as its scripts do.
-    The steps have modules of the same names (snapshot, devices), so whatever was imported
-    before is put back afterwards."""
-    names = (*MINGPT_MODULES, *extra)
-    saved = {name: sys.modules.pop(name) for name in names if name in sys.modules}
+    """05_mingpt's modules (and the `extra` ones named), imported as its scripts import them.
+    Whatever of those names was imported before (another copy's) is put back afterwards."""
+    names = {**MINGPT_MODULES, **{name: EXTRA_MODULES.get(name, name) for name in extra}}
+    saved = {name: sys.modules.pop(name) for name in list(sys.modules) if is_mingpt_module(name)}
     sys.path.insert(0, str(MINGPT))
     try:
-        yield {name: importlib.import_module(name) for name in names}
+        yield {key: importlib.import_module(module) for key, module in names.items()}
     finally:
         sys.path.remove(str(MINGPT))
-        for name in names:
-            sys.modules.pop(name, None)
+        for name in [name for name in sys.modules if is_mingpt_module(name)]:
+            sys.modules.pop(name)
         sys.modules.update(saved)
 
 

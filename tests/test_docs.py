@@ -16,18 +16,18 @@ STEPS = ["01_single_gpu", "02_multigpu", "03_torchrun_fault_tolerance", "04_mult
 # The first folder listed holds the master copy.
 COPIED_HELPERS = {
     "datautils.py": STEPS,
-    "devices.py": [*STEPS, "05_mingpt"],
+    "devices.py": [*STEPS, "05_mingpt/mingpt"],
     "snapshot.py": STEPS,
     "faults.py": ["03_torchrun_fault_tolerance", "04_multinode"],
 }
 # Helpers of the same name that differ from the steps' copy on purpose, and why.
 FORKED_HELPERS = {
-    "05_mingpt/snapshot.py": "snapshots on any fsspec URL (S3) and sharded DCP snapshots; "
-                             "rng_state/set_rng_state take the device (the CUDA RNG of this "
-                             "rank's GPU); layouts per strategy, keep_last, storage errors "
-                             "as one line",
-    "05_mingpt/faults.py": "counts optimizer steps rather than epochs, and can also crash in "
-                           "the middle of a snapshot save (FAULT_AT_SAVE)",
+    "05_mingpt/mingpt/snapshot.py": "snapshots on any fsspec URL (S3) and sharded DCP "
+                                    "snapshots; rng_state/set_rng_state take the device (the "
+                                    "CUDA RNG of this rank's GPU); layouts per strategy, "
+                                    "keep_last, storage errors as one line",
+    "05_mingpt/mingpt/faults.py": "counts optimizer steps rather than epochs, and can also "
+                                  "crash in the middle of a snapshot save (FAULT_AT_SAVE)",
 }
 # Changed lines (added + removed, blank lines not counted) of train.py against the previous
 # step: STYLE.md allows about 60 per step, and step 03, whose README splits its diff into two
@@ -54,7 +54,7 @@ def test_copied_helpers_are_identical(helper):
 
 
 SOURCES = sorted(p for folder in [*STEPS, "05_mingpt", "notebooks"]
-                 for p in (REPO / folder).glob("*.py"))
+                 for p in (REPO / folder).rglob("*.py") if "runs" not in p.parts)
 
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(REPO)))
@@ -69,7 +69,7 @@ def test_comment_lines_are_at_least_a_tenth(path):
 
 
 def test_every_helper_is_a_copy_or_a_recorded_fork():
-    folders = [*STEPS, "05_mingpt"]
+    folders = [*STEPS, "05_mingpt/mingpt"]
     for helper, copies in COPIED_HELPERS.items():
         for folder in folders:
             path = f"{folder}/{helper}"

@@ -146,8 +146,8 @@ def test_mingpt_fsdp_built_on_meta_holds_the_plain_weights_on_the_gpu(cpu_offloa
             torch.manual_seed(0)
             with torch.device("meta"):
                 model = m["model"].GPT(config)
-            model = m["parallelize"].parallelize(model, device, "fsdp", cpu_offload=cpu_offload)
-            m["parallelize"].init_sharded(model, device, cpu_offload)
+            model = m["parallel"].parallelize(model, device, "fsdp", cpu_offload=cpu_offload)
+            m["fsdp"].init_sharded(model, device, cpu_offload)
             for a, b in zip(model.parameters(), reference.parameters(), strict=True):
                 local = a.to_local()  # one rank: its shard is the whole parameter
                 assert local.device.type == ("cpu" if cpu_offload else "cuda")
@@ -220,15 +220,14 @@ def test_mingpt_dp_replicas_compute_in_bf16_and_count_every_gpu(tmp_path):
     bf16 run; and MFU and peak memory counted GPU 0 only."""
     mods_dir = copy_mingpt(tmp_path)
     with mingpt_imported() as m:
-        p = m["parallelize"]
         dtypes = []
         layer = torch.nn.Linear(8, 8).cuda()
         layer.register_forward_hook(lambda mod, args, out: dtypes.append(out.dtype))
-        model = p.DataParallel(layer)
+        model = m["dp"].DataParallel(layer)
         with m["precision"].autocast(torch.device("cuda"), "bf16"):
             model(torch.ones(2 * GPUS, 8, device="cuda"))
         assert set(dtypes) == {torch.bfloat16} and len(dtypes) == GPUS, dtypes
-        assert len(p.local_devices(model, torch.device("cuda"))) == GPUS
+        assert len(m["common"].local_devices(model, torch.device("cuda"))) == GPUS
     proc = run([PYTHON, "main.py", *tiny("run_name=dp", "trainer_config.distributed_method=dp",
                                          "trainer_config.precision=bf16")],
                cwd=mods_dir, CUDA_VISIBLE_DEVICES=VISIBLE)

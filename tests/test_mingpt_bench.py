@@ -1,4 +1,4 @@
-"""05_mingpt/bench.py as a user runs it, on a tiny model: what it measures and writes adds up.
+"""05_mingpt/bench/bench.py as a user runs it, on a tiny model: what it measures adds up.
 
 The speed figures themselves are not asserted (a busy 2-core machine makes them noise); the
 README quotes a full run. These tests check the bookkeeping behind them: the rounds, the
@@ -19,7 +19,7 @@ def mingpt(tmp_path_factory):
 
 
 def test_bench_times_the_trainer_and_the_bare_loop_per_strategy(mingpt):
-    proc = run([PYTHON, "bench.py", "--runs", "ddp:1", "fsdp:2", "--preset", "gpt-nano",
+    proc = run([PYTHON, "bench/bench.py", "--runs", "ddp:1", "fsdp:2", "--preset", "gpt-nano",
                 "--block_size", "32", "--batch_size", "8", "--steps", "6", "--warmup", "2",
                 "--rounds", "2", "--out", "bench/tiny"], cwd=mingpt)
     info = json.loads((mingpt / "bench/tiny.json").read_text())
@@ -53,7 +53,7 @@ def test_bench_times_the_trainer_and_the_bare_loop_per_strategy(mingpt):
 
 def test_bench_quality_times_main_py_to_every_validation(mingpt):
     overrides = tiny("trainer_config.eval_every=5", "run_name=quality")
-    proc = run([PYTHON, "bench.py", "--quality", "--out", "bench/quality", "--", *overrides],
+    proc = run([PYTHON, "bench/bench.py", "--quality", "--out", "bench/quality", "--", *overrides],
                cwd=mingpt)
     info = json.loads((mingpt / "bench/quality.json").read_text())
     curve = info["curve"]  # (seconds since start, step, val loss) per validation

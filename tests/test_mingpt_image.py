@@ -1,4 +1,4 @@
-"""05_mingpt/image_dataset.py on a small CIFAR-10 in the official on-disk layout (offline)."""
+"""05_mingpt/mingpt/data/image.py on a small CIFAR-10 in the official on-disk layout (offline)."""
 import importlib.util
 import json
 import math
@@ -19,17 +19,8 @@ from mingpt_helpers import mingpt_imported, script_in_process
 MINGPT = REPO / "05_mingpt"
 
 
-def _load_image_module():
-    # Loaded by path under its own name, like the model tests do with model.py.
-    spec = importlib.util.spec_from_file_location("mingpt_image_dataset",
-                                                  MINGPT / "image_dataset.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-im = _load_image_module()
+sys.path.insert(0, str(MINGPT))  # as 05's scripts import it
+im = importlib.import_module("mingpt.data.image")
 PALETTE = 32  # 32 colours for 8 base colours: several per colour group
 
 

@@ -52,12 +52,12 @@ def plain_gpt(m, seed: int = 0, **config) -> torch.nn.Module:
 
 def meta_fsdp_gpt(m, seed: int = 0, checkpointing: bool = False, **config) -> torch.nn.Module:
     """The same GPT as main.py builds it for fsdp: on meta, sharded, then init_sharded."""
-    p = m["parallelize"]
+    parallel = m["parallel"]
     torch.manual_seed(seed)
     with torch.device("meta"):
         model = m["model"].GPT(m["model"].GPTConfig(**(CONFIG | config)))
-    model = p.parallelize(model, CPU, "fsdp", activation_checkpointing=checkpointing)
-    p.init_sharded(model, CPU)
+    model = parallel.parallelize(model, CPU, "fsdp", activation_checkpointing=checkpointing)
+    parallel.fsdp.init_sharded(model, CPU)
     return model
 
 
@@ -115,13 +115,13 @@ def test_init_weights_fill_sees_every_parameter_in_a_fixed_order(m):
 
 def test_model_state_bytes_counts_parameters_gradients_and_adamw_state(m, group):
     metrics, model_size = m["metrics"], m["model_size"]
-    model = m["parallelize"].parallelize(plain_gpt(m), CPU, "ddp")
-    optimizer = torch.optim.AdamW(m["parallelize"].unwrap(model).optim_groups(0.1))
+    model = m["parallel"].parallelize(plain_gpt(m), CPU, "ddp")
+    optimizer = torch.optim.AdamW(m["common"].unwrap(model).optim_groups(0.1))
     assert metrics.model_state_bytes(model, optimizer)["gradients"] == 0  # none before backward
     model(*batch(1))[1].backward()
     optimizer.step()
     counted = metrics.model_state_bytes(model, optimizer)
-    n = m["parallelize"].unwrap(model).num_params()  # the tied weight once
+    n = m["common"].unwrap(model).num_params()  # the tied weight once
     n_tensors = len(list(model.parameters()))
     assert counted == {"parameters": 4 * n, "gradients": 4 * n,
                        "optimizer": 8 * n + 4 * n_tensors}  # two fp32 moments, a scalar step
@@ -176,11 +176,8 @@ def test_model_size_memory_table_shows_what_each_strategy_saves(m, capsys):
 # --- two ranks: local shards against model_size's formulas ------------------------------------
 
 def available_methods(m) -> list[str]:
-    """ddp and fsdp, and zero and tp where parallelize.py offers them (build_optimizer)."""
-    methods = ["ddp", "fsdp"]
-    if hasattr(m["parallelize"], "build_optimizer"):
-        methods += [s for s in ("zero", "tp") if s in m["config"].DISTRIBUTED_METHODS]
-    return methods
+    """The strategies whose per-rank memory model_size.py predicts, as the config lists them."""
+    return [s for s in ("ddp", "fsdp", "zero", "tp") if s in m["config"].DISTRIBUTED_METHODS]
 
 
 def _two_rank_worker(rank: int, store_path: str, out_dir: str, methods: list[str]) -> None:
@@ -191,9 +188,9 @@ def _two_rank_worker(rank: int, store_path: str, out_dir: str, methods: list[str
     # Only the modules these checks use (a fresh process: nothing to put back afterwards);
     # the trainer's TensorBoard and hydra imports would double the start-up time.
     sys.path.insert(0, str(MINGPT))
-    m = {name: importlib.import_module(name)
-         for name in ("model", "parallelize", "metrics", "model_size")}
-    p, metrics, model_size = m["parallelize"], m["metrics"], m["model_size"]
+    m = {name.rpartition(".")[2]: importlib.import_module(name) for name in (
+        "mingpt.model", "mingpt.parallel", "mingpt.optim", "mingpt.metrics", "model_size")}
+    metrics, model_size = m["metrics"], m["model_size"]
     result: dict = {"methods": methods}
     reference = plain_gpt(m, seed=5)
     result["n"] = reference.num_params()
@@ -201,7 +198,7 @@ def _two_rank_worker(rank: int, store_path: str, out_dir: str, methods: list[str
     for method in result["methods"]:
         kwargs = {"tp_size": 2} if method == "tp" else {}  # both ranks in one TP group
         model = meta_fsdp_gpt(m, seed=5) if method == "fsdp" else \
-            p.parallelize(plain_gpt(m, seed=5), CPU, method, **kwargs)
+            m["parallel"].parallelize(plain_gpt(m, seed=5), CPU, method, **kwargs)
         if method == "fsdp":
             result["bitwise"] = all(torch.equal(a.full_tensor(), b) for a, b in
                                     zip(model.parameters(), reference.parameters(), strict=True))
@@ -211,10 +208,7 @@ def _two_rank_worker(rank: int, store_path: str, out_dir: str, methods: list[str
                  list(model_size.local_shape(name, tuple(b.shape), "fsdp", 2, 1, rank))]
                 for (name, a), b in zip(model.named_parameters(), shapes.parameters(),
                                         strict=True)]
-        if hasattr(p, "build_optimizer"):  # ZeroRedundancyOptimizer for zero
-            optimizer = p.build_optimizer(model, method, 1e-3)
-        else:
-            optimizer = torch.optim.AdamW(p.unwrap(model).optim_groups(0.1), lr=1e-3)
+        optimizer = m["optim"].build_optimizer(model, method, 1e-3)  # zero: ZeRO's own
         x, y = batch(7 + (0 if method == "tp" else rank))  # a TP group shares its batch
         model(x, y)[1].backward()
         optimizer.step()

@@ -14,16 +14,8 @@ from mingpt_helpers import mingpt_imported, script_in_process
 MINGPT = REPO / "05_mingpt"
 
 
-def _load_model_module():
-    # Load by path under a unique name: other steps' folders may have their own `model.py`.
-    spec = importlib.util.spec_from_file_location("mingpt_model", MINGPT / "model.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look the module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-M = _load_model_module()
+sys.path.insert(0, str(MINGPT))  # as 05's scripts import it
+M = importlib.import_module("mingpt.model")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -270,7 +262,7 @@ def test_num_params_and_flops():
 
 
 def test_model_file_has_no_distributed_imports():
-    tree = ast.parse((MINGPT / "model.py").read_text())
+    tree = ast.parse((MINGPT / "mingpt/model.py").read_text())
     imported = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):

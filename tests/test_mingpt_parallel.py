@@ -60,7 +60,7 @@ def full(t: torch.Tensor) -> torch.Tensor:
 # --- lr_factor --------------------------------------------------------------------------------
 
 def test_lr_factor_warms_up_then_follows_the_cosine_down_to_min_lr_ratio(m):
-    lr = m["trainer"].lr_factor
+    lr = m["optim"].lr_factor
     f = [lr(s, warmup_steps=4, max_steps=14, min_lr_ratio=0.1) for s in range(20)]
     assert f[:4] == [0.25, 0.5, 0.75, 1.0]  # linear, and never 0: step 0 already learns
     assert f[4] == 1.0  # the peak where the decay starts
@@ -79,9 +79,9 @@ def test_one_process_trains_the_plain_model_without_ddp(m, group):
     # DDP over a group of one only costs time (bench.py); two ranks get DDP (below).
     for method in ("ddp", "zero"):
         plain = tiny_gpt(m)
-        model = m["parallelize"].parallelize(plain, CPU, method)
-        assert model is plain and m["parallelize"].unwrap(model) is plain
-    optimizer = m["parallelize"].build_optimizer(model, "ddp", lr=1e-3)
+        model = m["parallel"].parallelize(plain, CPU, method)
+        assert model is plain and m["common"].unwrap(model) is plain
+    optimizer = m["optim"].build_optimizer(model, "ddp", lr=1e-3)
     assert optimizer.defaults["fused"] is True  # one kernel for every parameter's update
 
 
@@ -90,9 +90,9 @@ def test_compile_takes_the_whole_model_for_ddp_and_each_block_for_fsdp(m, group)
     def compiled(module: torch.nn.Module) -> bool:
         return module._compiled_call_impl is not None
 
-    model = m["parallelize"].parallelize(tiny_gpt(m), CPU, "ddp", compile=True)
+    model = m["parallel"].parallelize(tiny_gpt(m), CPU, "ddp", compile=True)
     assert compiled(model) and not any(compiled(block) for block in model.blocks)
-    model = m["parallelize"].parallelize(tiny_gpt(m), CPU, "fsdp", compile=True)
+    model = m["parallel"].parallelize(tiny_gpt(m), CPU, "fsdp", compile=True)
     assert not compiled(model) and all(compiled(block) for block in model.blocks)
     # In place: the parameter names (and so the snapshots) are those of the plain model.
     names = [name for name, _ in model.named_parameters()]
@@ -100,10 +100,10 @@ def test_compile_takes_the_whole_model_for_ddp_and_each_block_for_fsdp(m, group)
 
 
 def test_fsdp_shards_every_block_and_the_root(m, group):
-    model = m["parallelize"].parallelize(tiny_gpt(m), CPU, "fsdp")
+    model = m["parallel"].parallelize(tiny_gpt(m), CPU, "fsdp")
     assert isinstance(model, FSDPModule)
     assert all(isinstance(block, FSDPModule) for block in model.blocks)
-    assert m["parallelize"].unwrap(model) is model
+    assert m["common"].unwrap(model) is model
     params = dict(model.named_parameters())
     assert params and all(isinstance(p, DTensor) for p in params.values()), [
         name for name, p in params.items() if not isinstance(p, DTensor)]
@@ -114,19 +114,19 @@ def test_fsdp_shards_every_block_and_the_root(m, group):
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_wrapped_model_computes_the_plain_models_loss_and_gradients(m, group, method,
                                                                     checkpointing):
-    p = m["parallelize"]
     plain = tiny_gpt(m)
-    model = p.parallelize(copy.deepcopy(plain), CPU, method,
-                          activation_checkpointing=checkpointing)
+    model = m["parallel"].parallelize(copy.deepcopy(plain), CPU, method,
+                                      activation_checkpointing=checkpointing)
     # The wrapper hides itself from state_dict keys, so snapshots load with and without it.
-    assert list(p.unwrap(model).state_dict()) == list(plain.state_dict())
+    assert list(m["common"].unwrap(model).state_dict()) == list(plain.state_dict())
     x, y = batch(1)
     _, expected = plain(x, y)
     _, loss = model(x, y)
     torch.testing.assert_close(loss, expected, rtol=0, atol=1e-6)
     expected.backward()
     loss.backward()
-    for (name, a), b in zip(p.unwrap(model).named_parameters(), plain.parameters(), strict=True):
+    unwrapped = m["common"].unwrap(model)
+    for (name, a), b in zip(unwrapped.named_parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(full(a.grad), b.grad, rtol=0, atol=1e-6, msg=name)
 
 
@@ -134,7 +134,7 @@ def test_fsdp_bf16_computes_in_bf16_and_keeps_fp32_shards(m, group):
     policy = m["precision"].fsdp_policy("bf16")
     assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
     assert m["precision"].fsdp_policy("fp32") is None  # FSDP's default: no casts
-    model = m["parallelize"].parallelize(tiny_gpt(m), CPU, "fsdp", precision="bf16")
+    model = m["parallel"].parallelize(tiny_gpt(m), CPU, "fsdp", precision="bf16")
     states = [module._get_fsdp_state() for module in model.modules()
               if isinstance(module, FSDPModule)]
     assert len(states) == 3  # two blocks and the root
@@ -142,15 +142,15 @@ def test_fsdp_bf16_computes_in_bf16_and_keeps_fp32_shards(m, group):
     assert {param.dtype for param in model.parameters()} == {torch.float32}  # what AdamW updates
     logits, _ = model(*batch(1))
     assert logits.dtype == torch.bfloat16
-    fp32 = m["parallelize"].parallelize(tiny_gpt(m), CPU, "fsdp", precision="fp32")
+    fp32 = m["parallel"].parallelize(tiny_gpt(m), CPU, "fsdp", precision="fp32")
     assert fp32(*batch(1))[0].dtype == torch.float32
 
 
 # --- set_grad_sync (one rank: the switches; two ranks: the gradients, further down) ----------
 
 def test_set_grad_sync_uses_ddp_no_sync_for_one_micro_step(m, group):
-    set_grad_sync = m["parallelize"].set_grad_sync
-    model = m["parallelize"].apply_ddp(tiny_gpt(m), CPU)  # parallelize: DDP from 2 ranks on
+    set_grad_sync = m["common"].set_grad_sync
+    model = m["ddp"].wrap(tiny_gpt(m), CPU)  # parallelize: DDP from 2 ranks on
     assert model.require_backward_grad_sync
     with set_grad_sync(model, sync=False):
         assert not model.require_backward_grad_sync  # this backward skips the all-reduce
@@ -160,8 +160,8 @@ def test_set_grad_sync_uses_ddp_no_sync_for_one_micro_step(m, group):
 
 
 def test_set_grad_sync_switches_fsdp_gradient_reduction_until_changed(m, group):
-    set_grad_sync = m["parallelize"].set_grad_sync
-    model = m["parallelize"].parallelize(tiny_gpt(m), CPU, "fsdp")
+    set_grad_sync = m["common"].set_grad_sync
+    model = m["parallel"].parallelize(tiny_gpt(m), CPU, "fsdp")
     groups = [module._get_fsdp_state()._fsdp_param_group for module in model.modules()
               if isinstance(module, FSDPModule)]
     assert len(groups) == 3 and all(g.reduce_grads for g in groups)
@@ -188,7 +188,6 @@ def _two_rank_worker(rank: int, store_path: str, out_dir: str) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank,
                             world_size=2, timeout=timedelta(seconds=60))
     with mingpt_imported() as m:
-        p = m["parallelize"]
         micro = [batch(10 + rank), batch(20 + rank)]  # each rank its own data
         plain = tiny_gpt(m)
         for x, y in micro:
@@ -204,16 +203,16 @@ def _two_rank_worker(rank: int, store_path: str, out_dir: str) -> None:
         result = {}
         for method in ("ddp", "fsdp"):
             plain_model = tiny_gpt(m)
-            model = p.parallelize(plain_model, CPU, method)
+            model = m["parallel"].parallelize(plain_model, CPU, method)
             if method == "ddp":  # wrapped, and unwrap gives the model back
-                assert isinstance(model, DDP) and p.unwrap(model) is plain_model
+                assert isinstance(model, DDP) and m["common"].unwrap(model) is plain_model
                 # The "module." prefix is why snapshots save unwrap(model)'s state dict.
                 assert list(model.state_dict())[0].startswith("module.")
-            with p.set_grad_sync(model, sync=False):
+            with m["common"].set_grad_sync(model, sync=False):
                 model(*micro[0])[1].backward()
             grads = [full(g.grad).flatten() for g in model.parameters() if g.grad is not None]
             before = gathered(torch.cat(grads)) if grads else None
-            with p.set_grad_sync(model, sync=True):
+            with m["common"].set_grad_sync(model, sync=True):
                 model(*micro[1])[1].backward()
             after = gathered(torch.cat([full(g.grad).flatten() for g in model.parameters()]))
             result[method] = {
@@ -302,8 +301,8 @@ def test_data_keys_outside_match_keys_are_ignored(m):
 
 def trained(m, method: str, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """A wrapped tiny GPT and its AdamW after one step, so the optimizer has state to save."""
-    model = m["parallelize"].parallelize(tiny_gpt(m, seed), CPU, method)
-    optimizer = torch.optim.AdamW(m["parallelize"].unwrap(model).optim_groups(0.1), lr=1e-2)
+    model = m["parallel"].parallelize(tiny_gpt(m, seed), CPU, method)
+    optimizer = torch.optim.AdamW(m["common"].unwrap(model).optim_groups(0.1), lr=1e-2)
     model(*batch(seed))[1].backward()
     optimizer.step()
     optimizer.zero_grad()

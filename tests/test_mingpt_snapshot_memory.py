@@ -74,16 +74,16 @@ def _qkv_worker(rank: int, out: str) -> None:
                             world_size=2, timeout=timedelta(seconds=120))
     x = torch.randint(0, 11, (2, 8), generator=torch.Generator().manual_seed(1))
     result = {}
-    with mingpt_imported("tensor_parallel") as m:
-        snapshot, tp = m["snapshot"], m["tensor_parallel"]
+    with mingpt_imported() as m:
+        snapshot, tp = m["snapshot"], m["tensor"]
         from torch.distributed.checkpoint import FileSystemWriter, save  # noqa: PLC0415
         from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: PLC0415
 
         def trained(seed: int, method: str) -> tuple:
             torch.manual_seed(seed)
-            model = m["parallelize"].parallelize(m["model"].GPT(m["model"].GPTConfig(**CONFIG)),
+            model = m["parallel"].parallelize(m["model"].GPT(m["model"].GPTConfig(**CONFIG)),
                                                  CPU, method, tp_size=2)
-            optimizer = m["parallelize"].build_optimizer(model, method, lr=1e-2)
+            optimizer = m["optim"].build_optimizer(model, method, lr=1e-2)
             model(x, x)[1].backward()  # the same batch on both ranks
             optimizer.step()
             return model, optimizer
@@ -127,7 +127,7 @@ def _qkv_worker(rank: int, out: str) -> None:
             snapshot.load_sharded(old, again, again_optimizer)
             # The global weights (collective), for the parent's single-process load.
             weights = {}
-            for key, value in m["parallelize"].unwrap(model).state_dict().items():
+            for key, value in m["common"].unwrap(model).state_dict().items():
                 value = tp.whole_strided(value)
                 weights[key] = value.full_tensor() if isinstance(value, DTensor) else value
             if rank == 0:
@@ -174,7 +174,7 @@ def test_tp_snapshots_load_back_and_load_as_before(qkv_runs):
 def test_tp_snapshots_hold_the_global_weights_for_one_process(qkv_runs):
     """sample.py's way (load_sharded_weights, no process group): the global tensors, exact."""
     out, _ = qkv_runs
-    with mingpt_imported("tensor_parallel") as m:
+    with mingpt_imported() as m:
         for method in ("tp", "fsdp_tp"):
             weights = torch.load(out / f"{method}.pt")
             model = m["model"].GPT(m["model"].GPTConfig(**CONFIG))
@@ -189,7 +189,7 @@ def test_qkv_rows_tile_the_global_tensor(n_embd, tp_size, dp_size):
     """Rank (dp, tp)'s runs read back, from the global rows, exactly the rows it holds: TP's
     slice [q_r; k_r; v_r] (each n_embd / tp rows), cut by FSDP as torch.chunk cuts it (uneven
     chunks and empty ones included); together the ranks cover every row once."""
-    with mingpt_imported("tensor_parallel") as m:
+    with mingpt_imported() as m:
         rows = torch.arange(3 * n_embd)
         part = n_embd // tp_size
         covered = []
@@ -199,7 +199,7 @@ def test_qkv_rows_tile_the_global_tensor(n_embd, tp_size, dp_size):
             chunks = torch.chunk(tp_slice, dp_size)
             for d in range(dp_size):
                 held = chunks[d] if d < len(chunks) else rows[:0]
-                runs = m["tensor_parallel"].qkv_rows(3 * n_embd, t, tp_size, d, dp_size)
+                runs = m["tensor"].qkv_rows(3 * n_embd, t, tp_size, d, dp_size)
                 read = torch.zeros_like(held)
                 for local, first, size in runs:
                     read[local:local + size] = rows[first:first + size]
@@ -276,13 +276,13 @@ def test_a_resumed_run_keeps_no_view_of_the_snapshot_file(group, tmp_path, metho
     load_state_dict kept as it was (AdamW's moments on the CPU) and returns copies of the
     RNG states: once it returns the file is no longer mapped, and every value came back."""
     with mingpt_imported() as m:
-        snapshot, parallelize = m["snapshot"], m["parallelize"]
+        snapshot, optim = m["snapshot"], m["optim"]
         x = torch.randint(0, 11, (2, 8), generator=torch.Generator().manual_seed(1))
 
         def trained(seed: int) -> tuple:
             torch.manual_seed(seed)
             model = m["model"].GPT(m["model"].GPTConfig(**CONFIG))
-            optimizer = parallelize.build_optimizer(model, method, lr=1e-2)
+            optimizer = optim.build_optimizer(model, method, lr=1e-2)
             model(x, x)[1].backward()
             optimizer.step()
             return model, optimizer

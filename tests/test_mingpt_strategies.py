@@ -74,7 +74,7 @@ def configure(m: dict, args: list[str], base: dict = {}) -> DictConfig:  # noqa:
 
 def full(m: dict, t: torch.Tensor) -> torch.Tensor:
     """The global tensor; TP's q/k/v under FSDP need tensor_parallel's own gather."""
-    t = m["tensor_parallel"].whole_strided(t)
+    t = m["tensor"].whole_strided(t)
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
@@ -95,7 +95,7 @@ def fit(m: dict, args: list[str]) -> tuple[str, dict]:
         trainer.train()
     # Collective for DTensors (tp, fsdp): every rank gathers each whole tensor in turn.
     weights = {k: full(m, v).clone()
-               for k, v in m["parallelize"].unwrap(model).state_dict().items()}
+               for k, v in m["common"].unwrap(model).state_dict().items()}
     return log.getvalue(), weights
 
 
@@ -104,7 +104,7 @@ def _worker(rank: int, store: str, out: str, text: str) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,
                             timeout=timedelta(seconds=120))
     out_dir, result = Path(out), {}
-    with mingpt_imported("main", "tensor_parallel") as m:
+    with mingpt_imported("main") as m:
         for method in METHODS:
             whole, half = out_dir / f"{method}_whole", out_dir / f"{method}_half"
             log, weights = fit(m, overrides(method, whole, text, STEPS))
@@ -149,7 +149,7 @@ def mesh_errors(m: dict) -> dict[str, str]:
         gpt = model.GPT(model.GPTConfig(model_type=None, n_layer=1, n_head=n_head,
                                         n_embd=8 * n_head, vocab_size=5, block_size=4))
         try:
-            m["parallelize"].parallelize(gpt, CPU, method, tp_size=tp_size)
+            m["parallel"].parallelize(gpt, CPU, method, tp_size=tp_size)
         except ValueError as e:
             errors[name] = str(e)
     return errors
@@ -209,7 +209,7 @@ def test_snapshots_load_into_another_strategy_of_their_layout(spawned):
 
 def test_sample_loads_every_strategys_snapshot(spawned):
     out, _ = spawned
-    with mingpt_imported("tensor_parallel") as m:
+    with mingpt_imported() as m:
         for method in METHODS:
             weights = torch.load(out / f"{method}.pt")
             model, meta = m["sample"].load_model(str(out / f"{method}_whole/snapshot"), CPU)
@@ -247,7 +247,7 @@ def test_mesh_errors_are_one_line(spawned):
      "trainer_config.tp_size must be an integer >= 0 (0: every rank), got -1"),
 ])
 def test_config_refuses_tp_sizes_that_do_not_fit(args, message):
-    with mingpt_imported("tensor_parallel") as m:
+    with mingpt_imported() as m:
         with pytest.raises(ValueError) as e:
             m["config"].load(tiny(*args))
     assert str(e.value) == message
@@ -265,7 +265,7 @@ def test_dp_says_why_it_cannot_run(monkeypatch, args, env, message):
         pytest.skip("the process-count check follows the GPU check; needs a CUDA GPU")
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    with mingpt_imported("tensor_parallel") as m:
+    with mingpt_imported() as m:
         with pytest.raises(ValueError) as e:
             m["config"].load(tiny("trainer_config.distributed_method=dp", *args))
     assert str(e.value).startswith("distributed_method=dp ") and str(e.value).endswith(message)
@@ -284,11 +284,11 @@ def group():
 
 def test_dp_refuses_a_cpu_model_where_the_config_was_not_checked(group):
     """parallelize's own check, for callers that skip config.py (notebooks, tests)."""
-    with mingpt_imported("tensor_parallel") as m:
+    with mingpt_imported() as m:
         gpt = m["model"].GPT(m["model"].GPTConfig(model_type=None, n_layer=1, n_head=2,
                                                   n_embd=8, vocab_size=5, block_size=4))
         with pytest.raises(ValueError) as e:
-            m["parallelize"].parallelize(gpt, CPU, "dp")
+            m["parallel"].parallelize(gpt, CPU, "dp")
     assert str(e.value) == ("distributed_method=dp (nn.DataParallel) splits each batch across "
                             "CUDA GPUs and needs at least one; on the CPU use ddp")
 
@@ -298,13 +298,13 @@ def test_tp_with_activation_checkpointing_computes_the_plain_models_loss_and_gra
                                                                                   method):
     """TP is applied before the checkpoint wrapper (which would hide the submodules its plan
     names), and the sharded model computes what the plain one does."""
-    with mingpt_imported("tensor_parallel") as m:
+    with mingpt_imported() as m:
         torch.manual_seed(0)
         config = m["model"].GPTConfig(model_type=None, n_layer=2, n_head=2, n_embd=16,
                                       vocab_size=11, block_size=8, dropout=0.0)
         plain = m["model"].GPT(config)
         torch.manual_seed(0)
-        model = m["parallelize"].parallelize(m["model"].GPT(config), CPU, method,
+        model = m["parallel"].parallelize(m["model"].GPT(config), CPU, method,
                                              activation_checkpointing=True)
         qkv = [p for name, p in model.named_parameters() if "c_attn" in name]
         assert len(qkv) == 4 and all(isinstance(p, DTensor) for p in qkv)
@@ -317,7 +317,7 @@ def test_tp_with_activation_checkpointing_computes_the_plain_models_loss_and_gra
         for (name, a), b in zip(model.named_parameters(), plain.parameters(), strict=True):
             torch.testing.assert_close(full(m, a.grad), b.grad, rtol=0, atol=1e-6, msg=name)
         # The norm over plain and DTensor gradients (two meshes) equals torch's on the plain.
-        norm = m["parallelize"].clip_grad_norm_(model.parameters(), 1e-3)
+        norm = m["common"].clip_grad_norm_(model.parameters(), 1e-3)
         torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(plain.parameters(),
                                                                         1e-3))
         for a, b in zip(model.parameters(), plain.parameters(), strict=True):
@@ -337,7 +337,7 @@ def test_fsdp_tp_on_a_2x2_mesh_saves_the_global_weights_and_loads_its_shards(tmp
     for rank in range(4):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert result == {"shards_equal": True, "moments_equal": True}, (rank, result)
-    with mingpt_imported("tensor_parallel") as m:
+    with mingpt_imported() as m:
         plain = torch.load(tmp_path / "plain.pt")
         model = m["model"].GPT(m["model"].GPTConfig(**mesh_2x2_worker.CONFIG))
         m["snapshot"].load_sharded_weights(str(tmp_path / "snap"), model)

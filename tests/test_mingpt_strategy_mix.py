@@ -61,7 +61,7 @@ def _worker(rank: int, store: str, out: str, text: str) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,
                             timeout=timedelta(seconds=120))
     out_dir, result = Path(out), {}
-    with mingpt_imported("main", "tensor_parallel") as m:
+    with mingpt_imported("main") as m:
         # (first, then): HALF steps under `first`, then the same run_dir resumed under `then`.
         # With dropout: the resumed tp run must draw one mask per TP group.
         for first, then in (("fsdp", "tp"), ("tp", "fsdp"), ("zero", "zero"), ("tp", "tp")):
@@ -70,7 +70,7 @@ def _worker(rank: int, store: str, out: str, text: str) -> None:
             fit(m, overrides(first, run, text, HALF) + dropout)
             log, model, optimizer = fit(m, overrides(then, run, text, STEPS) + dropout)
             # ln_f is whole on every rank under tp: both ranks must hold the same values.
-            ln_f = m["parallelize"].unwrap(model).ln_f.weight
+            ln_f = m["common"].unwrap(model).ln_f.weight
             ln_f = ln_f.full_tensor() if hasattr(ln_f, "full_tensor") else ln_f.detach()
             both = [torch.empty_like(ln_f) for _ in range(2)]
             dist.all_gather(both, ln_f.contiguous())
@@ -178,11 +178,11 @@ def test_a_replica_thread_computes_in_the_callers_autocast_dtype(m):
 
 
 def test_dataparallel_counts_every_gpu_for_mfu(m):
-    p = m["parallelize"]
-    model = p.DataParallel(nn.Linear(2, 2))  # no GPU here: DataParallel keeps no device ids
-    assert p.local_devices(model, CPU) == [CPU]
+    model = m["dp"].DataParallel(nn.Linear(2, 2))  # no GPU here: DataParallel keeps no device ids
+    assert m["common"].local_devices(model, CPU) == [CPU]
     model.device_ids = [0, 1]  # as on a 2-GPU machine
     cuda = torch.device("cuda")
-    assert p.local_devices(model, cuda) == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    gpus = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert m["common"].local_devices(model, cuda) == gpus
     # One process, two GPUs: the model's FLOP/s over both GPUs' peak, not one.
     assert m["metrics"].mfu(6e9, 1e4, 1e14, devices=2) == pytest.approx(0.3)

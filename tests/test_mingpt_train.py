@@ -261,7 +261,7 @@ def test_changed_schedule_on_resume_is_followed_and_said(main_py):
     assert ("resuming with trainer_config.max_steps 4 -> 10, optimizer_config.lr 0.003 -> 0.001"
             ": the lr schedule follows the new values from step 4 on") in proc.stdout
     with mingpt_imported() as m:  # the lr the new schedule gives after 5 and 10 steps
-        expected = [1e-3 * m["trainer"].lr_factor(s, 2, 10, 0.1) for s in (5, 10)]
+        expected = [1e-3 * m["optim"].lr_factor(s, 2, 10, 0.1) for s in (5, 10)]
     logged = re.findall(r"^step (?:5|10)/10 \| loss [0-9.]+ \| lr ([0-9.e+-]+)", proc.stdout,
                         re.M)
     assert [float(lr) for lr in logged] == [float(f"{lr:.2e}") for lr in expected]

@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 
 from cifar_fixture import HALF_WIDTH, write_cifar10
 from conftest import PYTHON, REPO, run
-from mingpt_helpers import MINGPT_MODULES
+from mingpt_helpers import is_mingpt_module
 
 if TYPE_CHECKING:
     from nbformat import NotebookNode
@@ -65,8 +65,8 @@ def nbutils_imported(notebooks: Path):
     so modules of the same names (the steps', the repository's 05) are untouched."""
     before, path = dict(sys.modules), list(sys.path)
     sys.path.insert(0, str(notebooks))
-    for name in (*MINGPT_MODULES, "launch", "nbutils"):  # any imported from elsewhere
-        sys.modules.pop(name, None)
+    for name in [n for n in sys.modules if is_mingpt_module(n) or n == "nbutils"]:
+        sys.modules.pop(name)  # imported from elsewhere
     try:
         yield importlib.import_module("nbutils")
     finally:
@@ -203,7 +203,7 @@ def test_play_image(checkout):
             contextlib.redirect_stdout(io.StringIO()) as out, torch.random.fork_rng():
         nbutils.train(overrides, run_dir)
         model, meta = nbutils.load_model(run_dir / "snapshot", "cpu")
-        next_token = sys.modules["model"].next_token
+        next_token = sys.modules["mingpt.model"].next_token
         first = torch.tensor([0, 3, 7, 15])
         for kw in ({"do_sample": False}, {"top_k": 5}, {"temperature": 2.0}):
             torch.manual_seed(0)

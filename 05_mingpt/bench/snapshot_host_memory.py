@@ -45,6 +45,8 @@ class AnonPeak(threading.Thread):
         self.peak, self.running = status()["RssAnon"], True
 
     def run(self) -> None:
+        # Polled every millisecond: a short-lived peak between two polls is missed, so the
+        # figure is a lower bound (VmHWM, which the kernel keeps, bounds it from above).
         while self.running:
             self.peak = max(self.peak, status()["RssAnon"])
             time.sleep(0.001)
@@ -61,15 +63,14 @@ def phase(args: argparse.Namespace) -> dict:
     import torch  # noqa: PLC0415  (after the path: the chosen folder's modules)
     import torch.distributed as dist  # noqa: PLC0415
 
-    import parallelize  # noqa: PLC0415
-    import snapshot  # noqa: PLC0415
-    from model import GPT, GPTConfig  # noqa: PLC0415
+    from mingpt import optim, snapshot  # noqa: PLC0415
+    from mingpt.model import GPT, GPTConfig  # noqa: PLC0415
 
     torch.manual_seed(0)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     config = dict(model_type=args.preset, vocab_size=65, block_size=args.block_size)
     model = GPT(GPTConfig(**config))
-    optimizer = parallelize.build_optimizer(model, "ddp", lr=1e-4)
+    optimizer = optim.build_optimizer(model, "ddp", lr=1e-4)
     meta = {"model_config": config, "data_meta": {"kind": "char"}}
     path = str(Path(args.dir) / "snapshot.pt")
     if args.phase == "save":
@@ -81,6 +82,7 @@ def phase(args: argparse.Namespace) -> dict:
                                      **meta})
     else:
         run = lambda: snapshot.load(path, "ddp", model, optimizer, meta, ())  # noqa: E731
+    # The weights' own bytes: the figures are read against them (and against the file size).
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS, from here on
     before, anon = status(), AnonPeak()
@@ -89,6 +91,8 @@ def phase(args: argparse.Namespace) -> dict:
     state = run()
     seconds = time.perf_counter() - start
     anon_peak, after = anon.stop(), status()
+    # peak_growth: VmHWM, which counts mapped file pages (page cache, shared by the ranks of a
+    # node and droppable); anon_*: the process's own memory, which a mapped load avoids.
     if args.phase == "load":  # what came back is what was saved (the file's last tensor)
         assert state["step"] == 1 and all(len(s) == 3 for s in optimizer.state.values())
     dist.destroy_process_group()
@@ -101,6 +105,7 @@ def phase(args: argparse.Namespace) -> dict:
 
 def machine() -> str:
     import torch  # noqa: PLC0415
+    # The model name as lscpu prints it: figures name the machine they come from.
     cpu = platform.processor() or "?"
     with open("/proc/cpuinfo") as f:
         cpu = next((line.split(":", 1)[1].strip() for line in f

@@ -26,13 +26,14 @@ from sklearn.cluster import MiniBatchKMeans
 from torch.utils.data import Dataset
 from torchvision.datasets import CIFAR10
 
-import errors
+from mingpt import ROOT, errors
 
-HERE = Path(__file__).resolve().parent
+HERE = ROOT  # 05_mingpt/: paths in the config are relative to it
 SIDE = 32  # CIFAR-10 images are 32x32 RGB
 SEQ_LEN = SIDE * SIDE  # 1024 tokens per image; the model sees 1023 and predicts the next
 # The data meta keys a snapshot must share with this run to resume: the same colour tokens.
 MATCH_KEYS = ("vocab_size", "palette", "permutation")
+TEXT = False  # decode() gives images (notebooks/play_image.ipynb), not text
 DEFAULTS = {"name": "cifar10", "root": "data/cifar10", "download": True, "check_md5": True,
             "palette_size": 512, "pixels_per_image": 5, "max_train_images": None,
             "max_val_images": None, "permute": False}

@@ -5,7 +5,7 @@ per entry of `self.blocks`) after it is built. The layout and parameter names fo
 (`c_attn`, `c_fc`, `c_proj`, `ln_1`, ...), so GPT-2 weights map onto it one to one (their Conv1D
 weights are stored transposed).
 
-    from model import GPT, GPTConfig
+    from mingpt.model import GPT, GPTConfig
     model = GPT(GPTConfig(model_type="gpt-mini", vocab_size=65, block_size=128))
 """
 import math

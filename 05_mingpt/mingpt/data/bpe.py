@@ -22,7 +22,7 @@ import torch
 from omegaconf import DictConfig
 from torch.utils.data import Dataset
 
-from char_dataset import resolve_path
+from mingpt.data.char import resolve_path
 
 # GPT-2's pre-tokenizer (tiktoken's r50k pattern): text is cut into these pieces, then BPE
 # merges bytes within each piece.
@@ -33,6 +33,7 @@ EOT = "<|endoftext|>"
 KEYS = ("name", "path", "stride")
 # The data meta keys a snapshot must share with this run to resume: the same tokenizer.
 MATCH_KEYS = ("vocab_size", "tokenizer_sha")
+TEXT = True
 
 
 class TokenWindows(Dataset):
@@ -200,3 +201,12 @@ def _tokenizer(spec: str, sha: str | None):
         raise ValueError(f"tokenizer {spec} is not the one the data was prepared with (its "
                          "vocabulary differs)")
     return enc
+
+
+def encode(text: str, meta: dict) -> list[int]:
+    """GPT-2 BPE ids, with the tokenizer the data was prepared with (the snapshot names it)."""
+    return tokenizer(meta).encode_ordinary(text)
+
+
+def decode(ids: list[int], meta: dict) -> str:
+    return tokenizer(meta).decode(ids)  # bytes cut mid-character become U+FFFD

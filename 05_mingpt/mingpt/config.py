@@ -10,11 +10,8 @@ hydra's `@hydra.main` is not used: it prints its own errors over several lines, 
 every rank and writes files from every rank; here nothing is written until the config is valid,
 and only global rank 0 writes (main.py).
 """
-import importlib
 import os
 from dataclasses import dataclass, fields
-from pathlib import Path
-from types import ModuleType
 
 import torch
 from hydra import compose, initialize_config_dir
@@ -27,19 +24,19 @@ from hydra.errors import (
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from model import GPTConfig, resolve_config
-from precision import PRECISIONS
-from tensor_parallel import check_tp
+from mingpt import ROOT
+from mingpt.data import KINDS, data_module
+from mingpt.model import GPTConfig, resolve_config
+from mingpt.parallel import STRATEGIES
+from mingpt.parallel.tensor import check_tp
+from mingpt.precision import PRECISIONS
 
-HERE = Path(__file__).resolve().parent
+HERE = ROOT  # 05_mingpt/: paths in the config are relative to it
 CONFIG_NAME = "gpt2_train_cfg"
-# README "Strategies" says what each buys; parallelize.py has one function per method.
-DISTRIBUTED_METHODS = ("ddp", "fsdp", "zero", "tp", "fsdp_tp", "dp")
-TP_METHODS = ("tp", "fsdp_tp")  # the methods that split each block's matmuls (tp_size)
+# The strategies and the ones that split each block's matmuls (tp_size): parallel.STRATEGIES.
+DISTRIBUTED_METHODS = tuple(STRATEGIES)
+TP_METHODS = tuple(name for name, strategy in STRATEGIES.items() if strategy.tp)
 DEVICES = ("auto", "cpu", "cuda")
-# data_config.name -> the module that reads that data. The only list of data kinds: each module
-# has build_datasets(), check_config() for its own keys, and MATCH_KEYS for resuming.
-DATA_MODULES = {"char": "char_dataset", "cifar10": "image_dataset", "bpe": "bpe_dataset"}
 
 
 @dataclass
@@ -83,11 +80,6 @@ GPT_KEYS = (*(f.name for f in fields(GPTConfig) if f.name != "vocab_size"), "ini
 SECTIONS = {"trainer_config": TrainerConfig, "optimizer_config": OptimizerConfig}
 TOP_LEVEL = ("run_name", "run_dir", "gpt_config", "data_config", "trainer_config",
              "optimizer_config")
-
-
-def data_module(name: str) -> ModuleType:
-    """The module that reads data_config.name's data (imported only when that kind is used)."""
-    return importlib.import_module(DATA_MODULES[name])
 
 
 def _check(ok: bool, key: str, allowed: str, value: object) -> None:
@@ -216,7 +208,7 @@ def validate(cfg: DictConfig) -> None:
     _check(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optimizer_config.betas",
            "two numbers in [0, 1)", list(o.betas))
     data_name = cfg.data_config.get("name") if isinstance(cfg.data_config, DictConfig) else None
-    _check(data_name in DATA_MODULES, "data_config.name", f"one of {', '.join(DATA_MODULES)}",
+    _check(data_name in KINDS, "data_config.name", f"one of {', '.join(KINDS)}",
            data_name)
     data_module(data_name).check_config(cfg.data_config)  # the data module's own keys
     gpt = cfg.gpt_config

@@ -18,8 +18,9 @@ model.py knows nothing of this: its attention derives the local head count from 
 the q/k/v projection it gets (n_embd / tp under TP, n_embd otherwise).
 """
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -27,6 +28,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 from torch.distributed.tensor.placement_types import _StridedShard
+
+from mingpt.parallel.common import wrap_blocks
+from mingpt.parallel.settings import Settings
 
 
 class QKVColwiseParallel(ColwiseParallel):
@@ -186,3 +190,34 @@ def checkpointable(tree: object) -> object:
     if isinstance(tree, dict):
         return {key: checkpointable(value) for key, value in tree.items()}
     return _checkpointable(tree) if _is_qkv(tree) else tree
+
+
+def tp_mesh(device: torch.device, tp_size: int) -> DeviceMesh:
+    """A (dp, tp) mesh: consecutive ranks form a TP group (on one node, the fast links)."""
+    world = dist.get_world_size()
+    tp = tp_size or world  # 0: every rank in one TP group
+    if world % tp:
+        raise ValueError(f"trainer_config.tp_size={tp} must divide the world size {world} "
+                         "(the ranks form world_size / tp_size tensor-parallel groups)")
+    mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    # A flat view over both dimensions (its own process group): a value partial over both,
+    # such as the gradient norm, is then summed by one all-reduce, not one per dimension
+    # (DTensor warns otherwise). Private API, as torchtitan uses it.
+    mesh["dp", "tp"]._flatten("dp_tp")
+    return mesh
+
+
+def apply(model: nn.Module, device: torch.device, s: Settings) -> nn.Module:
+    """tp: every rank in one TP group, each block's matmuls split over all of them."""
+    mesh = tp_mesh(device, s.tp_size)
+    if mesh["dp"].size() > 1:
+        # Pure TP has nothing that would average gradients across TP groups.
+        raise ValueError(f"distributed_method=tp puts every rank in one tensor-parallel group, "
+                         f"so tp_size must be 0 or the world size ({dist.get_world_size()}), "
+                         f"got {s.tp_size}; use fsdp_tp for data parallelism across TP groups")
+    apply_tp(model, mesh["tp"])
+    # Only now: the TP plan names each block's own submodules (attn.c_attn, ...), which the
+    # checkpoint wrapper would hide one level down.
+    wrap_blocks(model, s.activation_checkpointing, s.compile)
+    model.dp_tp_mesh = mesh  # data_parallel() reads it: the trainer deals data out over dp
+    return model

@@ -1,11 +1,11 @@
 """Measure what each strategy costs: step time, tokens/s, MFU, memory, snapshot save and load,
 and the trainer against a bare training loop; JSON, a table and a plot.
 
-    python bench.py                               # CPU: nanoGPT's CPU configuration, 1-2 ranks
-    python bench.py --runs ddp:1 fsdp:2 zero:2 --steps 300
-    python bench.py --preset gpt2 --precision bf16 --compile --block_size 1024 --batch_size 8
-    python bench.py --quality                     # `python main.py` end to end: time to val 1.88
-    python bench.py ... -- gpt_config.dropout=0.1 # main.py overrides after --
+    python bench/bench.py                         # CPU: nanoGPT's CPU configuration, 1-2 ranks
+    python bench/bench.py --runs ddp:1 fsdp:2 zero:2 --steps 300
+    python bench/bench.py --preset gpt2 --precision bf16 --compile --block_size 1024 --batch_size 8
+    python bench/bench.py --quality               # `python main.py` end to end: time to val 1.88
+    python bench/bench.py ... -- gpt_config.dropout=0.1   # main.py overrides after --
 
 Each run (strategy:ranks) has its own processes: `python bench.py --worker` for one rank, as
 `python main.py` runs, or `torchrun --nproc_per_node=N bench.py --worker` for N. A worker builds
@@ -29,7 +29,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+# The scripts and the library live one folder up (05_mingpt/), from wherever this is run.
+HERE = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(HERE))
 RESULT = "BENCH_RESULT "  # the prefix of the worker's one JSON line (rank 0)
 QUALITY = 1.88  # the val loss of nanoGPT's CPU recipe (README: Speed)
 
@@ -96,7 +98,7 @@ def bare_steps(model, optimizer, train_set, t, device, seed: int) -> Iterator[fl
     import torch
     from torch.utils.data import default_collate
 
-    from precision import autocast
+    from mingpt.precision import autocast
 
     # A shuffled order as the trainer's sampler draws one: the same gather cost per batch.
     order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(seed))
@@ -154,11 +156,10 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    import config
     import main
-    import snapshot
-    from metrics import device_name, peak_flops, peak_memory_mb
-    from trainer import Trainer
+    from mingpt import config, snapshot
+    from mingpt.metrics import device_name, peak_flops, peak_memory_mb
+    from mingpt.trainer import Trainer
 
     strategy = args.worker
     # torchrun sets WORLD_SIZE; a plain `python bench.py --worker` is one rank.
@@ -247,7 +248,8 @@ def launch(args: argparse.Namespace, run: str) -> dict | None:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     # Logs and snapshots of a benchmark are scratch: a fresh folder per run, removed after.
     with tempfile.TemporaryDirectory(prefix="bench_") as run_dir:
-        script = ["bench.py", "--worker", strategy, "--run_dir", run_dir, *worker_options(args)]
+        script = ["bench/bench.py", "--worker", strategy, "--run_dir", run_dir,
+                  *worker_options(args)]
         if ranks == 1:  # as `python main.py` runs: one process, no torchrun
             cmd = [sys.executable, *script]
         else:
@@ -414,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     out = HERE / args.out
     out.parent.mkdir(parents=True, exist_ok=True)
-    info = {"command": " ".join(["python", "bench.py", *(argv or sys.argv[1:])]),
+    info = {"command": " ".join(["python", "bench/bench.py", *(argv or sys.argv[1:])]),
             "machine": machine(), "args": vars(args),
             "title": f"{args.preset}, batch {args.batch_size} x {args.block_size}, "
                      f"{args.precision}" + (", compiled" if args.compile else ""),

@@ -4,7 +4,7 @@
     state = snapshot.load(path, "fsdp", model, optimizer, meta, match_keys)  # None: none yet
 
 This module owns every layout; the trainer only gives and takes its own state dict. Two
-layouts, chosen by the distributed method (LAYOUTS):
+layouts, chosen by the distributed method (its `layout` in parallel.STRATEGIES):
 - ddp (also zero, dp): every rank holds the whole model, so global rank 0 writes ONE file at
   `snapshot_path` (model, optimizer, schedule, scaler, step, data position, every rank's RNG,
   configs). ZeRO's optimizer state is spread over the ranks: it is gathered to rank 0 first
@@ -46,15 +46,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from parallelize import keep_own_optimizer_settings, unwrap
-from tensor_parallel import checkpointable
+from mingpt.optim import keep_own_optimizer_settings
+from mingpt.parallel import STRATEGIES
+from mingpt.parallel.common import unwrap
+from mingpt.parallel.tensor import checkpointable
 
 TRAIN_STATE = "train_state.pt"
 LATEST = "latest"
-# distributed_method -> layout: "ddp" one file of whole tensors, "fsdp" a directory of shards.
-# Methods of one layout resume each other's snapshots (DCP reshards between fsdp and TP).
-LAYOUTS = {"ddp": "ddp", "zero": "ddp", "dp": "ddp", "fsdp": "fsdp", "tp": "fsdp",
-           "fsdp_tp": "fsdp"}
 # Model config keys that may differ between a snapshot and the run loading it.
 NOT_ARCHITECTURE = ("model_type", "dropout")
 
@@ -541,7 +539,7 @@ def save(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.O
     rank calls this. `before_commit` runs once all is written and before it becomes the
     snapshot (a fault-injection point). The `keep_last - 1` snapshots before it are kept
     (URL.1, ... for a file; step directories for a sharded snapshot) for a manual roll-back."""
-    if LAYOUTS[method] == "fsdp":
+    if STRATEGIES[method].layout == "fsdp":
         save_sharded(url, state["step"], model, optimizer, state, before_commit, keep_last)
         return
     if isinstance(optimizer, ZeroRedundancyOptimizer):
@@ -562,7 +560,7 @@ def load(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.O
     kind = agreed_kind(url)
     if kind is None:
         return None
-    if kind != LAYOUTS[method]:
+    if kind != STRATEGIES[method].layout:
         raise SnapshotError(f"{url} holds a {kind} snapshot, but distributed_method={method}; "
                             f"use {kind} or another snapshot_path")
     state = load_train_state(url, kind)  # on the CPU

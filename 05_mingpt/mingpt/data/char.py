@@ -4,7 +4,7 @@
     x, y = train[0]  # (block_size,) token ids each; y is x shifted left by one character
 
 The text is read with fsspec, so `data_config.path` may be a local path (relative paths are
-relative to this folder, wherever the command is started) or any URL fsspec knows (s3://...).
+relative to 05_mingpt/, wherever the command is started) or any URL fsspec knows (s3://...).
 """
 from pathlib import Path
 
@@ -13,11 +13,14 @@ import torch
 from omegaconf import DictConfig
 from torch.utils.data import Dataset
 
-HERE = Path(__file__).resolve().parent
+from mingpt import ROOT
+
+HERE = ROOT  # 05_mingpt/: paths in the config are relative to it
 # The keys of data_config for this kind (data_config/char.yaml).
 KEYS = ("name", "path", "train_fraction")
 # The data meta keys a snapshot must share with this run to resume: the same vocabulary.
 MATCH_KEYS = ("vocab_size", "itos")
+TEXT = True
 
 
 class CharDataset(Dataset):
@@ -106,3 +109,16 @@ def build_datasets(data_cfg: DictConfig, block_size: int, seed: int
     meta = {"kind": "char", "vocab_size": len(chars), "block_size": block_size, "itos": chars,
             "path": path}
     return CharDataset(train_tokens, block_size), CharDataset(val_tokens, block_size), meta
+
+
+def encode(text: str, meta: dict) -> list[int]:
+    """Characters to ids with the snapshot's vocabulary; ValueError for one it never saw."""
+    stoi = {ch: i for i, ch in enumerate(meta["itos"])}
+    unknown = sorted(set(text) - set(stoi))
+    if unknown:
+        raise ValueError(f"the prompt has characters the model never saw: {''.join(unknown)!r}")
+    return [stoi[ch] for ch in text]
+
+
+def decode(ids: list[int], meta: dict) -> str:
+    return "".join(meta["itos"][i] for i in ids)

@@ -6,7 +6,6 @@ only global rank 0 prints and writes TensorBoard logs. Its own position in train
 epoch, data position, schedule, scaler, RNG streams) goes in and out through `state_dict()` and
 `load_state_dict()`; `snapshot.py` decides how and where that is stored.
 """
-import math
 import os
 import time
 from functools import partial
@@ -15,15 +14,14 @@ from itertools import islice
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
-from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader, Dataset, Subset
 from torch.utils.data.distributed import DistributedSampler
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
-import snapshot
-from faults import inject_fault
-from metrics import (
+from mingpt import snapshot
+from mingpt.faults import inject_fault
+from mingpt.metrics import (
     device_name,
     mfu,
     model_state_bytes,
@@ -32,11 +30,9 @@ from metrics import (
     print0,
     reset_peak_memory,
 )
-from parallelize import clip_grad_norm_, data_parallel, local_devices, set_grad_sync
-from precision import autocast, grad_scaler
-
-# The settings that shape the lr schedule besides the base lr (LambdaLR saves none of them).
-SCHEDULE_KEYS = ("max_steps", "warmup_steps", "min_lr_ratio")
+from mingpt.optim import SCHEDULE_KEYS, build_scheduler, resume_scheduler
+from mingpt.parallel.common import clip_grad_norm_, data_parallel, local_devices, set_grad_sync
+from mingpt.precision import autocast, grad_scaler
 
 
 def rank_indices(n: int, epoch: int, seed: int, start: int, rank: int, world_size: int
@@ -53,14 +49,6 @@ def rank_indices(n: int, epoch: int, seed: int, start: int, rank: int, world_siz
     sampler = DistributedSampler(range(len(order)), num_replicas=world_size, rank=rank,
                                  shuffle=False, drop_last=True)
     return order[list(sampler)].tolist()
-
-
-def lr_factor(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
-    """Multiplier of the base lr at `step`: linear warmup, then cosine decay to min_lr_ratio."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps  # never 0: the first step already learns a little
-    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
-    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 class NonFiniteLoss(ValueError):
@@ -81,9 +69,7 @@ class Trainer:
         self.devices = local_devices(model, device)
         self.train_set, self.val_set = train_set, val_set
         self.snapshot_meta, self.flops_per_token = snapshot_meta, flops_per_token
-        self.scheduler = LambdaLR(optimizer, partial(
-            lr_factor, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps,
-            min_lr_ratio=cfg.min_lr_ratio))
+        self.scheduler = build_scheduler(optimizer, cfg)
         self.scaler = grad_scaler(device, cfg.precision)
         # An epoch must fill at least one optimizer step, or training would loop forever.
         per_rank, needed = len(train_set) // self.dp_size, cfg.batch_size * cfg.grad_accum_steps
@@ -167,31 +153,13 @@ class Trainer:
         print0(f"resumed from {self.cfg.snapshot_path} at step {self.step} (epoch {self.epoch})")
 
     def _load_schedule(self, state: dict) -> None:
-        """Restore the lr schedule; where the config changed it, follow the new values and say so.
-
-        LambdaLR saves its step count and the base lrs, not the warmup/decay settings behind its
-        function: without this a new max_steps would silently reshape the schedule and a new
-        optimizer_config.lr would silently be replaced by the saved one.
-        """
-        new_lrs = list(self.scheduler.base_lrs)
-        self.scheduler.load_state_dict(state["scheduler"])
-        saved = state["schedule"]
-        changes = [f"trainer_config.{key} {saved[key]} -> {self.cfg[key]}"
-                   for key in SCHEDULE_KEYS if saved[key] != self.cfg[key]]
-        if self.scheduler.base_lrs != new_lrs:
-            changes.append(f"optimizer_config.lr {self.scheduler.base_lrs[0]:g} -> "
-                           f"{new_lrs[0]:g}")
-        if not changes:
-            return  # the saved schedule goes on exactly
-        self.scheduler.base_lrs = new_lrs
-        step = self.scheduler.last_epoch  # optimizer steps taken
-        lr_lambdas = self.scheduler.lr_lambdas
-        for group, base, fn in zip(self.optimizer.param_groups, new_lrs, lr_lambdas, strict=True):
-            group["initial_lr"] = base
-            group["lr"] = base * fn(step)  # as LambdaLR computes it
-        self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
-        print0(f"resuming with {', '.join(changes)}: the lr schedule follows the new values "
-               f"from step {step} on (lr {self.scheduler.get_last_lr()[0]:.2e} now)")
+        """The lr schedule at the saved step; where the config changed it (max_steps, lr),
+        it follows the new values from there on, and says so."""
+        self.scheduler, changes = resume_scheduler(self.optimizer, self.cfg, state)
+        if changes:
+            print0(f"resuming with {', '.join(changes)}: the lr schedule follows the new values "
+                   f"from step {self.scheduler.last_epoch} on (lr "
+                   f"{self.scheduler.get_last_lr()[0]:.2e} now)")
 
     def _save_snapshot(self) -> None:
         # model_config and data_meta go along: enough to rebuild the model and decode its output.

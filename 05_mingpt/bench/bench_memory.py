@@ -1,8 +1,8 @@
 """Measure what one rank holds per strategy, next to model_size.py's prediction; JSON + a plot.
 
-    python bench_memory.py                                   # gpt2-medium sizes, 2 CPU ranks
-    python bench_memory.py --preset gpt-mini --steps 3 --strategies ddp fsdp
-    MALLOC_MMAP_THRESHOLD_=131072 python bench_memory.py     # see README: CPU memory
+    python bench/bench_memory.py                                   # gpt2-medium sizes, 2 CPU ranks
+    python bench/bench_memory.py --preset gpt-mini --steps 3 --strategies ddp fsdp
+    MALLOC_MMAP_THRESHOLD_=131072 python bench/bench_memory.py     # see README: CPU memory
 
 For each strategy it launches `torchrun --nproc_per_node=N bench_memory.py --worker ...`. Every
 worker builds data, model and optimizer with main.py's own load_train_objs (so FSDP is built
@@ -19,7 +19,9 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+# The scripts and the library live one folder up (05_mingpt/), from wherever this is run.
+HERE = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(HERE))
 RESULT = "BENCH_MEMORY_RESULT "  # the prefix of the worker's one JSON line (rank 0)
 
 
@@ -66,10 +68,10 @@ def worker(args: argparse.Namespace, strategy: str) -> None:
     import torch.distributed as dist
     from torch.utils.data import DataLoader
 
-    import config
     import main
-    from metrics import model_state_bytes, peak_memory_mb, reset_peak_memory
-    from trainer import Trainer, rank_indices
+    from mingpt import config
+    from mingpt.metrics import model_state_bytes, peak_memory_mb, reset_peak_memory
+    from mingpt.trainer import Trainer, rank_indices
 
     try:
         cfg = config.load(overrides(args, strategy))
@@ -125,7 +127,7 @@ def predict(args: argparse.Namespace, strategy: str) -> dict[str, int]:
     import torch
 
     import model_size
-    from model import GPT, GPTConfig
+    from mingpt.model import GPT, GPTConfig
 
     # vocab_size 65: the character data main.py trains on by default.
     with torch.device("meta"):
@@ -137,7 +139,7 @@ def predict(args: argparse.Namespace, strategy: str) -> dict[str, int]:
 def launch(args: argparse.Namespace, strategy: str) -> dict | None:
     """Run one strategy's workers; their result, or None (with the reason printed)."""
     torchrun = str(Path(sys.executable).with_name("torchrun"))
-    cmd = [torchrun, "--standalone", f"--nproc_per_node={args.ranks}", "bench_memory.py",
+    cmd = [torchrun, "--standalone", f"--nproc_per_node={args.ranks}", "bench/bench_memory.py",
            "--worker", "--strategies", strategy, *argv_options(args)]
     # One intra-op thread per rank unless told otherwise (torchrun's default too): the ranks
     # share the cores. MALLOC_MMAP_THRESHOLD_, if set, passes on to the workers unchanged.
@@ -238,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     # The allocator setting decides whether freed memory leaves the RSS (README): record it.
     malloc = os.environ.get("MALLOC_MMAP_THRESHOLD_", "glibc default")
-    info = {"command": " ".join(["python", "bench_memory.py", *(argv or sys.argv[1:])]),
+    info = {"command": " ".join(["python", "bench/bench_memory.py", *(argv or sys.argv[1:])]),
             "MALLOC_MMAP_THRESHOLD_": malloc, "machine": os.uname().nodename,
             "cpus": os.cpu_count(), "args": vars(args), "results": results}
     out.with_suffix(".json").write_text(json.dumps(info, indent=1))

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import torch
 
-from model import GPT, PRESETS, SIZE_KEYS, GPTConfig
+from mingpt import ROOT
+from mingpt.model import GPT, PRESETS, SIZE_KEYS, GPTConfig
 
-HERE = Path(__file__).resolve().parent
+HERE = ROOT  # 05_mingpt/: paths in the config are relative to it
 # HF's Conv1D keeps its weight as (in, out); nn.Linear as (out, in): these four are transposed.
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 # Settings of GPT2Config that our model has fixed: any other value computes something else.
@@ -177,7 +178,7 @@ def load_pretrained(model: GPT, source: str) -> None:
 def load_for_sampling(source: str) -> tuple[GPT, dict]:
     """`source` as released (its whole context, no dropout) and a data meta naming its
     tokenizer: the BPE files in its directory, or the cached/tiktoken GPT-2 tokenizer."""
-    from bpe_dataset import load_tokenizer
+    from mingpt.data.bpe import load_tokenizer
 
     hf = hf_config(source)
     where = resolve_source(source)

@@ -1,0 +1,57 @@
+"""The strategies, one module each, and the one registry that names them.
+
+    model = parallelize(GPT(config).to(device), device, "fsdp", precision="bf16")
+    optimizer = optim.build_optimizer(model, "fsdp", lr=3e-3)  # after: FSDP replaces parameters
+
+Each strategy is a module with `apply(model, device, settings)` (ddp.py, fsdp.py, tensor.py,
+fsdp_tp.py, dp.py; zero.py brings an optimizer), and one entry in STRATEGIES below, which the
+config check, the snapshots, model_size.py and the docs read. Order inside every `apply`:
+TP's plan first (it names the blocks' own submodules), then activation checkpointing and
+torch.compile per block (ddp and zero compile the whole model instead), then the wrapper
+(DDP, FSDP, DataParallel). Adding a strategy: README, "Extending".
+"""
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mingpt.parallel import ddp, dp, fsdp, fsdp_tp, tensor, zero
+from mingpt.parallel.settings import Settings
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """How a strategy wraps the model, how its snapshots are laid out, what else it needs."""
+
+    apply: Callable[[nn.Module, torch.device, Settings], nn.Module]
+    # "ddp": every rank holds the whole model, rank 0 writes one file. "fsdp": no rank does,
+    # every rank writes its shards (DCP). Strategies of one layout resume each other's.
+    layout: str
+    summary: str  # one line for the docs and --help
+    tp: bool = False  # splits each block's matmuls over a (dp, tp) mesh: tp_size applies
+    optimizer: Callable[..., torch.optim.Optimizer] | None = None  # None: AdamW
+
+
+STRATEGIES = {
+    "ddp": Strategy(ddp.apply, "ddp", "a whole replica per rank, gradients all-reduced"),
+    "fsdp": Strategy(fsdp.apply, "fsdp",
+                     "parameters, gradients and optimizer state sharded over all ranks"),
+    "zero": Strategy(ddp.apply, "ddp", "ddp, with AdamW's state sharded over the ranks",
+                     optimizer=zero.optimizer),
+    "tp": Strategy(tensor.apply, "fsdp", "every block's matmuls split over all ranks",
+                   tp=True),
+    "fsdp_tp": Strategy(fsdp_tp.apply, "fsdp",
+                        "TP inside groups of tp_size ranks, FSDP across the groups", tp=True),
+    "dp": Strategy(dp.apply, "ddp", "nn.DataParallel: one process drives every GPU"),
+}
+
+
+def parallelize(model: nn.Module, device: torch.device, method: str = "ddp",
+                **settings) -> nn.Module:
+    """`model` wrapped by `method`; its `blocks` (a ModuleList) are the units of wrapping.
+
+    ValueError (one line) where the world size or the model does not fit the method."""
+    if method not in STRATEGIES:
+        raise ValueError(f"unknown distributed_method {method!r}")
+    return STRATEGIES[method].apply(model, device, Settings(**settings))

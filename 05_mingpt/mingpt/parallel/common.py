@@ -1,0 +1,105 @@
+"""What every strategy shares: activation checkpointing and compile per block, the model behind
+a wrapper, the data-parallel rank, gradient clipping across meshes, gradient sync per micro-step.
+
+    wrap_blocks(model, activation_checkpointing=True, compile=False)   # before any wrapper
+    unwrap(model).generate(...)          # the GPT inside DDP / DataParallel
+    dp_rank, dp_size = data_parallel(model)   # the ranks that see different data
+"""
+from collections.abc import Iterable
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    checkpoint_wrapper,
+)
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Replicate
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def wrap_blocks(model: nn.Module, activation_checkpointing: bool, compile: bool) -> None:
+    """Activation checkpointing and compile, per block and in place, before any strategy."""
+    blocks = model.blocks
+    for i, block in enumerate(blocks):
+        if activation_checkpointing:
+            # Keep only each block's input; recompute its activations during backward. The
+            # non-reentrant implementation works with DDP's and FSDP's backward hooks, and the
+            # wrapper hides itself from state_dict keys, so snapshots stay interchangeable.
+            block = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+        if compile:
+            block.compile()  # in place: parameter names (and snapshots) do not change
+        blocks[i] = block
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model whose methods (generate, optim_groups) to call: DDP and DataParallel hide it
+    in `.module`.
+
+    An FSDP2 model is its own root (fully_shard changes the class in place), and must be called
+    through it: its forward hooks gather the sharded parameters. So is a TP model.
+    """
+    return model.module if isinstance(model, DDP | nn.DataParallel) else model
+
+
+def data_parallel(model: nn.Module) -> tuple[int, int]:
+    """(rank, size) among the ranks that see different data: the dp dimension of a TP mesh.
+
+    Every rank of one TP group computes on the same batch (each with its slice of the weights),
+    so samplers, seeds and tokens/s count data-parallel ranks, not processes."""
+    mesh = getattr(unwrap(model), "dp_tp_mesh", None)
+    if mesh is None:
+        return dist.get_rank(), dist.get_world_size()
+    return mesh["dp"].get_local_rank(), mesh["dp"].size()
+
+
+def local_devices(model: nn.Module, device: torch.device) -> list[torch.device]:
+    """The devices this process computes on: every GPU of nn.DataParallel, else `device`.
+
+    MFU and peak memory count these: one dp process keeps N GPUs busy."""
+    if isinstance(model, nn.DataParallel) and model.device_ids:
+        return [torch.device(device.type, index) for index in model.device_ids]
+    return [device]
+
+
+def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """torch's clip_grad_norm_, also for gradients that live on different meshes (TP).
+
+    Under TP some gradients are DTensors (sharded over the TP or the 2-D mesh), others plain
+    replicated tensors (LayerNorms, embeddings), and torch's version refuses to mix them. So
+    the norm is taken per kind, each made global (`full_tensor()` sums a sharded norm over its
+    mesh), and the squares added up."""
+    params = [p for p in parameters if p.grad is not None]
+    kinds: dict = {}  # mesh (None: plain tensors) -> its gradients, in parameter order
+    for p in params:
+        kinds.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None,
+                         []).append(p.grad)
+    if len(kinds) <= 1:  # DDP, FSDP: one kind, torch's own (fused) version
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    norms = []
+    for grads in kinds.values():  # the same order on every rank: the collectives match
+        norm = torch.nn.utils.get_total_norm(grads)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    # As torch computes it, and as a tensor: reading it on the host would sync a GPU per step.
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for mesh, grads in kinds.items():
+        # DTensor gradients take the factor as a DTensor replicated over their own mesh.
+        factor = coef if mesh is None else DTensor.from_local(
+            coef, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        torch._foreach_mul_(grads, factor)
+    return total
+
+
+def set_grad_sync(model: nn.Module, sync: bool) -> AbstractContextManager:
+    """A context for one micro-step: skip the gradient all-reduce unless `sync`.
+
+    DDP has the `no_sync()` context; FSDP2 has a switch that stays set until changed.
+    """
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(sync)
+    if isinstance(model, DDP) and not sync:
+        return model.no_sync()
+    return nullcontext()
