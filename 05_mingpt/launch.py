@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from mingpt.errors import one_line_errors
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -63,16 +65,6 @@ def torchrun_command(nproc: int, max_restarts: int, overrides: list[str]) -> lis
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}",
             str(HERE / "main.py"), *overrides]
-
-
-def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """argparse's errors as one `error:` line and exit status 2, without its usage block (as
-    every other bad input of this folder reads; --help still shows the usage)."""
-    def error(message: str) -> None:
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
-    parser.error = error
-    return parser
 
 
 def main(argv: list[str]) -> None:

@@ -10,31 +10,20 @@ Every key of gpt2_train_cfg.yaml can be overridden as `section.key=value`. Each 
 into runs/<run_name>/ (config.yaml, TensorBoard logs, snapshot); a relaunch with the same
 run_name resumes from its snapshot.
 """
-import gc
 import os
-import platform
-import re
 import sys
-import tempfile
-import traceback
 import warnings
 from contextlib import nullcontext
 from dataclasses import asdict
-from pathlib import Path
 
-import hydra
-import omegaconf
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.device_mesh import DeviceMesh
 
-from mingpt import config, errors, snapshot
+from mingpt import config, distributed, errors, snapshot, storage
 from mingpt.data import data_module
-from mingpt.devices import backend_for, pick_device
 from mingpt.errors import fail
-from mingpt.metrics import print0
+from mingpt.metrics import print0, print_versions
 from mingpt.model import GPT, GPTConfig
 from mingpt.optim import build_optimizer
 from mingpt.parallel import parallelize
@@ -48,31 +37,6 @@ USAGE = """usage: python main.py [--cfg job] [section.key=value ...]
 Overrides change any key of gpt2_train_cfg.yaml (e.g. trainer_config.max_steps=2000);
 data_config=NAME picks data_config/NAME.yaml. --cfg job prints the composed config and exits.
 """
-
-
-def ddp_setup(requested: str, cpu_offload: bool = False) -> torch.device:
-    """Join the process group: torchrun's when launched by it, else a group of one."""
-    device = pick_device(int(os.environ.get("LOCAL_RANK", 0)), requested)
-    if device.type == "cuda":
-        # Before init_process_group: NCCL binds each process to the current GPU.
-        torch.cuda.set_device(device)
-    # CPU offload keeps FSDP's gradients in CPU memory: they need gloo beside NCCL.
-    backend = backend_for(device, cpu_tensors_too=cpu_offload)
-    if "RANK" in os.environ:  # torchrun set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
-        dist.init_process_group(backend)
-    else:
-        # `python main.py`: a one-process group (an in-memory store, no port), so DDP and
-        # FSDP run exactly the code they run under torchrun.
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    return device
-
-
-def print_versions(device: torch.device) -> None:
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
-    print0(f"torch {torch.__version__} | python {platform.python_version()} | hydra "
-           f"{hydra.__version__} | omegaconf {omegaconf.__version__}")
-    print0(f"device {device} ({name or 'cpu'}) | backend {dist.get_backend()} | world size "
-           f"{dist.get_world_size()}")
 
 
 def build_local(cfg: DictConfig, device: torch.device) -> tuple:
@@ -157,8 +121,8 @@ def train(cfg: DictConfig, device: torch.device) -> str | None:
     """Build, resume and train; the message of a data, config or snapshot error, else None.
 
     Everything that holds the process group (DDP or FSDP, the optimizer, the trainer) lives in
-    this frame only, so it is gone once this returns, on either path (see release_group)."""
-    print_versions(device)
+    this frame only, so it is gone once this returns, on either path (distributed.release)."""
+    print_versions(device)  # and the config: a log says what ran
     print0(OmegaConf.to_yaml(cfg).rstrip())
     try:
         model, optimizer, train_set, val_set, data, snapshot_meta, flops = \
@@ -178,23 +142,8 @@ def train(cfg: DictConfig, device: torch.device) -> str | None:
         val_loss = trainer.train()
     except NonFiniteLoss as e:  # stopped before a snapshot could keep nan weights
         return str(e)
-    # A save failed: the disk filled up, or the folder became read-only. DCP (the sharded
-    # layouts) raises CheckpointException, a BaseException that holds each rank's error.
-    except (OSError, CheckpointException) as e:
-        if not any(Path(frame.filename) == Path(snapshot.__file__)
-                   for frame in traceback.extract_tb(e.__traceback__)):
-            raise  # not a save (a data file gone, say): unexpected, so with its traceback
-        error = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
-        reason = error.strerror if isinstance(error, OSError) and error.strerror else \
-            (str(error).strip().splitlines() or [type(error).__name__])[0]
-        # snapshot.py commits by a rename (file) or by rewriting `latest` (directory) only once
-        # everything is written, so the snapshot from before, if any, is intact.
-        url = cfg.trainer_config.snapshot_path
-        # A local disk fills up; an object store's own line already says what to check.
-        fix = "free some space" if "://" not in url else "fix what it says"
-        return (f"cannot save the snapshot to {url} ({reason}); the previous snapshot, if any, "
-                f"is unchanged: {fix} or set trainer_config.snapshot_path, then run again to "
-                "resume")
+    except snapshot.SaveError as e:  # the disk filled up, the folder became read-only, ...
+        return str(e)
     print0(f"final val loss {val_loss:.4f} (run dir {cfg.run_dir})")
     meta = snapshot_meta["data_meta"]
     if data.TEXT and cfg.trainer_config.sample_tokens:
@@ -207,68 +156,22 @@ def train(cfg: DictConfig, device: torch.device) -> str | None:
     return None
 
 
-def release_group() -> None:
-    """Drop every reference to the process group, then destroy it.
-
-    destroy_process_group joins gloo's worker threads only when it drops the group's last
-    reference, and a worker still freeing a collective's tensors as Python exits aborts the
-    finished run. train() has returned, so DDP or FSDP are unreachable; FSDP's modules form
-    reference cycles (freed by gc.collect), and torch's DTensor caches keep every DeviceMesh,
-    whose registry holds the group, alive after the model is gone."""
-    # (type(), not isinstance: gc also finds dead weakref proxies, which isinstance reads)
-    for mesh in [o for o in gc.get_objects() if issubclass(type(o), DeviceMesh)]:
-        getattr(mesh, "_pg_registry", {}).clear()  # private: the mesh's own group references
-    gc.collect()
-    dist.destroy_process_group()
-
-
-def group_error(error: Exception) -> str:
-    """torchrun's worker could not open the store at MASTER_ADDR:MASTER_PORT, as one line."""
-    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    # torch's bind failure spells out port, IPv6 flag and errno: its last words say it all.
-    first = re.sub(r"^.*name: (\w+), message: ", r"\1: ", first)
-    # Rank 0 binds MASTER_PORT (EADDRINUSE: another program has it); other ranks connect to it
-    # (refused or timed out: rank 0's node is unreachable from here, a firewall, a wrong host).
-    return (f"cannot start the process group at MASTER_ADDR:MASTER_PORT {where} ({first}); "
-            "free that port or give torchrun another --rdzv-endpoint / --master-port, and let "
-            "every node reach that host and port")
-
-
-def check_writable(url: str) -> None:
-    """ValueError (one line) unless a local snapshot_path can be written: found before training
-    rather than at the first save, hours in. (s3:// is checked by its first save.)"""
-    if "://" in url:
-        return
-    folder = os.path.dirname(os.path.abspath(url))
-    while not os.path.exists(folder):  # the run directory is created later, by rank 0
-        folder = os.path.dirname(folder)
-    try:
-        # A real file rather than os.access: root passes every permission check but still
-        # cannot write to a read-only filesystem.
-        tempfile.TemporaryFile(dir=folder).close()
-    except OSError as e:
-        raise ValueError(f"trainer_config.snapshot_path {url} cannot be written ({folder}: "
-                         f"{e.strerror or e}); set trainer_config.snapshot_path to a writable "
-                         "path") from None
-
-
 def run(cfg: DictConfig) -> None:
     try:
-        device = ddp_setup(cfg.trainer_config.device, cfg.trainer_config.cpu_offload)
+        device = distributed.setup(cfg.trainer_config.device, cfg.trainer_config.cpu_offload)
     except ValueError as e:
         fail(e)
     except (dist.DistNetworkError, dist.DistStoreError) as e:  # no traceback for a busy port
-        fail(group_error(e))
+        fail(distributed.group_error(e))
     try:
         try:  # each node's own disk: every rank hears of it, before any work (errors.agreed)
-            errors.agreed(check_writable, cfg.trainer_config.snapshot_path)
+            errors.agreed(storage.check_writable, cfg.trainer_config.snapshot_path)
         except ValueError as e:
             error = str(e)
         else:
             error = train(cfg, device)
     finally:
-        release_group()
+        distributed.release()
     if error is not None:
         fail(error)
 

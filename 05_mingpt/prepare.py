@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from mingpt.data.bpe import fingerprint, load_tokenizer
+from mingpt.errors import one_line_errors
 
 # Where a text may be cut into chunks without changing its tokens: after a newline that sits
 # between two visible ASCII characters. GPT-2's pre-tokenizer (bpe_dataset.GPT2_PATTERN) makes
@@ -279,16 +280,6 @@ def prepare(out: str, tokenizer: str = "gpt2", files: list[str] | None = None, d
     _write_json(meta_path, meta)  # the commit point: the .bin files above are complete
     state_path.unlink()
     return meta
-
-
-def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """argparse's errors as one `error:` line and exit status 2, without its usage block (as
-    every other bad input of this folder reads; --help still shows the usage)."""
-    def error(message: str) -> None:
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
-    parser.error = error
-    return parser
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -25,6 +25,7 @@ import torch
 from mingpt import snapshot
 from mingpt.data import data_module
 from mingpt.devices import pick_device
+from mingpt.errors import one_line_errors
 from mingpt.model import GPT, GPTConfig
 
 
@@ -82,16 +83,6 @@ def newest_snapshot() -> str:
                          "--snapshot PATH")
     # By modification time, not by name: run_name can be anything, not only a timestamp.
     return max(found, key=os.path.getmtime)
-
-
-def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """argparse's errors as one `error:` line and exit status 2, without its usage block (as
-    every other bad input of this folder reads; --help still shows the usage)."""
-    def error(message: str) -> None:
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
-    parser.error = error
-    return parser
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

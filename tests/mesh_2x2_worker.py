@@ -21,10 +21,8 @@ CONFIG = dict(model_type=None, n_layer=1, n_head=2, n_embd=8, vocab_size=5, bloc
 def main(rank: int, out: str) -> None:
     torch.set_num_threads(1)
     sys.path.insert(0, str(MINGPT))  # a fresh process: nothing of the steps' modules loaded
-    import parallelize  # noqa: PLC0415  (from 05_mingpt, once the path is set)
-    from model import GPT, GPTConfig  # noqa: PLC0415
-
-    import snapshot  # noqa: PLC0415
+    from mingpt import optim, parallel, snapshot  # noqa: PLC0415  (once the path is set)
+    from mingpt.model import GPT, GPTConfig  # noqa: PLC0415
     dist.init_process_group("gloo", store=dist.FileStore(f"{out}/store", 4), rank=rank,
                             world_size=4, timeout=timedelta(seconds=120))
     x = torch.randint(0, 5, (2, 4), generator=torch.Generator().manual_seed(1))
@@ -33,8 +31,8 @@ def main(rank: int, out: str) -> None:
         torch.manual_seed(seed)
         model = GPT(GPTConfig(**CONFIG))
         if method != "plain":
-            model = parallelize.parallelize(model, torch.device("cpu"), method, tp_size=2)
-        optimizer = parallelize.build_optimizer(model, "ddp", lr=1e-2)
+            model = parallel.parallelize(model, torch.device("cpu"), method, tp_size=2)
+        optimizer = optim.build_optimizer(model, "ddp", lr=1e-2)
         model(x, x)[1].backward()  # the same batch on every rank
         optimizer.step()
         return model, optimizer
@@ -57,7 +55,7 @@ def main(rank: int, out: str) -> None:
     if rank == 0:  # the parent compares the snapshot with what a plain model reaches
         torch.save(trained(1, "plain")[0].state_dict(), f"{out}/plain.pt")
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
-    # As main.release_group: drop what holds the group, so gloo's threads are joined.
+    # As distributed.release: drop what holds the group, so gloo's threads are joined.
     del model, optimizer, fresh, fresh_optimizer
     from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415
     for mesh in [o for o in gc.get_objects() if issubclass(type(o), DeviceMesh)]:

@@ -83,7 +83,8 @@ MINGPT_MODULES = {
     "parallel": "mingpt.parallel", "common": "mingpt.parallel.common",
     "ddp": "mingpt.parallel.ddp", "dp": "mingpt.parallel.dp", "fsdp": "mingpt.parallel.fsdp",
     "tensor": "mingpt.parallel.tensor", "precision": "mingpt.precision",
-    "snapshot": "mingpt.snapshot", "trainer": "mingpt.trainer", "sample": "sample"}
+    "snapshot": "mingpt.snapshot", "storage": "mingpt.storage", "trainer": "mingpt.trainer",
+    "sample": "sample"}
 EXTRA_MODULES = {"bpe_dataset": "mingpt.data.bpe", "image_dataset": "mingpt.data.image",
                  "pretrained": "mingpt.pretrained"}
 SCRIPTS = ("main", "sample", "launch", "prepare", "model_size")

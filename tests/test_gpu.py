@@ -134,7 +134,7 @@ def test_mingpt_fsdp_built_on_meta_holds_the_plain_weights_on_the_gpu(cpu_offloa
     from torch.distributed.device_mesh import DeviceMesh
 
     device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)  # before the NCCL group, as main.ddp_setup does
+    torch.cuda.set_device(device)  # before the NCCL group, as distributed.setup does
     backend = "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:

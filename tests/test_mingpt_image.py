@@ -166,7 +166,7 @@ WORKER = """
     import json, os, sys
     import torch.distributed as dist
     sys.path.insert(0, {mingpt!r})
-    import image_dataset as im
+    from mingpt.data import image as im
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

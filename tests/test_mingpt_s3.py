@@ -231,13 +231,13 @@ def flaky_upload(monkeypatch):
 
 
 def test_upload_failing_midway_leaves_the_previous_snapshot(mingpt_modules, aws, flaky_upload):
-    snapshot, (part, parts, fail) = mingpt_modules["snapshot"], flaky_upload
+    storage, (part, parts, fail) = mingpt_modules["storage"], flaky_upload
     url, fs = "s3://mingpt/midway/snapshot", s3(aws)
-    snapshot.write_bytes_atomic(url, b"the previous snapshot")
+    storage.write_bytes_atomic(url, b"the previous snapshot")
     data = bytes(range(256)) * (2 * part // 256) + b"tail"  # 3 parts: 5 MiB, 5 MiB, 4 bytes
     fail["part"] = 2
     with pytest.raises(ConnectionResetError):
-        snapshot.write_bytes_atomic(url, data)
+        storage.write_bytes_atomic(url, data)
     # Without discard(), closing the file completed the upload with part 1 and the tail (as
     # part 2): a 5 MiB object that torch.load cannot read, in place of the snapshot.
     stored = fs.cat_file("mingpt/midway/snapshot")
@@ -246,7 +246,7 @@ def test_upload_failing_midway_leaves_the_previous_snapshot(mingpt_modules, aws,
     uploads = fs.call_s3("list_multipart_uploads", Bucket="mingpt").get("Uploads", [])
     assert uploads == []  # aborted: no parts left behind to pay for
     fail["part"], parts[:] = None, []
-    snapshot.write_bytes_atomic(url, data)  # no fault: the three parts, committed whole
+    storage.write_bytes_atomic(url, data)  # no fault: the three parts, committed whole
     assert parts == [1, 2, 3] and fs.cat_file("mingpt/midway/snapshot") == data
 
 

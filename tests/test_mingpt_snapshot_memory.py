@@ -38,7 +38,7 @@ WHOLE_QKV = {(3 * C, C), (3 * C,)}  # c_attn's weight and bias, global shapes
 
 
 def release_meshes() -> None:
-    """As main.release_group: free the meshes' group references so gloo's threads are joined."""
+    """As distributed.release: free the meshes' group references so gloo's threads are joined."""
     for mesh in [o for o in gc.get_objects() if issubclass(type(o), DeviceMesh)]:
         getattr(mesh, "_pg_registry", {}).clear()
     gc.collect()
@@ -121,7 +121,7 @@ def _qkv_worker(rank: int, out: str) -> None:
             save(tp.whole_strided({"model": model_sd, "optim": optim_sd}),
                  storage_writer=FileSystemWriter(f"{old}/step_00000001"))
             if rank == 0:
-                snapshot.write_bytes_atomic(f"{old}/{snapshot.LATEST}", b"step_00000001")
+                m["storage"].write_bytes_atomic(f"{old}/{snapshot.LATEST}", b"step_00000001")
             dist.barrier()
             again, again_optimizer = trained(3, method)
             snapshot.load_sharded(old, again, again_optimizer)
@@ -214,7 +214,7 @@ MEASURE = textwrap.dedent("""
     import sys
     sys.path.insert(0, sys.argv[1])
     import torch
-    import snapshot
+    from mingpt import snapshot
 
     def peak() -> int:  # the kernel's high-water mark of this process's resident set
         with open("/proc/self/status") as f:

@@ -132,7 +132,7 @@ def _worker(rank: int, store: str, out: str, text: str) -> None:
                 overrides("tp", out_dir / "refused", text, STEPS)
                 + ["gpt_config.n_head=3", "gpt_config.n_embd=48"]), CPU)
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
-    # As main.release_group: free the meshes' group references so gloo's threads are joined.
+    # As distributed.release: free the meshes' group references so gloo's threads are joined.
     for mesh in [o for o in gc.get_objects() if issubclass(type(o), DeviceMesh)]:
         getattr(mesh, "_pg_registry", {}).clear()
     gc.collect()
@@ -277,7 +277,7 @@ def group():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
     for mesh in [o for o in gc.get_objects() if issubclass(type(o), DeviceMesh)]:
-        getattr(mesh, "_pg_registry", {}).clear()  # as main.release_group, before destroying
+        getattr(mesh, "_pg_registry", {}).clear()  # as distributed.release, before destroying
     gc.collect()
     dist.destroy_process_group()
 

@@ -45,7 +45,7 @@ def assert_clean_exit(proc) -> None:
 @linux_only
 def test_no_gloo_thread_is_left_at_exit_of_a_compiled_fsdp_run(tmp_path):
     # dynamo traces, the graphs run eagerly: dynamo's references are what teardown must drop
-    # (with isinstance() instead of type() in main.release_group, this run fails with
+    # (with isinstance() instead of type() in distributed.release, this run fails with
     # ReferenceError on either backend); inductor's kernels: test_mingpt_train.py.
     proc = launch_fsdp(tmp_path, TEARDOWN_PROBE, compile=True, PROBE_COMPILE_BACKEND="eager")
     assert_clean_exit(proc)

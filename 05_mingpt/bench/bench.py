@@ -157,7 +157,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     import main
-    from mingpt import config, snapshot
+    from mingpt import config, distributed, errors, snapshot
     from mingpt.metrics import device_name, peak_flops, peak_memory_mb
     from mingpt.trainer import Trainer
 
@@ -167,9 +167,9 @@ def worker(args: argparse.Namespace) -> None:
     try:
         cfg = config.load(overrides(args, strategy, ranks))
     except ValueError as e:
-        main.fail(e)  # one `error:` line, exit 2
+        errors.fail(e)  # one `error:` line, exit 2
     t = cfg.trainer_config
-    device = main.ddp_setup(t.device, t.cpu_offload)
+    device = distributed.setup(t.device, t.cpu_offload)
     try:
         model, optimizer, train_set, val_set, data, meta, flops = main.load_train_objs(cfg, device)
         # The bare loop needs the model as it is: DDP on one rank is (parallelize.py).
@@ -232,9 +232,9 @@ def worker(args: argparse.Namespace) -> None:
                 result["overhead_ratio"] = statistics.median(
                     tr / br for tr, br in zip(trainer_tps, bare_tps, strict=True))
             print(RESULT + json.dumps(result), flush=True)
-        del trainer, model, optimizer  # everything that holds the group, before release_group
+        del trainer, model, optimizer  # all that holds the group, before distributed.release
     finally:
-        main.release_group()
+        distributed.release()
 
 
 def launch(args: argparse.Namespace, run: str) -> dict | None:

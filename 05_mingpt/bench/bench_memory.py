@@ -69,15 +69,15 @@ def worker(args: argparse.Namespace, strategy: str) -> None:
     from torch.utils.data import DataLoader
 
     import main
-    from mingpt import config
+    from mingpt import config, distributed, errors
     from mingpt.metrics import model_state_bytes, peak_memory_mb, reset_peak_memory
     from mingpt.trainer import Trainer, rank_indices
 
     try:
         cfg = config.load(overrides(args, strategy))
     except ValueError as e:  # e.g. TP over ranks that do not divide the heads
-        main.fail(e)  # one `error:` line, exit 2
-    device = main.ddp_setup(cfg.trainer_config.device)
+        errors.fail(e)  # one `error:` line, exit 2
+    device = distributed.setup(cfg.trainer_config.device)
     try:
         baseline = rss_mb()  # torch, the data module, the process group: before any model
         model, optimizer, train_set, val_set, _, meta, flops = main.load_train_objs(cfg, device)
@@ -119,7 +119,7 @@ def worker(args: argparse.Namespace, strategy: str) -> None:
         # Drop everything that holds the process group before release_group destroys it.
         del trainer, model, optimizer
     finally:
-        main.release_group()
+        distributed.release()
 
 
 def predict(args: argparse.Namespace, strategy: str) -> dict[str, int]:

@@ -9,6 +9,7 @@ another. Without agreement the failing node would exit while the others went on 
 next collective and waited there until the timeout; without a print on every node, a failure
 on a node other than global rank 0's would be seen nowhere.
 """
+import argparse
 import os
 import socket
 import sys
@@ -58,3 +59,13 @@ def agreed(function: Callable[..., T], *args, **kwargs) -> T:
     # Some ranks only: name the first, and its host, whose storage is the one to look at.
     others = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
     raise ValueError(f"rank {rank} on {host}{others}: {message}")
+
+
+def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """argparse's errors as one `error:` line and exit status 2, without its usage block (as
+    every other bad input of this folder reads; --help still shows the usage)."""
+    def error(message: str) -> NoReturn:
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+    parser.error = error
+    return parser

@@ -5,10 +5,13 @@
     setup = peak_memory_mb(device); reset_peak_memory(device)  # then train: a training peak
     model_state_bytes(model, optimizer)  # this rank's parameters, gradients, optimizer state
 """
+import platform
 import re
 import resource
 import sys
 
+import hydra
+import omegaconf
 import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -143,3 +146,12 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer
         "optimizer": sum(local_bytes(v) for state in local_optimizer.state.values()
                          for v in state.values() if isinstance(v, torch.Tensor)),
     }
+
+
+def print_versions(device: torch.device) -> None:
+    """The library versions, the device and the world size, first in every log."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+    print0(f"torch {torch.__version__} | python {platform.python_version()} | hydra "
+           f"{hydra.__version__} | omegaconf {omegaconf.__version__}")
+    print0(f"device {device} ({name or 'cpu'}) | backend {dist.get_backend()} | world size "
+           f"{dist.get_world_size()}")

@@ -21,31 +21,25 @@ wherever the parameters live. (Mapping a snapshot straight to a GPU would also m
 states, which must stay CPU tensors, and AdamW's step counts, which then cost a host sync per
 parameter on every step.)
 
-Paths go through fsspec, so `s3://bucket/key` works wherever a local path does (s3fs reads
-the endpoint and credentials from the usual AWS_* environment variables).
+Paths go through storage.py (fsspec), so `s3://bucket/key` works wherever a local path does.
 """
-import contextlib
-import functools
 import io
 import os
 import random
 import shutil
 import warnings
 from collections.abc import Callable
-from typing import BinaryIO
 
-import fsspec
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from fsspec.implementations.local import LocalFileSystem
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from mingpt import storage
 from mingpt.optim import keep_own_optimizer_settings
 from mingpt.parallel import STRATEGIES
 from mingpt.parallel.common import unwrap
@@ -61,162 +55,21 @@ class SnapshotError(ValueError):
     """A snapshot exists but cannot be used; the message says which one and why."""
 
 
-def _reason(error: BaseException) -> str:
-    """The root cause of a failed load, in one short line."""
-    if isinstance(error, CheckpointException):  # DCP collects every rank's exception
-        error = next(iter(error.failures.values()))[0]
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0][:160] if lines else ''}"
-
-
-# How long an s3:// snapshot_path may keep a run waiting. botocore (under s3fs) retries a failed
-# request (legacy mode: 5 attempts, AWS_MAX_ATTEMPTS) and s3fs retries botocore's timeouts
-# again (5 times), each attempt waiting up to 15 s for an answer: an endpoint that accepts the
-# connection and never answers held a run for 14 minutes before its traceback. Here: botocore
-# tries 3 times (unless AWS_MAX_ATTEMPTS says otherwise), s3fs adds no retries of its own, and
-# an attempt waits 5 s to connect and 15 s for an answer. Settings in fsspec's s3 config (e.g.
-# FSSPEC_S3='{"config_kwargs": {"read_timeout": 60}}') take precedence over these.
-S3_TIMEOUTS = {"connect_timeout": 5, "read_timeout": 15}
-S3_MAX_ATTEMPTS = 3
-
-
-def _storage_options(url: str) -> dict:
-    """fsspec options that bound the wait on an s3:// URL; none for other filesystems."""
-    if fsspec.utils.get_protocol(url) not in ("s3", "s3a"):
-        return {}
-    conf = fsspec.config.conf.get("s3", {})  # the user's: FSSPEC_S3 or fsspec's config files
-    config_kwargs = {**S3_TIMEOUTS, **conf.get("config_kwargs", {})}
-    if "AWS_MAX_ATTEMPTS" not in os.environ:  # botocore reads it, unless a config overrides
-        # total_max_attempts counts the first request, as AWS_MAX_ATTEMPTS does ("max_attempts"
-        # counts the retries in botocore's legacy mode: one attempt more).
-        config_kwargs.setdefault("retries", {"total_max_attempts": S3_MAX_ATTEMPTS})
-    return {"config_kwargs": config_kwargs}
-
-
-def _fs(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
-    """The filesystem of `url` and the path in it; for s3:// with bounded retries and waits."""
-    options = _storage_options(url)
-    fs, path = fsspec.core.url_to_fs(url, **options)
-    if options:
-        # s3fs's own retry loop (a class attribute, no constructor argument) would repeat
-        # botocore's retries 5 times over; DCP's FsspecWriter gets this same cached instance.
-        fs.retries = 1
-        # A missing bucket is found here, when the snapshot is first looked for, rather than
-        # by the first save, hours later. (Refused credentials raise PermissionError here.)
-        bucket = path.split("/")[0]
-        try:
-            fs.call_s3("head_bucket", Bucket=bucket)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"bucket {bucket!r} does not exist") from None
-    return fs, path
-
-
-def storage_error(url: str, error: BaseException) -> str | None:
-    """An error of the object store behind `url` (refused credentials, missing bucket,
-    unreachable or silent endpoint) as "what happened; the fix" in one line; None for any
-    other error, and for local paths (their OSErrors have their own messages). Shows no
-    credential: this reads none, and S3's error messages do not echo them."""
-    if isinstance(error, CheckpointException):  # DCP: every failed rank's exception
-        error = next(iter(error.failures.values()))[0]
-    if "://" not in url or not (isinstance(error, OSError) or _is_botocore(error)):
-        return None
-    line = _reason(error)
-    if isinstance(error, PermissionError):
-        fix = ("check the credentials (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
-               "AWS_PROFILE) and that they may read and write there")
-    elif isinstance(error, FileNotFoundError) and "bucket" in line:
-        fix = "create the bucket, or set trainer_config.snapshot_path to an existing one"
-    elif isinstance(error, FileNotFoundError):
-        fix = "it vanished while in use; check what else writes there"
-    else:  # refused, unreachable, timed out: botocore's connection errors are not OSErrors
-        attempts = os.environ.get("AWS_MAX_ATTEMPTS", S3_MAX_ATTEMPTS)
-        fix = (f"check AWS_ENDPOINT_URL ({os.environ.get('AWS_ENDPOINT_URL', 'not set')}) and "
-               f"the network (gave up after {attempts} attempts: AWS_MAX_ATTEMPTS)")
-    return f"{line}; {fix}"
-
-
-def _storage_errors(wrap: type[Exception]) -> Callable:
-    """Decorator: an object store's error (storage_error) in a function whose first argument
-    is the URL becomes `wrap` with that one line; main.py prints it as one `error:` line.
-    SnapshotError while looking for a snapshot, OSError while saving one."""
-    def decorate(function: Callable) -> Callable:
-        @functools.wraps(function)
-        def wrapper(url: str, *args, **kwargs):
-            try:
-                return function(url, *args, **kwargs)
-            # CheckpointException, DCP's collected failures, is a BaseException.
-            except (Exception, CheckpointException) as e:
-                message = storage_error(url, e)
-                if message is None:
-                    raise
-                raise wrap(f"snapshot storage {url}: {message}" if wrap is SnapshotError else
-                           message) from None
-        return wrapper
-    return decorate
-
-
-def _is_botocore(error: BaseException) -> bool:
-    # botocore is imported only with s3fs; its connection errors are not OSErrors.
-    return type(error).__module__.split(".")[0] in ("botocore", "aiobotocore", "aiohttp")
-
-
-def write_bytes_atomic(url: str, data: bytes, before_commit: Callable[[], None] | None = None
-                       ) -> None:
-    """Readers see the old content or the new one, never a half-written file.
-
-    `before_commit` runs when the new bytes are written but not yet visible (a fault-injection
-    point: a crash there must leave the old snapshot in place).
-    """
-    _write_atomic(url, lambda f: f.write(data), before_commit)
-
-
-def _write_atomic(url: str, write: Callable[[BinaryIO], object],
-                  before_commit: Callable[[], None] | None) -> None:
-    """write_bytes_atomic, where `write(f)` writes the new content into the open file `f`."""
-    fs, path = _fs(url)
-    if isinstance(fs, LocalFileSystem):
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        tmp = f"{path}.tmp"
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())  # the bytes are on disk before the rename makes them visible
-        if before_commit:
-            before_commit()
-        os.replace(tmp, path)  # atomic within one filesystem
-    else:
-        # An object store has no atomic rename (fsspec's mv is copy + delete), but an upload
-        # is atomic: the object appears complete (at close) or not at all.
-        if before_commit:
-            before_commit()
-        f = fs.open(path, "wb")
-        try:
-            write(f)  # large data: a multipart upload, one part per block
-            f.close()  # the last part, then "complete the upload": the commit point
-        except BaseException:
-            # Not `with fs.open(...)`: its exit closes the file even after an error, and
-            # closing completes the upload with the parts sent so far, replacing the snapshot
-            # with a truncated one. discard() aborts the upload: the old object stays.
-            with contextlib.suppress(Exception):  # keep the first error, not the abort's
-                f.discard()
-            f.closed = True  # nor may garbage collection close (and so commit) it later
-            raise
-
-
-def _is_local(url: str) -> bool:
-    return fsspec.utils.get_protocol(url) in ("file", "local")  # as _fs's LocalFileSystem
+class SaveError(Exception):
+    """A snapshot could not be written (a full disk, a read-only folder, an object store's
+    error); the message says so in one line, and that the previous snapshot is intact."""
 
 
 def save_file(url: str, obj: dict, before_commit: Callable[[], None] | None = None) -> None:
     """torch.save(obj) to `url`, atomically (write_bytes_atomic)."""
-    if _is_local(url):
+    if storage.is_local(url):
         # Straight into the temporary file, tensor by tensor: serialising into a buffer first
         # held a second copy of the whole snapshot (weights and both moments) in memory.
-        _write_atomic(url, lambda f: torch.save(obj, f), before_commit)
+        storage.write_atomic(url, lambda f: torch.save(obj, f), before_commit)
         return
     buffer = io.BytesIO()  # an object store: one upload of the finished bytes, as before
     torch.save(obj, buffer)
-    write_bytes_atomic(url, buffer.getvalue(), before_commit)
+    storage.write_bytes_atomic(url, buffer.getvalue(), before_commit)
 
 
 def _load_mapped(path: str) -> dict | None:
@@ -240,7 +93,7 @@ def load_file(url: str) -> dict:
     """A snapshot dict on the CPU; weights_only=True refuses pickled code. The tensors of a
     local file are views of it (_load_mapped): copy those that must outlive it."""
     try:
-        fs, path = _fs(url)
+        fs, path = storage.filesystem(url)
         state = _load_mapped(path) if isinstance(fs, LocalFileSystem) else None
         if state is None:  # an object store, or a file that could not be mapped
             with fs.open(path, "rb") as f:
@@ -249,10 +102,12 @@ def load_file(url: str) -> dict:
             # load_state_dict moves each weight to its parameter's device (module docstring).
             state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:  # truncated, corrupt, not a torch file, unreadable
-        if storage_error(url, e):  # the store failed, not the snapshot
-            raise SnapshotError(f"cannot read snapshot {url}: {storage_error(url, e)}") from None
-        raise SnapshotError(f"cannot load snapshot {url} ({_reason(e)}): it is corrupt or not a "
-                            "snapshot: move it away or set trainer_config.snapshot_path") from None
+        failed = storage.storage_error(url, e)
+        if failed:  # the store failed, not the snapshot
+            raise SnapshotError(f"cannot read snapshot {url}: {failed}") from None
+        raise SnapshotError(f"cannot load snapshot {url} ({storage.reason(e)}): it is corrupt or "
+                            "not a snapshot: move it away or set trainer_config.snapshot_path"
+                            ) from None
     if not isinstance(state, dict) or "step" not in state:
         raise SnapshotError(f"{url} is not a training snapshot of this trainer; move it away or "
                             "set trainer_config.snapshot_path")
@@ -309,7 +164,7 @@ def _is_step_dir(path: str) -> bool:
     return os.path.basename(path.rstrip("/")).startswith("step_")
 
 
-@_storage_errors(SnapshotError)
+@storage.storage_errors(SnapshotError, prefix=True)
 def snapshot_kind(url: str) -> str | None:
     """"ddp" for a snapshot file, "fsdp" for a DCP snapshot directory, None when there is none.
 
@@ -317,7 +172,7 @@ def snapshot_kind(url: str) -> str | None:
     interrupted before its commit: no snapshot yet (with a warning), not an error, or every
     restart of the job would stop here.
     """
-    fs, path = _fs(url)
+    fs, path = storage.filesystem(url)
     if fs.isfile(path):
         return "ddp"
     if fs.isdir(path):
@@ -373,27 +228,13 @@ def check_compatible(state: dict, model_config: dict, data_meta: dict, url: str,
                                 "set trainer_config.snapshot_path to a new path")
 
 
-def _writer(url: str) -> FileSystemWriter:
-    # Local disk: DCP's own writer. Anything else (s3://): the same writer over fsspec, with
-    # the same bounded waits as _fs (the same options: the same cached filesystem), and no
-    # fsync: an object has no file descriptor (DCP warned on every file), and its upload is
-    # complete when the file closes.
-    return FileSystemWriter(url) if "://" not in url else FsspecWriter(
-        url, sync_files=False, **_storage_options(url))
-
-
-def _reader(url: str) -> FileSystemReader:
-    return FileSystemReader(url) if "://" not in url else FsspecReader(
-        url, **_storage_options(url))
-
-
 def save_sharded(url: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  train_state: dict, before_commit: Callable[[], None] | None = None,
                  keep_last: int = 1) -> None:
     """FSDP: all ranks write their shards; rank 0 then commits by rewriting `latest`, and
     removes all but the newest `keep_last` step directories."""
     name = f"step_{step:08d}"
-    fs, path = _fs(url)
+    fs, path = storage.filesystem(url)
     if dist.get_rank() == 0 and fs.exists(f"{path}/{name}"):
         fs.rm(f"{path}/{name}", recursive=True)  # left by a save of this step that was cut off
     dist.barrier()  # ... and removed before any rank writes into it again
@@ -401,7 +242,7 @@ def save_sharded(url: str, step: int, model: torch.nn.Module, optimizer: torch.o
     # strided q/k/v shards too, as row runs DCP records (tensor_parallel.checkpointable).
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save(checkpointable({"model": model_sd, "optim": optim_sd}),
-             storage_writer=_writer(f"{url}/{name}"))
+             storage_writer=storage.writer(f"{url}/{name}"))
     # dcp.save is collective: it returns only once every rank's shards are written and rank 0
     # (its coordinator) has written .metadata, so the step directory is complete here. One
     # writer commits, so `latest` never sees two ranks' writes at once.
@@ -409,7 +250,7 @@ def save_sharded(url: str, step: int, model: torch.nn.Module, optimizer: torch.o
         save_file(f"{url}/{name}/{TRAIN_STATE}", train_state)
         if before_commit:
             before_commit()
-        write_bytes_atomic(f"{url}/{LATEST}", name.encode())  # the commit point
+        storage.write_bytes_atomic(f"{url}/{LATEST}", name.encode())  # the commit point
         # Keep the newest keep_last - 1 complete snapshots of earlier steps (names sort by
         # step: zero-padded). A save that was cut off left a directory without train_state.pt,
         # or one of a later step than this: neither is a snapshot to roll back to.
@@ -425,12 +266,12 @@ def save_sharded(url: str, step: int, model: torch.nn.Module, optimizer: torch.o
 def latest_sharded(url: str) -> str:
     """The newest complete DCP checkpoint directory inside an fsdp snapshot."""
     try:
-        fs, path = _fs(url)
+        fs, path = storage.filesystem(url)
         name = fs.cat_file(f"{path}/{LATEST}").decode().strip()
     except Exception as e:
-        if not (isinstance(e, OSError) or storage_error(url, e)):
+        if not (isinstance(e, OSError) or storage.storage_error(url, e)):
             raise
-        raise SnapshotError(f"cannot read {url}/{LATEST}: {storage_error(url, e) or e}"
+        raise SnapshotError(f"cannot read {url}/{LATEST}: {storage.storage_error(url, e) or e}"
                             ) from None
     if not name.startswith("step_"):
         raise SnapshotError(f"{url}/{LATEST} names {name!r}, not a step directory; the snapshot "
@@ -454,11 +295,12 @@ def load_sharded(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimi
     state = {"model": model_sd, "optim": optim_sd}
     try:
         # Into each rank's own rows of TP's q/k/v too: views of the DTensors in `state`.
-        dcp.load(checkpointable(state), storage_reader=_reader(checkpoint))
+        dcp.load(checkpointable(state), storage_reader=storage.reader(checkpoint))
     # DCP raises CheckpointException, a BaseException, when any rank fails to read.
     except (Exception, CheckpointException) as e:  # missing or truncated shards, bad metadata
-        raise SnapshotError(f"cannot load sharded snapshot {checkpoint} ({_reason(e)}): it is "
-                            "corrupt; move it away or set trainer_config.snapshot_path") from None
+        raise SnapshotError(f"cannot load sharded snapshot {checkpoint} ({storage.reason(e)}): "
+                            "it is corrupt; move it away or set trainer_config.snapshot_path"
+                            ) from None
     # The optimizer state is keyed by parameter name; set_state_dict puts it back under this
     # optimizer's own parameters.
     set_state_dict(model, optimizer, model_state_dict=state["model"],
@@ -472,9 +314,9 @@ def load_sharded_weights(url: str, model: torch.nn.Module) -> None:
         with warnings.catch_warnings():  # no process group is the point here, not a mistake
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
             # Without a process group, DCP reads every shard into this one process.
-            dcp.load(state, storage_reader=_reader(latest_sharded(url)), no_dist=True)
+            dcp.load(state, storage_reader=storage.reader(latest_sharded(url)), no_dist=True)
     except (Exception, CheckpointException) as e:
-        raise SnapshotError(f"cannot load sharded snapshot {url} ({_reason(e)})") from None
+        raise SnapshotError(f"cannot load sharded snapshot {url} ({storage.reason(e)})") from None
     model.load_state_dict(state["model"])
 
 
@@ -509,7 +351,7 @@ def keep_previous(url: str, keep_last: int) -> None:
 
     Each older copy moves up one number; the current file is linked (locally) or copied as
     URL.1, so URL itself stays in place until the new one replaces it atomically."""
-    fs, path = _fs(url)
+    fs, path = storage.filesystem(url)
     if keep_last < 2 or not fs.isfile(path):
         return
     for i in range(keep_last - 1, 1, -1):  # .1 -> .2, ..., oldest dropped
@@ -531,14 +373,35 @@ def keep_previous(url: str, keep_last: int) -> None:
         os.replace(f"{path}.1.tmp", f"{path}.1")
 
 
-@_storage_errors(OSError)
 def save(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
          state: dict, before_commit: Callable[[], None] | None = None,
          keep_last: int = 1) -> None:
     """Save weights, optimizer and `state` (step, ... and meta) in `method`'s layout; every
     rank calls this. `before_commit` runs once all is written and before it becomes the
     snapshot (a fault-injection point). The `keep_last - 1` snapshots before it are kept
-    (URL.1, ... for a file; step directories for a sharded snapshot) for a manual roll-back."""
+    (URL.1, ... for a file; step directories for a sharded snapshot) for a manual roll-back.
+    SaveError (one line) when the storage fails."""
+    try:
+        _save(url, method, model, optimizer, state, before_commit, keep_last)
+    # DCP (the sharded layout) raises CheckpointException, a BaseException with each rank's.
+    except (OSError, CheckpointException) as e:
+        error = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else \
+            (str(error).strip().splitlines() or [type(error).__name__])[0]
+        # A local disk fills up; an object store's own line already says what to check.
+        fix = "free some space" if "://" not in url else "fix what it says"
+        # Both layouts commit by a rename (file) or by rewriting `latest` (directory) only once
+        # everything is written, so the snapshot from before, if any, is intact.
+        raise SaveError(f"cannot save the snapshot to {url} ({reason}); the previous snapshot, "
+                        f"if any, is unchanged: {fix} or set trainer_config.snapshot_path, then "
+                        "run again to resume") from None
+
+
+@storage.storage_errors(OSError)  # an object store's error: OSError with its one line
+def _save(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+         state: dict, before_commit: Callable[[], None] | None = None,
+         keep_last: int = 1) -> None:
+    """save() itself: the layout's writes, then the commit."""
     if STRATEGIES[method].layout == "fsdp":
         save_sharded(url, state["step"], model, optimizer, state, before_commit, keep_last)
         return
@@ -572,7 +435,7 @@ def load(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.O
     check_compatible(state, meta["model_config"], meta["data_meta"], url, match_keys)
     # A local file is mapped (_load_mapped): the memory of every tensor read from it. (From
     # an object store they are the process's own: nothing to copy.)
-    mapped = {t.untyped_storage().data_ptr() for t in _tensors(state)} if _is_local(url) \
+    mapped = {t.untyped_storage().data_ptr() for t in _tensors(state)} if storage.is_local(url) \
         else set()
     if kind == "ddp":  # load_state_dict copies each tensor to where its parameter lives
         # pop: the state returned to the trainer must not keep a second copy of the weights.

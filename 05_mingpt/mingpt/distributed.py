@@ -1,0 +1,60 @@
+"""Join and leave the process group: torchrun's when launched by it, else a group of one.
+
+    device = setup(cfg.trainer_config.device)   # cuda:<LOCAL_RANK> + NCCL, or the CPU + gloo
+    ...                                         # train
+    release()                                   # every reference dropped, then destroyed
+"""
+import gc
+import os
+import re
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from mingpt.devices import backend_for, pick_device
+
+
+def setup(requested: str, cpu_offload: bool = False) -> torch.device:
+    """Join the process group: torchrun's when launched by it, else a group of one."""
+    device = pick_device(int(os.environ.get("LOCAL_RANK", 0)), requested)
+    if device.type == "cuda":
+        # Before init_process_group: NCCL binds each process to the current GPU.
+        torch.cuda.set_device(device)
+    # CPU offload keeps FSDP's gradients in CPU memory: they need gloo beside NCCL.
+    backend = backend_for(device, cpu_tensors_too=cpu_offload)
+    if "RANK" in os.environ:  # torchrun set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+        dist.init_process_group(backend)
+    else:
+        # `python main.py`: a one-process group (an in-memory store, no port), so DDP and
+        # FSDP run exactly the code they run under torchrun.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return device
+
+
+def release() -> None:
+    """Drop every reference to the process group, then destroy it.
+
+    destroy_process_group joins gloo's worker threads only when it drops the group's last
+    reference, and a worker still freeing a collective's tensors as Python exits aborts the
+    finished run. Call it once main.train has returned: DDP or FSDP are then unreachable;
+    FSDP's modules form reference cycles (freed by gc.collect), and torch's DTensor caches
+    keep every DeviceMesh, whose registry holds the group, alive after the model is gone."""
+    # (type(), not isinstance: gc also finds dead weakref proxies, which isinstance reads)
+    for mesh in [o for o in gc.get_objects() if issubclass(type(o), DeviceMesh)]:
+        getattr(mesh, "_pg_registry", {}).clear()  # private: the mesh's own group references
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def group_error(error: Exception) -> str:
+    """torchrun's worker could not open the store at MASTER_ADDR:MASTER_PORT, as one line."""
+    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    # torch's bind failure spells out port, IPv6 flag and errno: its last words say it all.
+    first = re.sub(r"^.*name: (\w+), message: ", r"\1: ", first)
+    # Rank 0 binds MASTER_PORT (EADDRINUSE: another program has it); other ranks connect to it
+    # (refused or timed out: rank 0's node is unreachable from here, a firewall, a wrong host).
+    return (f"cannot start the process group at MASTER_ADDR:MASTER_PORT {where} ({first}); "
+            "free that port or give torchrun another --rdzv-endpoint / --master-port, and let "
+            "every node reach that host and port")

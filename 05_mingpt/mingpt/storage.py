@@ -1,0 +1,200 @@
+"""Where snapshots live: local disk or any fsspec URL (s3://...), with bounded waits, atomic
+writes, and an object store's errors as one line.
+
+    fs, path = fs("s3://bucket/run1/snapshot")       # filesystem and path, S3 waits bounded
+    write_bytes_atomic(url, data)                    # readers see the old bytes or the new
+    storage_error(url, error)                        # "what happened; the fix", or None
+
+snapshot.py decides what is written (the formats and their commit); this module how.
+s3fs reads the endpoint and credentials from the usual AWS_* environment variables.
+"""
+import contextlib
+import functools
+import os
+import tempfile
+from collections.abc import Callable
+from typing import BinaryIO
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.api import CheckpointException
+
+
+def reason(error: BaseException) -> str:
+    """The root cause of a failed call, in one short line."""
+    if isinstance(error, CheckpointException):  # DCP collects every rank's exception
+        error = next(iter(error.failures.values()))[0]
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0][:160] if lines else ''}"
+
+
+# How long an s3:// snapshot_path may keep a run waiting. botocore (under s3fs) retries a failed
+# request (legacy mode: 5 attempts, AWS_MAX_ATTEMPTS) and s3fs retries botocore's timeouts
+# again (5 times), each attempt waiting up to 15 s for an answer: an endpoint that accepts the
+# connection and never answers held a run for 14 minutes before its traceback. Here: botocore
+# tries 3 times (unless AWS_MAX_ATTEMPTS says otherwise), s3fs adds no retries of its own, and
+# an attempt waits 5 s to connect and 15 s for an answer. Settings in fsspec's s3 config (e.g.
+# FSSPEC_S3='{"config_kwargs": {"read_timeout": 60}}') take precedence over these.
+S3_TIMEOUTS = {"connect_timeout": 5, "read_timeout": 15}
+S3_MAX_ATTEMPTS = 3
+
+
+def fs_options(url: str) -> dict:
+    """fsspec options that bound the wait on an s3:// URL; none for other filesystems."""
+    if fsspec.utils.get_protocol(url) not in ("s3", "s3a"):
+        return {}
+    conf = fsspec.config.conf.get("s3", {})  # the user's: FSSPEC_S3 or fsspec's config files
+    config_kwargs = {**S3_TIMEOUTS, **conf.get("config_kwargs", {})}
+    if "AWS_MAX_ATTEMPTS" not in os.environ:  # botocore reads it, unless a config overrides
+        # total_max_attempts counts the first request, as AWS_MAX_ATTEMPTS does ("max_attempts"
+        # counts the retries in botocore's legacy mode: one attempt more).
+        config_kwargs.setdefault("retries", {"total_max_attempts": S3_MAX_ATTEMPTS})
+    return {"config_kwargs": config_kwargs}
+
+
+def filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The filesystem of `url` and the path in it; for s3:// with bounded retries and waits."""
+    options = fs_options(url)
+    fs, path = fsspec.core.url_to_fs(url, **options)
+    if options:
+        # s3fs's own retry loop (a class attribute, no constructor argument) would repeat
+        # botocore's retries 5 times over; DCP's FsspecWriter gets this same cached instance.
+        fs.retries = 1
+        # A missing bucket is found here, when the snapshot is first looked for, rather than
+        # by the first save, hours later. (Refused credentials raise PermissionError here.)
+        bucket = path.split("/")[0]
+        try:
+            fs.call_s3("head_bucket", Bucket=bucket)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"bucket {bucket!r} does not exist") from None
+    return fs, path
+
+
+def storage_error(url: str, error: BaseException) -> str | None:
+    """An error of the object store behind `url` (refused credentials, missing bucket,
+    unreachable or silent endpoint) as "what happened; the fix" in one line; None for any
+    other error, and for local paths (their OSErrors have their own messages). Shows no
+    credential: this reads none, and S3's error messages do not echo them."""
+    if isinstance(error, CheckpointException):  # DCP: every failed rank's exception
+        error = next(iter(error.failures.values()))[0]
+    if "://" not in url or not (isinstance(error, OSError) or is_botocore(error)):
+        return None
+    line = reason(error)
+    if isinstance(error, PermissionError):
+        fix = ("check the credentials (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
+               "AWS_PROFILE) and that they may read and write there")
+    elif isinstance(error, FileNotFoundError) and "bucket" in line:
+        fix = "create the bucket, or set trainer_config.snapshot_path to an existing one"
+    elif isinstance(error, FileNotFoundError):
+        fix = "it vanished while in use; check what else writes there"
+    else:  # refused, unreachable, timed out: botocore's connection errors are not OSErrors
+        attempts = os.environ.get("AWS_MAX_ATTEMPTS", S3_MAX_ATTEMPTS)
+        fix = (f"check AWS_ENDPOINT_URL ({os.environ.get('AWS_ENDPOINT_URL', 'not set')}) and "
+               f"the network (gave up after {attempts} attempts: AWS_MAX_ATTEMPTS)")
+    return f"{line}; {fix}"
+
+
+def storage_errors(wrap: type[Exception], prefix: bool = False) -> Callable:
+    """Decorator: an object store's error (storage_error) in a function whose first argument
+    is the URL becomes `wrap` with that one line (`prefix`: led by "snapshot storage URL: ");
+    main.py prints it as one `error:` line. SnapshotError while looking for a snapshot,
+    OSError while saving one."""
+    def decorate(function: Callable) -> Callable:
+        @functools.wraps(function)
+        def wrapper(url: str, *args, **kwargs):
+            try:
+                return function(url, *args, **kwargs)
+            # CheckpointException, DCP's collected failures, is a BaseException.
+            except (Exception, CheckpointException) as e:
+                message = storage_error(url, e)
+                if message is None:
+                    raise
+                raise wrap(f"snapshot storage {url}: {message}" if prefix else message) from None
+        return wrapper
+    return decorate
+
+
+def is_botocore(error: BaseException) -> bool:
+    # botocore is imported only with s3fs; its connection errors are not OSErrors.
+    return type(error).__module__.split(".")[0] in ("botocore", "aiobotocore", "aiohttp")
+
+
+def write_bytes_atomic(url: str, data: bytes, before_commit: Callable[[], None] | None = None
+                       ) -> None:
+    """Readers see the old content or the new one, never a half-written file.
+
+    `before_commit` runs when the new bytes are written but not yet visible (a fault-injection
+    point: a crash there must leave the old snapshot in place).
+    """
+    write_atomic(url, lambda f: f.write(data), before_commit)
+
+
+def write_atomic(url: str, write: Callable[[BinaryIO], object],
+                  before_commit: Callable[[], None] | None) -> None:
+    """write_bytes_atomic, where `write(f)` writes the new content into the open file `f`."""
+    fs, path = filesystem(url)
+    if isinstance(fs, LocalFileSystem):
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        tmp = f"{path}.tmp"
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())  # the bytes are on disk before the rename makes them visible
+        if before_commit:
+            before_commit()
+        os.replace(tmp, path)  # atomic within one filesystem
+    else:
+        # An object store has no atomic rename (fsspec's mv is copy + delete), but an upload
+        # is atomic: the object appears complete (at close) or not at all.
+        if before_commit:
+            before_commit()
+        f = fs.open(path, "wb")
+        try:
+            write(f)  # large data: a multipart upload, one part per block
+            f.close()  # the last part, then "complete the upload": the commit point
+        except BaseException:
+            # Not `with fs.open(...)`: its exit closes the file even after an error, and
+            # closing completes the upload with the parts sent so far, replacing the snapshot
+            # with a truncated one. discard() aborts the upload: the old object stays.
+            with contextlib.suppress(Exception):  # keep the first error, not the abort's
+                f.discard()
+            f.closed = True  # nor may garbage collection close (and so commit) it later
+            raise
+
+
+def is_local(url: str) -> bool:
+    return fsspec.utils.get_protocol(url) in ("file", "local")  # as _fs's LocalFileSystem
+
+
+def writer(url: str) -> FileSystemWriter:
+    # Local disk: DCP's own writer. Anything else (s3://): the same writer over fsspec, with
+    # the same bounded waits as _fs (the same options: the same cached filesystem), and no
+    # fsync: an object has no file descriptor (DCP warned on every file), and its upload is
+    # complete when the file closes.
+    return FileSystemWriter(url) if "://" not in url else FsspecWriter(
+        url, sync_files=False, **fs_options(url))
+
+
+def reader(url: str) -> FileSystemReader:
+    return FileSystemReader(url) if "://" not in url else FsspecReader(
+        url, **fs_options(url))
+
+
+def check_writable(url: str) -> None:
+    """ValueError (one line) unless a local snapshot_path can be written: found before training
+    rather than at the first save, hours in. (s3:// is checked by its first save.)"""
+    if "://" in url:
+        return
+    folder = os.path.dirname(os.path.abspath(url))
+    while not os.path.exists(folder):  # the run directory is created later, by rank 0
+        folder = os.path.dirname(folder)
+    try:
+        # A real file rather than os.access: root passes every permission check but still
+        # cannot write to a read-only filesystem.
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        raise ValueError(f"trainer_config.snapshot_path {url} cannot be written ({folder}: "
+                         f"{e.strerror or e}); set trainer_config.snapshot_path to a writable "
+                         "path") from None
