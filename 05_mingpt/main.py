@@ -12,7 +12,6 @@ run_name resumes from its snapshot.
 """
 import os
 import sys
-import warnings
 from contextlib import nullcontext
 from dataclasses import asdict
 
@@ -67,7 +66,7 @@ def build_local(cfg: DictConfig, device: torch.device) -> tuple:
         model = GPT(gpt_config)
     if not on_meta:
         model = model.to(device)
-    if init_from and not has_snapshot(t.snapshot_path):
+    if init_from and not snapshot.committed(t.snapshot_path):
         # Into the plain model, before wrapping: every rank reads the whole checkpoint (on the
         # CPU) and copies it in; FSDP then keeps each rank's shards (README: FSDP and memory).
         # Not on a resume: the snapshot replaces every weight, and reading GPT-2's (on every
@@ -102,14 +101,6 @@ def load_train_objs(cfg: DictConfig, device: torch.device) -> tuple:
     return model, optimizer, train_set, val_set, data, snapshot_meta, flops_per_token
 
 
-def has_snapshot(url: str) -> bool:
-    """A committed snapshot is there to resume from (snapshot.load reads and checks it later,
-    on every rank; a foreign or unreadable one is refused there, never trained over)."""
-    with warnings.catch_warnings():  # an interrupted first save: load says so, once
-        warnings.simplefilter("ignore")
-        return snapshot.snapshot_kind(url) is not None
-
-
 def save_config(cfg: DictConfig) -> None:
     """runs/<run_name>/config.yaml, the resolved config of this run, from global rank 0 only."""
     if dist.get_rank() == 0:
@@ -140,9 +131,8 @@ def train(cfg: DictConfig, device: torch.device) -> str | None:
         return str(e)  # the text only: the exception's traceback would keep this frame alive
     try:
         val_loss = trainer.train()
-    except NonFiniteLoss as e:  # stopped before a snapshot could keep nan weights
-        return str(e)
-    except snapshot.SaveError as e:  # the disk filled up, the folder became read-only, ...
+    # A nan loss stops before a snapshot keeps it; a save fails (a full disk, say) in one line.
+    except (NonFiniteLoss, snapshot.SaveError) as e:
         return str(e)
     print0(f"final val loss {val_loss:.4f} (run dir {cfg.run_dir})")
     meta = snapshot_meta["data_meta"]

@@ -189,6 +189,14 @@ def snapshot_kind(url: str) -> str | None:
     return None
 
 
+def committed(url: str) -> bool:
+    """A committed snapshot is there to resume from (load reads and checks it later, on every
+    rank; a foreign or unreadable one is refused there, never trained over)."""
+    with warnings.catch_warnings():  # an interrupted first save: load says so, once
+        warnings.simplefilter("ignore")
+        return snapshot_kind(url) is not None
+
+
 def rng_state(device: torch.device) -> dict:
     """This process's RNG states as tensors and plain types (so weights_only can load them)."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()
