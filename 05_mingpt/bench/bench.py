@@ -196,7 +196,7 @@ def worker(args: argparse.Namespace) -> None:
             trainer_steps.extend(seconds)
             save_s.append(saved)
         training_peak = peak_memory_mb(device)  # since the last round's train() reset it
-        setup_peak = trainer.setup_peak_mb
+        setup_peak = trainer.log.setup_peak_mb
         # Load time is the slowest rank's: start and stop together.
         dist.barrier()
         start = time.perf_counter()
@@ -205,7 +205,7 @@ def worker(args: argparse.Namespace) -> None:
         load_s = time.perf_counter() - start
         # Each rank's own bytes of model state (a shard under FSDP/ZeRO/TP), gathered on rank 0.
         states: list = [None] * dist.get_world_size()
-        dist.all_gather_object(states, trainer.model_state)
+        dist.all_gather_object(states, trainer.log.model_state)
         # Only rank 0 prints the result line: launch() reads the first one it sees.
         if dist.get_rank() == 0:
             # The median round: one round disturbed by the machine's other load moves it least.

@@ -101,7 +101,7 @@ def worker(args: argparse.Namespace, strategy: str) -> None:
         training = peak_memory_mb(device)
         # The trainer counted the local shards at the first step, before zero_grad freed the
         # gradients; counting again now would find no gradients.
-        state = trainer.model_state or model_state_bytes(model, optimizer)
+        state = trainer.log.model_state or model_state_bytes(model, optimizer)
         states: list = [None] * dist.get_world_size()
         dist.all_gather_object(states, {**state, "baseline": baseline})
         if dist.get_rank() == 0:

@@ -5,16 +5,21 @@
     setup = peak_memory_mb(device); reset_peak_memory(device)  # then train: a training peak
     model_state_bytes(model, optimizer)  # this rank's parameters, gradients, optimizer state
 """
+import contextlib
+import os
 import platform
 import re
 import resource
 import sys
+import time
+from collections.abc import Iterator
 
 import hydra
 import omegaconf
 import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 # Dense peak FLOP/s per GPU and precision, from the vendors' datasheets: bf16/fp16 on tensor
@@ -155,3 +160,117 @@ def print_versions(device: torch.device) -> None:
            f"{hydra.__version__} | omegaconf {omegaconf.__version__}")
     print0(f"device {device} ({name or 'cpu'}) | backend {dist.get_backend()} | world size "
            f"{dist.get_world_size()}")
+
+
+class TrainLog:
+    """The trainer's log lines and TensorBoard scalars: train loss (all-reduced over ranks),
+    lr, tokens/s, MFU and peak memory per interval; validation losses; the time spent
+    evaluating and saving; every rank's memory at the end. Global rank 0 prints and writes.
+
+        log = TrainLog(device, devices, run_dir, flops_per_token, precision, dp_size)
+        log.add(loss, tokens)              # every micro-step: on the device, no host sync
+        log.train_line(step, max_steps, lr)     # every log_every steps (one all-reduce)
+        with log.paused("evaluation"): ...      # not counted in tokens/s
+    """
+
+    def __init__(self, device: torch.device, devices: list[torch.device], run_dir: str,
+                 flops_per_token: float, precision: str, dp_size: int) -> None:
+        self.device, self.devices, self.dp_size = device, devices, dp_size
+        self.flops_per_token, self.precision = flops_per_token, precision
+        self.world_size = dist.get_world_size()
+        # The train loss is summed on the device and synced once per log interval.
+        self.loss_sum = torch.zeros((), device=device)
+        self.loss_count, self.tokens = 0, 0
+        self.t_log = time.perf_counter()  # start of the current log interval
+        # Seconds spent evaluating and saving snapshots (summary() reports their share).
+        self.paused_s = {"evaluation": 0.0, "snapshots": 0.0}
+        # Memory: this rank's model-state bytes (counted once, at the first step's end, when
+        # gradients and optimizer state exist) and every rank's setup peak (start_training).
+        self.model_state: dict[str, int] | None = None
+        self.setup_peak_mb: list[float] = []
+        self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard")) \
+            if dist.get_rank() == 0 else None
+
+    def add(self, loss: torch.Tensor, tokens: int) -> None:
+        """One micro-step's loss (a device tensor: no host sync) and its tokens."""
+        self.loss_sum += loss.detach().float()
+        self.loss_count += 1
+        self.tokens += tokens
+
+    def count_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """This rank's parameter, gradient and optimizer bytes, once (call before zero_grad)."""
+        if self.model_state is None:
+            self.model_state = model_state_bytes(model, optimizer)
+
+    @contextlib.contextmanager
+    def paused(self, name: str) -> Iterator[None]:
+        """Time spent on `name` (evaluation, snapshots): reported, and not in tokens/s."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            seconds = time.perf_counter() - start
+            self.paused_s[name] += seconds
+            self.t_log += seconds
+
+    def start_training(self) -> None:
+        """The peak so far is the setup's (model, snapshot, first evaluation); from here on the
+        peaks logged are training's, so DDP and FSDP compare on what training needs."""
+        self.setup_peak_mb = peak_memory_mb(self.devices)
+        reset_peak_memory(self.devices)
+        self.t_log = time.perf_counter()
+
+    def train_line(self, step: int, max_steps: int, lr: float) -> None:
+        # Each rank saw different data: sum losses and counts over all ranks, then average.
+        totals = torch.stack([self.loss_sum, torch.tensor(float(self.loss_count),
+                                                          device=self.device)])
+        dist.all_reduce(totals)  # the one host sync of the train loss per log interval
+        loss = (totals[0] / totals[1]).item()
+        elapsed = time.perf_counter() - self.t_log
+        tokens_per_s = self.tokens * self.dp_size / elapsed  # TP ranks share their tokens
+        memory = peak_memory_mb(self.devices)
+        line = (f"step {step}/{max_steps} | loss {loss:.4f} | lr {lr:.2e} | "
+                f"{tokens_per_s:,.0f} tokens/s")
+        peak = peak_flops(device_name(self.device), self.precision)
+        if peak:
+            utilisation = mfu(self.flops_per_token, tokens_per_s, peak,
+                              self.world_size * len(self.devices))
+            line += f" | MFU {100 * utilisation:.1f}%"
+        print0(line + f" | peak memory {max(memory):,.0f} MB")
+        if self.writer:
+            self.writer.add_scalar("train/loss", loss, step)
+            self.writer.add_scalar("train/lr", lr, step)
+            self.writer.add_scalar("perf/tokens_per_s", tokens_per_s, step)
+            if peak:
+                self.writer.add_scalar("perf/mfu", utilisation, step)
+            for r, mb in enumerate(memory):
+                self.writer.add_scalar(f"memory/peak_mb_rank{r}", mb, step)
+        self.loss_sum.zero_()
+        self.loss_count, self.tokens = 0, 0
+        self.t_log = time.perf_counter()
+
+    def val_line(self, step: int, loss: float) -> None:
+        print0(f"step {step} | val loss {loss:.4f}")
+        if self.writer:
+            self.writer.add_scalar("val/loss", loss, step)
+            self.writer.flush()
+
+    def summary(self, total: float, step: int) -> None:
+        """The time in training and its pauses; every rank's memory, one column each (MB)."""
+        print0(f"{total:.1f} s in training: " + ", ".join(
+            f"{name} {seconds:.1f} s ({100 * seconds / total:.1f}%)"
+            for name, seconds in self.paused_s.items()))
+        states: list = [None] * self.world_size
+        dist.all_gather_object(states, self.model_state)  # None where no step ran
+        rows = {"setup peak": self.setup_peak_mb, "training peak": peak_memory_mb(self.devices)}
+        for key in ("parameters", "gradients", "optimizer"):
+            rows[key] = [s[key] / 2**20 if s else 0.0 for s in states]
+        print0("memory per rank (MB; peaks: " + ("CUDA allocated, per GPU"
+                                                 if self.device.type == "cuda"
+                                                 else "resident set size") + "):")
+        for name, values in rows.items():
+            print0(f"  {name:<14}" + "".join(f"{v:>12,.1f}" for v in values))
+        if self.writer:
+            for r, mb in enumerate(self.setup_peak_mb):
+                self.writer.add_scalar(f"memory/setup_peak_mb_rank{r}", mb, step)
+            self.writer.close()

@@ -101,4 +101,9 @@ def resume_scheduler(optimizer: torch.optim.Optimizer, cfg: DictConfig, state: d
         changes.append(f"optimizer_config.lr {saved_lr:g} -> {base:g}")
     for group in optimizer.param_groups:
         group["initial_lr"] = base
-    return build_scheduler(optimizer, cfg, steps), changes
+    scheduler = build_scheduler(optimizer, cfg, steps)
+    # LambdaLR also counts its step() calls (only for a warning about call order): the saved
+    # count, so that the next snapshot equals an uninterrupted run's in every field.
+    scheduler.load_state_dict({**scheduler.state_dict(),
+                               "_step_count": state["scheduler"]["_step_count"]})
+    return scheduler, changes

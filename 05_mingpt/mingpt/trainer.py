@@ -6,7 +6,6 @@ only global rank 0 prints and writes TensorBoard logs. Its own position in train
 epoch, data position, schedule, scaler, RNG streams) goes in and out through `state_dict()` and
 `load_state_dict()`; `snapshot.py` decides how and where that is stored.
 """
-import os
 import time
 from functools import partial
 from itertools import islice
@@ -16,20 +15,11 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader, Dataset, Subset
 from torch.utils.data.distributed import DistributedSampler
-from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 from mingpt import snapshot
 from mingpt.faults import inject_fault
-from mingpt.metrics import (
-    device_name,
-    mfu,
-    model_state_bytes,
-    peak_flops,
-    peak_memory_mb,
-    print0,
-    reset_peak_memory,
-)
+from mingpt.metrics import TrainLog, print0
 from mingpt.optim import SCHEDULE_KEYS, build_scheduler, resume_scheduler
 from mingpt.parallel.common import clip_grad_norm_, data_parallel, local_devices, set_grad_sync
 from mingpt.precision import autocast, grad_scaler
@@ -65,10 +55,11 @@ class Trainer:
         # The ranks that see different data: all of them, except under tensor parallelism,
         # where the ranks of one TP group share each batch (samplers, seeds, tokens/s use these).
         self.dp_rank, self.dp_size = data_parallel(model)
-        # The devices this process computes on (nn.DataParallel: several GPUs), for MFU and memory.
-        self.devices = local_devices(model, device)
         self.train_set, self.val_set = train_set, val_set
-        self.snapshot_meta, self.flops_per_token = snapshot_meta, flops_per_token
+        self.snapshot_meta = snapshot_meta
+        # Loss, tokens/s, MFU, memory and TensorBoard: metrics.TrainLog's (rank 0 writes).
+        self.log = TrainLog(device, local_devices(model, device), run_dir, flops_per_token,
+                            cfg.precision, self.dp_size)
         self.scheduler = build_scheduler(optimizer, cfg)
         self.scaler = grad_scaler(device, cfg.precision)
         # An epoch must fill at least one optimizer step, or training would loop forever.
@@ -92,22 +83,10 @@ class Trainer:
         self.step, self.epoch, self.samples_in_epoch = 0, 0, 0
         # The newest validation loss and its step: (step, loss), or None before the first.
         self.last_val: tuple[int, float] | None = None
-        # The train loss is summed on the device and synced once per log interval.
-        self.loss_sum = torch.zeros((), device=device)
-        self.loss_count, self.tokens_since_log = 0, 0
         # The first step whose loss was nan or inf (0: none yet), kept on the device so that
         # watching for it costs no host sync; it is read where one happens anyway (below).
         self.first_bad_step = torch.zeros((), dtype=torch.long, device=device)
-        self.t_log = time.perf_counter()  # start of the current log interval
-        # Seconds spent evaluating and saving snapshots (train() reports their share).
-        self.paused_s = {"evaluation": 0.0, "snapshots": 0.0}
         self.bar: tqdm | None = None  # the progress bar, while train() runs
-        # Memory: this rank's model-state bytes (counted once, at the first step's end, when
-        # gradients and optimizer state exist) and every rank's setup peak (train() sets it).
-        self.model_state: dict[str, int] | None = None
-        self.setup_peak_mb: list[float] = []
-        self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard")) if self.rank == 0 \
-            else None
 
     def state_dict(self) -> dict:
         """The trainer's position, to resume exactly: a collective (it gathers every rank's RNG
@@ -181,20 +160,17 @@ class Trainer:
                     _, loss = self.model(x, y)
                     loss = loss.mean()  # nn.DataParallel returns one loss per GPU
                 self.scaler.scale(loss / n).backward()  # mean over the micro-steps
-            self.loss_sum += loss.detach().float()
-            self.loss_count += 1
+            self.log.add(loss, x.numel())
             if self.cfg.precision != "fp16":  # fp16: GradScaler skips such a step by design
                 bad = ~torch.isfinite(loss.detach()) & (self.first_bad_step == 0)
                 self.first_bad_step = torch.where(bad, self.step + 1, self.first_bad_step)
-            self.tokens_since_log += x.numel()
         if self.cfg.grad_clip > 0:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not scaled ones
             # Works on FSDP's sharded (DTensor) gradients too: the norm covers all shards.
             clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.scaler.step(self.optimizer)  # fp16: skipped if gradients overflowed
         self.scaler.update()
-        if self.model_state is None:  # gradients are freed next: count them now
-            self.model_state = model_state_bytes(self.model, self.optimizer)
+        self.log.count_state(self.model, self.optimizer)  # before zero_grad frees gradients
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
 
@@ -228,17 +204,13 @@ class Trainer:
         if step % cfg.log_every == 0 or saving:
             self._stop_if_not_finite()  # before a log line shows nan or a snapshot keeps it
         if step % cfg.log_every == 0 or last:
-            self._log_train()
-        paused = time.perf_counter()
+            self.log.train_line(step, cfg.max_steps, self.scheduler.get_last_lr()[0])
         if (cfg.eval_every and step % cfg.eval_every == 0) or last:
-            self._log_eval()
-        evaluated = time.perf_counter()
+            with self.log.paused("evaluation"):  # tokens/s measures training steps only
+                self._log_eval()
         if saving:
-            self._save_snapshot()
-        resumed = time.perf_counter()
-        self.paused_s["evaluation"] += evaluated - paused
-        self.paused_s["snapshots"] += resumed - evaluated
-        self.t_log += resumed - paused  # tokens/s measures training steps only
+            with self.log.paused("snapshots"):
+                self._save_snapshot()
 
     def _stop_if_not_finite(self) -> None:
         """NonFiniteLoss if any rank's loss was nan or inf since training (re)started."""
@@ -252,36 +224,6 @@ class Trainer:
                 f"the loss became nan or inf at step {first.item()}: training stopped and saved "
                 f"nothing after it ({self.cfg.snapshot_path} keeps the last good snapshot, if "
                 "any); lower optimizer_config.lr or set trainer_config.grad_clip, then resume")
-
-    def _log_train(self) -> None:
-        # Each rank saw different data: sum losses and counts over all ranks, then average.
-        totals = torch.stack([self.loss_sum, torch.tensor(float(self.loss_count),
-                                                          device=self.device)])
-        dist.all_reduce(totals)  # the one host sync of the train loss per log interval
-        loss = (totals[0] / totals[1]).item()
-        elapsed = time.perf_counter() - self.t_log
-        tokens_per_s = self.tokens_since_log * self.dp_size / elapsed  # TP ranks share tokens
-        memory = peak_memory_mb(self.devices)
-        lr = self.scheduler.get_last_lr()[0]
-        line = (f"step {self.step}/{self.cfg.max_steps} | loss {loss:.4f} | lr {lr:.2e} | "
-                f"{tokens_per_s:,.0f} tokens/s")
-        peak = peak_flops(device_name(self.device), self.cfg.precision)
-        if peak:
-            utilisation = mfu(self.flops_per_token, tokens_per_s, peak,
-                              self.world_size * len(self.devices))
-            line += f" | MFU {100 * utilisation:.1f}%"
-        print0(line + f" | peak memory {max(memory):,.0f} MB")
-        if self.writer:
-            self.writer.add_scalar("train/loss", loss, self.step)
-            self.writer.add_scalar("train/lr", lr, self.step)
-            self.writer.add_scalar("perf/tokens_per_s", tokens_per_s, self.step)
-            if peak:
-                self.writer.add_scalar("perf/mfu", utilisation, self.step)
-            for r, mb in enumerate(memory):
-                self.writer.add_scalar(f"memory/peak_mb_rank{r}", mb, self.step)
-        self.loss_sum.zero_()
-        self.loss_count, self.tokens_since_log = 0, 0
-        self.t_log = time.perf_counter()
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -304,11 +246,8 @@ class Trainer:
 
     def _log_eval(self) -> float:
         loss = self.evaluate()
-        print0(f"step {self.step} | val loss {loss:.4f}")
+        self.log.val_line(self.step, loss)
         self.last_val = (self.step, loss)
-        if self.writer:
-            self.writer.add_scalar("val/loss", loss, self.step)
-            self.writer.flush()
         return loss
 
     def train(self) -> float:
@@ -325,40 +264,14 @@ class Trainer:
         if self.last_val is None or self.last_val[0] != self.step:
             # Where we start from: an untrained model, or a resumed one whose snapshot was not
             # evaluated when it was saved (evaluating it again would log that step twice).
-            self._log_eval()
-            self.paused_s["evaluation"] += time.perf_counter() - started
+            with self.log.paused("evaluation"):
+                self._log_eval()
+        self.log.start_training()  # the peaks from here on are training's
         # A progress bar on rank 0 only, and only on a terminal (log files get the log lines).
-        # The peak so far is the setup's (model, snapshot, first evaluation); from here on the
-        # peaks logged are training's, so DDP and FSDP compare on what training needs.
-        self.setup_peak_mb = peak_memory_mb(self.devices)
-        reset_peak_memory(self.devices)
         self.bar = tqdm(total=cfg.max_steps, initial=self.step, disable=True if self.rank
                         else None, dynamic_ncols=True, leave=False)
-        self.t_log = time.perf_counter()
         while self.step < cfg.max_steps:
             self._run_epoch()
         self.bar.close()
-        total = time.perf_counter() - started
-        print0(f"{total:.1f} s in training: " + ", ".join(
-            f"{name} {seconds:.1f} s ({100 * seconds / total:.1f}%)"
-            for name, seconds in self.paused_s.items()))
-        self._log_memory()
-        if self.writer:
-            self.writer.close()
+        self.log.summary(time.perf_counter() - started, self.step)
         return self.last_val[1]
-
-    def _log_memory(self) -> None:
-        """Every rank's setup and training peaks and model-state bytes, one row each (MB)."""
-        states: list = [None] * self.world_size
-        dist.all_gather_object(states, self.model_state)  # None where no step ran
-        rows = {"setup peak": self.setup_peak_mb, "training peak": peak_memory_mb(self.devices)}
-        for key in ("parameters", "gradients", "optimizer"):
-            rows[key] = [s[key] / 2**20 if s else 0.0 for s in states]
-        print0("memory per rank (MB; peaks: " + ("CUDA allocated, per GPU"
-                                                 if self.device.type == "cuda"
-                                                 else "resident set size") + "):")
-        for name, values in rows.items():
-            print0(f"  {name:<14}" + "".join(f"{v:>12,.1f}" for v in values))
-        if self.writer:
-            for r, mb in enumerate(self.setup_peak_mb):
-                self.writer.add_scalar(f"memory/setup_peak_mb_rank{r}", mb, self.step)
