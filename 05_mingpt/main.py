@@ -1,4 +1,4 @@
-"""Train a GPT with DDP or FSDP on one CPU, one GPU, or many nodes; configured by hydra.
+"""Train a GPT on one CPU, one GPU, or many nodes, with any strategy of mingpt.parallel.
 
     python main.py                                          # one process (CPU or one GPU)
     torchrun --standalone --nproc_per_node=4 main.py        # 4 processes: 4 GPUs, or 4 on a CPU

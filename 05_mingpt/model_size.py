@@ -10,8 +10,8 @@ with --memory, what one rank holds in training under each strategy.
 The models are built on the `meta` device: modules get shapes but no storage, so counting the
 parameters of the 1.5B-parameter gpt2-xl takes no memory and no time. The memory predictions
 are formulas over those shapes (how each strategy splits each parameter), so they do not
-depend on parallelize.py; tests/test_mingpt_memory.py compares them with the local shards of
-real runs, and bench_memory.py with measured peaks.
+depend on mingpt/parallel/; tests/test_mingpt_memory.py compares them with the local shards of
+real runs, and bench/bench_memory.py with measured peaks.
 """
 import argparse
 import math

@@ -84,8 +84,30 @@ SLOW_FILES = (
 )
 
 
+# Test files that break things on purpose (bad input, kills, lost nodes, faults, teardown
+# races) or stand up a cluster or a server: every test in them gets the `robustness` marker,
+# so `python -m pytest -m "not robustness"` runs the usage tests alone. tests/README.md groups
+# the files the same way (tests/test_docs.py checks that the two agree).
+ROBUSTNESS_FILES = (
+    "test_bad_input.py",
+    "test_crash_storm.py",
+    "test_elastic.py",
+    "test_mingpt_errors.py",
+    "test_mingpt_s3.py",
+    "test_slurm.py",
+    "test_teardown.py",
+)
+
+
+# tryfirst: the marker must be on the items before pytest's own hook deselects by `-m`.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Longest files first (SLOW_FILES), the rest as collected; each file's tests in order."""
+    """Longest files first (SLOW_FILES), the rest as collected; each file's tests in order.
+    Every test of a file in ROBUSTNESS_FILES is marked `robustness`."""
+    for item in items:
+        if item.path.name in ROBUSTNESS_FILES:
+            item.add_marker(pytest.mark.robustness)
+
     def rank(item: pytest.Item) -> int:
         name = item.path.name
         return SLOW_FILES.index(name) if name in SLOW_FILES else len(SLOW_FILES)

@@ -31,7 +31,7 @@ TINY = {
     "trainer_config.save_every": "4",
     "trainer_config.sample_tokens": "20",
     # The recipe the golden curves were recorded with (main.py's defaults before the faster
-    # one of README: Speed), so a change of defaults does not move what the tests compare.
+    # one of bench/README.md, Speed), so a change of defaults does not move what tests compare.
     "gpt_config.dropout": "0.1",
     "optimizer_config.lr": "3e-3",
     "optimizer_config.betas": "[0.9,0.95]",

@@ -1,7 +1,7 @@
 """The bad-input matrix (issue 11): every way a user commonly gets a command of 01-05 wrong ends
 with ONE `error:` line on stderr that names the problem and the fix, a non-zero exit, no
-traceback, and every file that existed before unchanged. README.md, section "Bad input", shows
-the table; `test_readme_lists_the_matrix` keeps the two in step.
+traceback, and every file that existed before unchanged. tests/README.md, section "Bad input",
+shows the table; `test_readme_lists_the_matrix` keeps the two in step.
 
 Cases another test file already runs are listed in REUSED with that test's name (a check here
 makes sure it still exists); they are not launched twice. The rest run here, in this process
@@ -266,7 +266,7 @@ def unreachable_rendezvous(tmp_path_factory):
 def test_step04_unreachable_rendezvous_is_bounded(unreachable_rendezvous):
     proc, seconds = unreachable_rendezvous
     assert proc.returncode != 0 and seconds < 60, (seconds, proc.stderr[-2000:])
-    # What the user sees last (torchrun's own words): README "Bad input".
+    # What the user sees last (torchrun's own words): tests/README.md, "Bad input".
     assert "RendezvousConnectionError: The connection to the C10d store has failed" in \
         proc.stderr.strip().splitlines()[-1]
 
@@ -472,11 +472,13 @@ def test_no_code_prints_aws_keys():
 
 
 def test_readme_lists_the_matrix():
-    """README's "Bad input" table: one row per case, each with the error line users see, and an
-    **open** row for each case this file marks xfail (so fixing one updates the docs)."""
-    section = (REPO / "README.md").read_text().split("\n## Bad input\n", 1)[1].split("\n## ")[0]
+    """tests/README.md's "Bad input" table: one row per case, each with the error line users
+    see, and an **open** row for each case this file marks xfail (so fixing one updates the
+    docs)."""
+    readme = (REPO / "tests/README.md").read_text()
+    section = readme.split("\n## Bad input\n", 1)[1].split("\n## ")[0]
     rows = [line for line in section.splitlines() if line.startswith("| ")][1:]  # no header
-    assert len(rows) >= 25, f"only {len(rows)} cases in README's Bad input table"
+    assert len(rows) >= 25, f"only {len(rows)} cases in tests/README.md's Bad input table"
     seen = [row.rsplit(" | ", 1)[1] for row in rows]
     assert all(cell.startswith(("`error: ", "**open**")) for cell in seen), seen
     xfails = len(re.findall(r"^@pytest.mark.xfail\(strict=True", Path(__file__).read_text(),

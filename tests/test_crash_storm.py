@@ -3,7 +3,7 @@
 the uninterrupted run's weights and momentum, bit for bit; the storm's accounting has unit tests.
 
 The long storms (15 kills, step 03 and 05 with DDP and FSDP) run from the command line; their
-measured figures are in the README's "Crash storms" section.
+measured figures are in tests/README.md, section "Crash storms".
 """
 import re
 import signal

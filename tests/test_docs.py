@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PYTHON, REPO
+from conftest import PYTHON, REPO, ROBUSTNESS_FILES
 
 STEPS = ["01_single_gpu", "02_multigpu", "03_torchrun_fault_tolerance", "04_multinode"]
 # Helpers copied into every step that uses them, so each step folder reads on its own.
@@ -30,7 +30,7 @@ FORKED_HELPERS = {
                                   "crash in the middle of a snapshot save (FAULT_AT_SAVE)",
 }
 # Changed lines (added + removed, blank lines not counted) of train.py against the previous
-# step: STYLE.md allows about 60 per step, and step 03, whose README splits its diff into two
+# step: CONTRIBUTING.md allows about 60 per step, and step 03, whose README splits its diff into two
 # ideas (torchrun, snapshots), up to two steps' worth. Each budget is what the step reaches
 # today, so any growth is a decision taken here, not drift.
 DIFF_BUDGET = {"02_multigpu": 59, "03_torchrun_fault_tolerance": 77, "04_multinode": 27}
@@ -59,7 +59,7 @@ SOURCES = sorted(p for folder in [*STEPS, "05_mingpt", "notebooks"]
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(REPO)))
 def test_comment_lines_are_at_least_a_tenth(path):
-    # `#` comments (docstrings not counted): the why next to the code, as STYLE.md asks.
+    # `#` comments (docstrings not counted): the why next to the code, as CONTRIBUTING.md asks.
     source = path.read_text()
     comments = {token.start[0] for token in tokenize.generate_tokens(io.StringIO(source).readline)
                 if token.type == tokenize.COMMENT}
@@ -145,3 +145,39 @@ def test_ruff_is_clean():
     proc = subprocess.run([PYTHON, "-m", "ruff", "check", "."], cwd=REPO, capture_output=True,
                           text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def index_of_tests_readme() -> dict[str, list[str]]:
+    """tests/README.md's index: each `### ` group of "The test files" -> the files it lists."""
+    text = (REPO / "tests/README.md").read_text()
+    section = text.split("\n## The test files\n", 1)[1].split("\n## ")[0]
+    groups = {}
+    for block in section.split("\n### ")[1:]:
+        title, body = block.split("\n", 1)
+        groups[title.strip()] = re.findall(r"^- \[`([^`]+)`\]", body, flags=re.M)
+    return groups
+
+
+def test_tests_readme_lists_every_test_file_in_its_group():
+    groups = index_of_tests_readme()
+    usage, robustness = groups["Usage tests"], groups["Robustness tests"]
+    on_disk = {p.name for p in (REPO / "tests").glob("test_*.py")}
+    listed = usage + robustness
+    assert len(listed) == len(set(listed)), f"a test file is listed twice: {sorted(listed)}"
+    assert not on_disk - set(listed), (
+        f"tests/README.md has no line for {sorted(on_disk - set(listed))}: add one under "
+        '"Usage tests" or "Robustness tests" saying what it guards')
+    assert not set(listed) - on_disk, f"tests/README.md lists missing {set(listed) - on_disk}"
+    # The marker and the docs group the files from one list (conftest.ROBUSTNESS_FILES).
+    assert set(robustness) == set(ROBUSTNESS_FILES), (
+        "tests/README.md's Robustness tests and conftest.ROBUSTNESS_FILES differ: "
+        f"{sorted(set(robustness) ^ set(ROBUSTNESS_FILES))}")
+
+
+def test_tests_readme_lists_every_helper():
+    helpers = index_of_tests_readme()["Helpers"]
+    on_disk = {p.name for p in (REPO / "tests").iterdir()
+               if p.suffix in (".py", ".c") and not p.name.startswith("test_")}
+    assert not on_disk - set(helpers), f"tests/README.md has no line for {on_disk - set(helpers)}"
+    for name in helpers:
+        assert (REPO / "tests" / name).exists(), f"tests/README.md lists missing {name}"

@@ -252,7 +252,7 @@ def test_upload_failing_midway_leaves_the_previous_snapshot(mingpt_modules, aws,
 
 def test_failed_sharded_save_leaves_latest_at_the_previous_step(mingpt_modules, aws,
                                                                 flaky_upload):
-    """DCP's shard writes are fsspec writes too: one failing mid-save is an OSError with one
+    """DCP's shard writes are fsspec writes too: one failing mid-save is a SaveError with one
     line for main.py, and `latest` still names the previous step, which loads."""
     snapshot, fail = mingpt_modules["snapshot"], flaky_upload[2]
     url, fs = "s3://mingpt/sharded/snapshot", s3(aws)
@@ -268,11 +268,13 @@ def test_failed_sharded_save_leaves_latest_at_the_previous_step(mingpt_modules, 
         saved = {k: v.clone() for k, v in model.state_dict().items()}
         optimizer.step()  # step 4's weights differ
         fail["key"] = "step_00000004"
-        with pytest.raises(OSError) as error:
+        with pytest.raises(snapshot.SaveError) as error:
             snapshot.save(url, "fsdp", model, optimizer, {"step": 4, **meta})
         assert str(error.value) == (
-            "ConnectionResetError: [Errno 104] connection reset (injected); "
-            + UNREACHABLE.format(endpoint=aws["AWS_ENDPOINT_URL"], n=3))
+            f"cannot save the snapshot to {url} (ConnectionResetError: [Errno 104] connection "
+            "reset (injected); " + UNREACHABLE.format(endpoint=aws["AWS_ENDPOINT_URL"], n=3)
+            + "); the previous snapshot, if any, is unchanged: fix what it says or set "
+            "trainer_config.snapshot_path, then run again to resume")
         fail["key"] = None
         assert fs.cat_file("mingpt/sharded/snapshot/latest") == b"step_00000002"
         fresh = torch.nn.Linear(4, 2)
