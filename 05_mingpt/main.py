@@ -25,9 +25,8 @@ from mingpt.errors import fail
 from mingpt.metrics import print0, print_versions
 from mingpt.model import GPT, GPTConfig
 from mingpt.optim import build_optimizer
-from mingpt.parallel import parallelize
+from mingpt.parallel import STRATEGIES, parallelize
 from mingpt.parallel.common import data_parallel, unwrap
-from mingpt.parallel.fsdp import init_sharded
 from mingpt.trainer import NonFiniteLoss, Trainer
 from sample import generate_text
 
@@ -58,7 +57,8 @@ def build_local(cfg: DictConfig, device: torch.device) -> tuple:
     # then give each rank storage for its shards only and draw the weights into them
     # (init_sharded), so no rank ever holds the whole model. The pretrained weights are
     # copied into a whole model first (pretrained.load_pretrained), so init_from does not.
-    on_meta = t.distributed_method == "fsdp" and not init_from
+    strategy = STRATEGIES[t.distributed_method]
+    on_meta = strategy.init_on_meta is not None and not init_from
     # The same seed on every rank: FSDP shards each rank's own copy of the initial weights,
     # so all copies must be equal (DDP would broadcast rank 0's, FSDP does not).
     torch.manual_seed(t.seed)
@@ -73,14 +73,14 @@ def build_local(cfg: DictConfig, device: torch.device) -> tuple:
         # rank: 6 GB for gpt2-xl, and transformers' model code) would only delay the restart.
         pretrained.load_pretrained(model, init_from)
         print0(f"weights from {init_from}")
-    return data, train_set, val_set, meta, model, on_meta
+    return data, train_set, val_set, meta, model, strategy.init_on_meta if on_meta else None
 
 
 def load_train_objs(cfg: DictConfig, device: torch.device) -> tuple:
     """Data, model (wrapped for DDP/FSDP) and optimizer; ValueError for bad data or config."""
     # Each node reads its own files: every rank hears of any rank's failure before the first
     # collective (DDP's broadcast, FSDP's sharding), instead of waiting in it (errors.py).
-    data, train_set, val_set, meta, model, on_meta = errors.agreed(build_local, cfg, device)
+    data, train_set, val_set, meta, model, init = errors.agreed(build_local, cfg, device)
     t = cfg.trainer_config
     print0(f"model: {model.num_params():,} parameters ({model.config.n_layer} layers, "
            f"{model.config.n_head} heads, {model.config.n_embd} wide, vocab "
@@ -90,8 +90,8 @@ def load_train_objs(cfg: DictConfig, device: torch.device) -> tuple:
     model = parallelize(model, device, t.distributed_method, precision=t.precision,
                         cpu_offload=t.cpu_offload, compile=t.compile, tp_size=t.tp_size,
                         activation_checkpointing=t.activation_checkpointing)
-    if on_meta:  # the weights GPT(gpt_config) would have drawn, bit for bit, in shards
-        init_sharded(model, device, t.cpu_offload)
+    if init:  # the weights GPT(gpt_config) would have drawn, bit for bit, in shards
+        init(model, device, t.cpu_offload)
     # Built after wrapping: FSDP has replaced every parameter with its sharded version.
     o = cfg.optimizer_config
     optimizer = build_optimizer(model, t.distributed_method, o.lr, o.betas, o.weight_decay)

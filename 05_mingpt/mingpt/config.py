@@ -26,6 +26,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from mingpt import ROOT
 from mingpt.data import KINDS, data_module
+from mingpt.errors import require
 from mingpt.model import GPTConfig, resolve_config
 from mingpt.parallel import STRATEGIES
 from mingpt.parallel.tensor import check_tp
@@ -82,11 +83,6 @@ TOP_LEVEL = ("run_name", "run_dir", "gpt_config", "data_config", "trainer_config
              "optimizer_config")
 
 
-def _check(ok: bool, key: str, allowed: str, value: object) -> None:
-    if not ok:
-        raise ValueError(f"{key} must be {allowed}, got {value!r}")
-
-
 def _allowed(key: str) -> str:
     """What may stand at a key's level, for 'unknown key' messages."""
     parent = key.rpartition(".")[0]
@@ -125,27 +121,6 @@ def _compose(overrides: list[str]) -> DictConfig:
             raise ValueError(" ".join(str(e).split())) from None
 
 
-def _check_dp(method: str, device: str, compile: bool) -> None:
-    """nn.DataParallel needs CUDA GPUs and exactly one process; say so before anything starts."""
-    if method != "dp":
-        return
-    # Before the GPU check, so that a CPU machine (and its tests) sees this line too.
-    # Module.compile() binds the compiled call to the module it compiled; DataParallel's
-    # replicas copy each module's __dict__, so every replica would run GPU 0's block.
-    _check(not compile, "trainer_config.compile", "False with distributed_method=dp (each "
-           "GPU's replica would run the first GPU's compiled blocks); use ddp to compile", compile)
-    if device == "cpu" or not torch.cuda.is_available():
-        raise ValueError("distributed_method=dp (nn.DataParallel) splits each batch across CUDA "
-                         "GPUs from one process, and this run has none (device=cpu or no GPU); "
-                         "use ddp, which runs on CPUs and GPUs")
-    # torchrun sets WORLD_SIZE; here, before the process group exists, it is the only source.
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        raise ValueError(f"distributed_method=dp runs in ONE process that drives every GPU, but "
-                         f"{world} processes were started: use python main.py, not torchrun "
-                         "(or use ddp, one process per GPU)")
-
-
 def validate(cfg: DictConfig) -> None:
     """Raise ValueError (one line) unless every key is known and every value is allowed."""
     unknown = sorted(set(cfg.keys()) - set(TOP_LEVEL))
@@ -174,41 +149,39 @@ def validate(cfg: DictConfig) -> None:
     t, o = cfg.trainer_config, cfg.optimizer_config
     for key in ("max_steps", "batch_size", "grad_accum_steps", "log_every", "eval_batches",
                 "keep_last"):
-        _check(t[key] >= 1, f"trainer_config.{key}", "a positive integer", t[key])
+        require(t[key] >= 1, f"trainer_config.{key}", "a positive integer", t[key])
     for key in ("warmup_steps", "eval_every", "save_every", "data_loader_workers",
                 "sample_tokens"):
-        _check(t[key] >= 0, f"trainer_config.{key}", "an integer >= 0", t[key])
-    _check(t.distributed_method in DISTRIBUTED_METHODS, "trainer_config.distributed_method",
+        require(t[key] >= 0, f"trainer_config.{key}", "an integer >= 0", t[key])
+    require(t.distributed_method in DISTRIBUTED_METHODS, "trainer_config.distributed_method",
            f"one of {', '.join(DISTRIBUTED_METHODS)}", t.distributed_method)
-    _check(t.tp_size >= 0, "trainer_config.tp_size", "an integer >= 0 (0: every rank)",
+    require(t.tp_size >= 0, "trainer_config.tp_size", "an integer >= 0 (0: every rank)",
            t.tp_size)
-    _check(t.tp_size == 0 or t.distributed_method in TP_METHODS, "trainer_config.tp_size",
+    require(t.tp_size == 0 or t.distributed_method in TP_METHODS, "trainer_config.tp_size",
            f"0 unless distributed_method is {' or '.join(TP_METHODS)}", t.tp_size)
-    _check_dp(t.distributed_method, t.device, t.compile)
-    _check(t.precision in PRECISIONS, "trainer_config.precision",
+    strategy = STRATEGIES[t.distributed_method]
+    if strategy.check:  # the strategy's own rules (dp: CUDA GPUs, one process; tp: no fp16)
+        strategy.check(t)
+    require(t.precision in PRECISIONS, "trainer_config.precision",
            f"one of {', '.join(PRECISIONS)}", t.precision)
-    # fp16's loss scaler unscales all gradients in one foreach pass, and under tp some are
-    # DTensors and some plain tensors (LayerNorms, embeddings): torch refuses the mix. (Under
-    # fsdp_tp FSDP makes every parameter a DTensor, and fp16 works.)
-    _check(t.precision != "fp16" or t.distributed_method != "tp", "trainer_config.precision",
-           "fp32 or bf16 with distributed_method=tp (fp16's GradScaler cannot unscale its "
-           "sharded and plain gradients together; fsdp_tp takes fp16)", t.precision)
-    _check(t.device in DEVICES, "trainer_config.device", f"one of {', '.join(DEVICES)}", t.device)
+    require(t.device in DEVICES, "trainer_config.device", f"one of {', '.join(DEVICES)}", t.device)
     # Here rather than when the device is picked: before any process group or file exists.
-    _check(t.device != "cuda" or torch.cuda.is_available(), "trainer_config.device",
+    require(t.device != "cuda" or torch.cuda.is_available(), "trainer_config.device",
            "auto or cpu on a machine without a CUDA GPU", t.device)
-    _check(not t.cpu_offload or t.distributed_method == "fsdp", "trainer_config.cpu_offload",
-           "False unless distributed_method=fsdp (it offloads FSDP shards)", t.cpu_offload)
-    _check(t.grad_clip >= 0, "trainer_config.grad_clip", ">= 0 (0 turns clipping off)",
+    offloading = [name for name, strategy in STRATEGIES.items() if strategy.cpu_offload]
+    require(not t.cpu_offload or t.distributed_method in offloading, "trainer_config.cpu_offload",
+            f"False unless distributed_method={' or '.join(offloading)} (it offloads FSDP "
+            "shards)", t.cpu_offload)
+    require(t.grad_clip >= 0, "trainer_config.grad_clip", ">= 0 (0 turns clipping off)",
            t.grad_clip)
-    _check(0 <= t.min_lr_ratio <= 1, "trainer_config.min_lr_ratio", "between 0 and 1",
+    require(0 <= t.min_lr_ratio <= 1, "trainer_config.min_lr_ratio", "between 0 and 1",
            t.min_lr_ratio)
-    _check(o.lr > 0, "optimizer_config.lr", "> 0", o.lr)
-    _check(o.weight_decay >= 0, "optimizer_config.weight_decay", ">= 0", o.weight_decay)
-    _check(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optimizer_config.betas",
+    require(o.lr > 0, "optimizer_config.lr", "> 0", o.lr)
+    require(o.weight_decay >= 0, "optimizer_config.weight_decay", ">= 0", o.weight_decay)
+    require(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optimizer_config.betas",
            "two numbers in [0, 1)", list(o.betas))
     data_name = cfg.data_config.get("name") if isinstance(cfg.data_config, DictConfig) else None
-    _check(data_name in KINDS, "data_config.name", f"one of {', '.join(KINDS)}",
+    require(data_name in KINDS, "data_config.name", f"one of {', '.join(KINDS)}",
            data_name)
     data_module(data_name).check_config(cfg.data_config)  # the data module's own keys
     gpt = cfg.gpt_config
@@ -218,7 +191,7 @@ def validate(cfg: DictConfig) -> None:
         raise ValueError(f"unknown key {key}; {_allowed(key)}")
     settings = OmegaConf.to_container(gpt)
     init_from = settings.pop("init_from", None)
-    _check(init_from is None or isinstance(init_from, str) and init_from.strip() != "",
+    require(init_from is None or isinstance(init_from, str) and init_from.strip() != "",
            "gpt_config.init_from", "null, gpt2, gpt2-medium, gpt2-large, gpt2-xl or a directory",
            init_from)
     if init_from is not None:  # the pretrained model's sizes: pretrained.gpt_config_from

@@ -33,6 +33,12 @@ def fail(error: Exception | str) -> NoReturn:
     sys.exit(2)
 
 
+def require(ok: bool, key: str, allowed: str, value: object) -> None:
+    """ValueError "KEY must be ALLOWED, got VALUE" unless `ok`: every config check's form."""
+    if not ok:
+        raise ValueError(f"{key} must be {allowed}, got {value!r}")
+
+
 def agreed(function: Callable[..., T], *args, **kwargs) -> T:
     """`function(*args, **kwargs)` on every rank; a ValueError on any rank is raised on all.
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from omegaconf import DictConfig
 from torch import nn
 
 from mingpt.parallel import ddp, dp, fsdp, fsdp_tp, tensor, zero
@@ -31,19 +32,27 @@ class Strategy:
     summary: str  # one line for the docs and --help
     tp: bool = False  # splits each block's matmuls over a (dp, tp) mesh: tp_size applies
     optimizer: Callable[..., torch.optim.Optimizer] | None = None  # None: AdamW
+    # Its own config rules, one-line ValueErrors (config.validate calls it).
+    check: Callable[[DictConfig], None] | None = None
+    # Built on the meta device, then given storage and weights by this, shard by shard
+    # (main.build_local), so no rank ever holds the whole model.
+    init_on_meta: Callable[[nn.Module, torch.device, bool], None] | None = None
+    cpu_offload: bool = False  # trainer_config.cpu_offload applies
 
 
 STRATEGIES = {
     "ddp": Strategy(ddp.apply, "ddp", "a whole replica per rank, gradients all-reduced"),
     "fsdp": Strategy(fsdp.apply, "fsdp",
-                     "parameters, gradients and optimizer state sharded over all ranks"),
+                     "parameters, gradients and optimizer state sharded over all ranks",
+                     init_on_meta=fsdp.init_sharded, cpu_offload=True),
     "zero": Strategy(ddp.apply, "ddp", "ddp, with AdamW's state sharded over the ranks",
                      optimizer=zero.optimizer),
     "tp": Strategy(tensor.apply, "fsdp", "every block's matmuls split over all ranks",
-                   tp=True),
+                   tp=True, check=tensor.check_config),
     "fsdp_tp": Strategy(fsdp_tp.apply, "fsdp",
                         "TP inside groups of tp_size ranks, FSDP across the groups", tp=True),
-    "dp": Strategy(dp.apply, "ddp", "nn.DataParallel: one process drives every GPU"),
+    "dp": Strategy(dp.apply, "ddp", "nn.DataParallel: one process drives every GPU",
+                   check=dp.check_config),
 }
 
 

@@ -2,10 +2,14 @@
 
     model = apply(model, device, settings)   # parallel.STRATEGIES["dp"]; python main.py only
 """
+import os
+
 import torch
 import torch.distributed as dist
+from omegaconf import DictConfig
 from torch import nn
 
+from mingpt.errors import require
 from mingpt.parallel.common import wrap_blocks
 from mingpt.parallel.settings import Settings
 from mingpt.precision import keep_autocast
@@ -38,3 +42,23 @@ class DataParallel(nn.DataParallel):
     def parallel_apply(self, replicas: list[nn.Module], inputs: list, kwargs: list) -> list:
         calls = [keep_autocast(replica, self.src_device_obj.type) for replica in replicas]
         return super().parallel_apply(calls, inputs, kwargs)
+
+
+def check_config(t: DictConfig) -> None:
+    """nn.DataParallel needs CUDA GPUs and exactly one process; say so before anything starts."""
+    # Before the GPU check, so that a CPU machine (and its tests) sees this line too.
+    # Module.compile() binds the compiled call to the module it compiled; DataParallel's
+    # replicas copy each module's __dict__, so every replica would run GPU 0's block.
+    require(not t.compile, "trainer_config.compile", "False with distributed_method=dp (each "
+            "GPU's replica would run the first GPU's compiled blocks); use ddp to compile",
+            t.compile)
+    if t.device == "cpu" or not torch.cuda.is_available():
+        raise ValueError("distributed_method=dp (nn.DataParallel) splits each batch across CUDA "
+                         "GPUs from one process, and this run has none (device=cpu or no GPU); "
+                         "use ddp, which runs on CPUs and GPUs")
+    # torchrun sets WORLD_SIZE; here, before the process group exists, it is the only source.
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        raise ValueError(f"distributed_method=dp runs in ONE process that drives every GPU, but "
+                         f"{world} processes were started: use python main.py, not torchrun "
+                         "(or use ddp, one process per GPU)")

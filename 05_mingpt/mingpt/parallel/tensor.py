@@ -19,6 +19,7 @@ the q/k/v projection it gets (n_embd / tp under TP, n_embd otherwise).
 """
 import torch
 import torch.distributed as dist
+from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -29,6 +30,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from mingpt.errors import require
 from mingpt.parallel.common import wrap_blocks
 from mingpt.parallel.settings import Settings
 
@@ -221,3 +223,12 @@ def apply(model: nn.Module, device: torch.device, s: Settings) -> nn.Module:
     wrap_blocks(model, s.activation_checkpointing, s.compile)
     model.dp_tp_mesh = mesh  # data_parallel() reads it: the trainer deals data out over dp
     return model
+
+
+def check_config(t: DictConfig) -> None:
+    """tp's own rule: fp16's loss scaler unscales all gradients in one foreach pass, and under
+    tp some are DTensors and some plain tensors (LayerNorms, embeddings): torch refuses the
+    mix. (Under fsdp_tp FSDP makes every parameter a DTensor, and fp16 works.)"""
+    require(t.precision != "fp16", "trainer_config.precision",
+            "fp32 or bf16 with distributed_method=tp (fp16's GradScaler cannot unscale its "
+            "sharded and plain gradients together; fsdp_tp takes fp16)", t.precision)
