@@ -70,6 +70,69 @@ def assert_learned(stdout: str, margin: float = 0.3) -> float:
     return final
 
 
+# --- Numerical tolerances ------------------------------------------------------------------
+# Two computations agree bit for bit only where they do the same arithmetic in the same order
+# (a resume, zero and DDP). Elsewhere (another strategy, formulation or CPU) the tests bound the
+# difference by what fp32 rounding can do, derived at each check, not tuned on one machine:
+# PyTorch picks its CPU kernels by instruction set (ATEN_CPU_CAPABILITY; oneDNN and MKL choose
+# their own), so the same sums are added in other orders on other CPUs.
+U = 2.0**-24  # fp32's unit roundoff: one rounding changes a value by at most U of its size
+LOG_UNIT = 1e-4  # the trainer logs losses with 4 decimals
+
+
+def other_cpu_kernels() -> dict[str, str]:
+    """The kernels of a CPU one instruction set below this one, for the checks that guard the
+    tolerances: the environment for a fresh process (each library reads its variable as it
+    loads). An AVX-512 machine gets an AVX2 CPU's (ATen's, oneDNN's and MKL's AVX2 kernels:
+    where a bound tuned on AVX-512 failed), any other the most basic ones (ATen's scalar
+    kernels, oneDNN's SSE4.1 ones, MKL's compatible code path). ATEN_CPU_CAPABILITY names
+    the one torch.backends.cpu.get_cpu_capability() then reports, in lower case."""
+    if torch.backends.cpu.get_cpu_capability() == "AVX512":
+        return {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    return {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41",
+            "MKL_CBWR": "COMPATIBLE"}
+
+
+def log_units(a: float, b: float) -> int:
+    """How many units of the log's last (4th) decimal two logged losses differ by. (A parsed
+    value is no exact multiple of 1e-4: 3.6472 - 3.6471 = 1.0000000000000009e-4, so a check
+    `<= 1e-4` fails about one difference of one unit in three.)"""
+    return round(abs(a - b) / LOG_UNIT)
+
+
+def assert_same_curve(lines: list[str], golden: list[str]) -> None:
+    """The logged loss lines are the golden ones, each loss within one unit of the 4th decimal.
+    The losses are deterministic on one CPU, but other CPUs' kernels add in other orders and
+    move a loss of ~4 by a few ulps (U * 4 = 2.4e-7 each; measured at most 9.5e-7 across
+    ATEN_CPU_CAPABILITY=default, avx2 and avx512 and MKL's code paths): a logged value then
+    changes only where it lies within ~1e-6 of a rounding boundary, and by one unit. (The
+    recorded step 9, 3.6318510, lies 9.6e-7 from one.) What the trainer computes differently
+    (data, dropout masks, the lr schedule, the model) moves the losses by far more."""
+    loss = re.compile(r"(?<=loss )[0-9.]+")
+    assert [loss.sub("#", line) for line in lines] == [loss.sub("#", line) for line in golden], \
+        lines  # the same steps and lr
+    for line, recorded in zip(lines, golden, strict=True):
+        assert log_units(float(loss.search(line)[0]),
+                         float(loss.search(recorded)[0])) <= 1, (line, recorded)
+
+
+def assert_close_ulps(actual: torch.Tensor, expected: torch.Tensor, ulps: float,
+                      msg: str | None = None) -> None:
+    """Every entry within `ulps` roundings (U) of `expected`'s largest magnitude: the bound for
+    the same values computed with their sums in another order. That error scales with the
+    terms summed, so with the tensor's size, not with each entry (an entry that cancels to
+    ~0 keeps the absolute error of its terms): a relative bound per entry would be wrong."""
+    torch.testing.assert_close(actual, expected, rtol=0,
+                               atol=ulps * U * expected.abs().max().item(), msg=msg)
+
+
+def weights_apart(weights: dict, reference: dict, bound: float) -> tuple[float, int]:
+    """The largest |weight - reference| over every weight, and how many exceed `bound`."""
+    diffs = torch.cat([(weights[k] - reference[k]).abs().flatten() for k in reference])
+    return diffs.max().item(), int((diffs > bound).sum())
+
+
 def load_ddp_snapshot(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
