@@ -103,9 +103,11 @@ ROBUSTNESS_FILES = (
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Longest files first (SLOW_FILES), the rest as collected; each file's tests in order.
-    Every test of a file in ROBUSTNESS_FILES is marked `robustness`."""
+    Every test of a file in ROBUSTNESS_FILES is marked `robustness`, and so is every test
+    named *_slowest elsewhere (kill-and-resume runs, a minute of launches each): the usage
+    run stays short, and the full run (CI's) still has them."""
     for item in items:
-        if item.path.name in ROBUSTNESS_FILES:
+        if item.path.name in ROBUSTNESS_FILES or item.originalname.endswith("_slowest"):
             item.add_marker(pytest.mark.robustness)
 
     def rank(item: pytest.Item) -> int:
