@@ -118,8 +118,9 @@ def full(m: dict, t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def fit(m: dict, args: list[str]) -> tuple[str, dict]:
-    """main.train's steps in this process: build, resume, train; (rank 0's log, full weights)."""
+def run(m: dict, args: list[str]) -> tuple[str, torch.nn.Module, torch.optim.Optimizer]:
+    """main.train's steps in this process: build, resume, train; (rank 0's log, the model,
+    the optimizer)."""
     cfg = configure(m, args)
     t = cfg.trainer_config
     model, optimizer, train_set, val_set, data, meta, flops = \
@@ -133,10 +134,16 @@ def fit(m: dict, args: list[str]) -> tuple[str, dict]:
         if state is not None:
             trainer.load_state_dict(state)
         trainer.train()
+    return log.getvalue(), model, optimizer
+
+
+def fit(m: dict, args: list[str]) -> tuple[str, dict]:
+    """run(), then (rank 0's log, the full weights)."""
+    log, model, _ = run(m, args)
     # Collective for DTensors (tp, fsdp): every rank gathers each whole tensor in turn.
     weights = {k: full(m, v).clone()
                for k, v in m["common"].unwrap(model).state_dict().items()}
-    return log.getvalue(), weights
+    return log, weights
 
 
 def _worker(rank: int, store: str, out: str, text: str) -> None:

@@ -5,7 +5,7 @@ cannot work are refused in one line, and nn.DataParallel's replicas keep the run
 dtype and count every GPU for MFU (the GPU side: tests/test_gpu.py).
 
 The multi-rank checks run in ONE pair of spawned gloo processes, through main.load_train_objs
-and the Trainer as main.py runs them (test_mingpt_strategies.fit)."""
+and the Trainer as main.py runs them (test_mingpt_strategies.run)."""
 import gc
 import json
 import threading
@@ -21,30 +21,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from conftest import REPO
 from mingpt_helpers import mingpt_imported, train_losses
-from test_mingpt_strategies import configure, overrides
+from test_mingpt_strategies import overrides, run
 
 CPU = torch.device("cpu")
 HALF, STEPS = 2, 4
-
-
-def fit(m: dict, args: list[str]) -> tuple[str, nn.Module, torch.optim.Optimizer]:
-    """main.train's steps: build, resume, train; (rank 0's log, the model, the optimizer)."""
-    import contextlib
-    import io
-    cfg = configure(m, args)
-    t = cfg.trainer_config
-    model, optimizer, train_set, val_set, data, meta, flops = \
-        m["main"].load_train_objs(cfg, CPU)
-    trainer = m["trainer"].Trainer(t, model, optimizer, train_set, val_set, CPU, cfg.run_dir,
-                                   meta, flops)
-    log = io.StringIO()
-    with contextlib.redirect_stdout(log):
-        state = m["snapshot"].load(t.snapshot_path, t.distributed_method, model, optimizer,
-                                   meta, data.MATCH_KEYS)
-        if state is not None:
-            trainer.load_state_dict(state)
-        trainer.train()
-    return log.getvalue(), model, optimizer
 
 
 def settings(optimizer: torch.optim.Optimizer) -> dict:
@@ -65,10 +45,10 @@ def _worker(rank: int, store: str, out: str, text: str) -> None:
         # (first, then): HALF steps under `first`, then the same run_dir resumed under `then`.
         # With dropout: the resumed tp run must draw one mask per TP group.
         for first, then in (("fsdp", "tp"), ("tp", "fsdp"), ("zero", "zero"), ("tp", "tp")):
-            run = out_dir / f"{first}-{then}"
+            folder = out_dir / f"{first}-{then}"
             dropout = ["gpt_config.dropout=0.1"]
-            fit(m, overrides(first, run, text, HALF) + dropout)
-            log, model, optimizer = fit(m, overrides(then, run, text, STEPS) + dropout)
+            run(m, overrides(first, folder, text, HALF) + dropout)
+            log, model, optimizer = run(m, overrides(then, folder, text, STEPS) + dropout)
             # ln_f is whole on every rank under tp: both ranks must hold the same values.
             ln_f = m["common"].unwrap(model).ln_f.weight
             ln_f = ln_f.full_tensor() if hasattr(ln_f, "full_tensor") else ln_f.detach()
