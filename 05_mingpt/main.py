@@ -10,7 +10,6 @@ Every key of gpt2_train_cfg.yaml can be overridden as `section.key=value`. Each 
 into runs/<run_name>/ (config.yaml, TensorBoard logs, snapshot); a relaunch with the same
 run_name resumes from its snapshot.
 """
-import os
 import sys
 from contextlib import nullcontext
 from dataclasses import asdict
@@ -23,7 +22,7 @@ from mingpt import config, distributed, errors, snapshot, storage
 from mingpt.data import data_module
 from mingpt.errors import fail
 from mingpt.metrics import print0, print_versions
-from mingpt.model import GPT, GPTConfig
+from mingpt.model import GPT
 from mingpt.optim import build_optimizer
 from mingpt.parallel import STRATEGIES, parallelize
 from mingpt.parallel.common import data_parallel, unwrap
@@ -42,16 +41,7 @@ def build_local(cfg: DictConfig, device: torch.device) -> tuple:
     data = data_module(cfg.data_config.name)
     train_set, val_set, meta = data.build_datasets(cfg.data_config, cfg.gpt_config.block_size,
                                                    cfg.trainer_config.seed)
-    # The vocabulary (and block size) come from the data, the rest from gpt_config.
-    settings = OmegaConf.to_container(cfg.gpt_config, resolve=True)
-    init_from = settings.pop("init_from", None)
-    if init_from:  # GPT-2 weights: transformers is imported only for them
-        from mingpt import pretrained
-        gpt_config = pretrained.gpt_config_from(init_from, settings, meta["vocab_size"],
-                                                meta["block_size"], cfg.data_config.name)
-    else:
-        gpt_config = GPTConfig(**{**settings, "vocab_size": meta["vocab_size"],
-                                  "block_size": meta["block_size"]})
+    gpt_config, init_from = config.model_config(cfg, meta)
     t = cfg.trainer_config
     # FSDP without pretrained weights: build on the meta device (shapes, no memory), shard,
     # then give each rank storage for its shards only and draw the weights into them
@@ -71,6 +61,7 @@ def build_local(cfg: DictConfig, device: torch.device) -> tuple:
         # CPU) and copies it in; FSDP then keeps each rank's shards (README: FSDP and memory).
         # Not on a resume: the snapshot replaces every weight, and reading GPT-2's (on every
         # rank: 6 GB for gpt2-xl, and transformers' model code) would only delay the restart.
+        from mingpt import pretrained  # transformers is imported only for GPT-2's weights
         pretrained.load_pretrained(model, init_from)
         print0(f"weights from {init_from}")
     return data, train_set, val_set, meta, model, strategy.init_on_meta if on_meta else None
@@ -82,9 +73,7 @@ def load_train_objs(cfg: DictConfig, device: torch.device) -> tuple:
     # collective (DDP's broadcast, FSDP's sharding), instead of waiting in it (errors.py).
     data, train_set, val_set, meta, model, init = errors.agreed(build_local, cfg, device)
     t = cfg.trainer_config
-    print0(f"model: {model.num_params():,} parameters ({model.config.n_layer} layers, "
-           f"{model.config.n_head} heads, {model.config.n_embd} wide, vocab "
-           f"{model.config.vocab_size}, block {model.config.block_size})")
+    print0(f"model: {model.describe()}")
     snapshot_meta = {"model_config": asdict(model.config), "data_meta": meta}
     flops_per_token = model.flops_per_token()
     model = parallelize(model, device, t.distributed_method, precision=t.precision,
@@ -101,13 +90,6 @@ def load_train_objs(cfg: DictConfig, device: torch.device) -> tuple:
     return model, optimizer, train_set, val_set, data, snapshot_meta, flops_per_token
 
 
-def save_config(cfg: DictConfig) -> None:
-    """runs/<run_name>/config.yaml, the resolved config of this run, from global rank 0 only."""
-    if dist.get_rank() == 0:
-        os.makedirs(cfg.run_dir, exist_ok=True)
-        OmegaConf.save(cfg, os.path.join(cfg.run_dir, "config.yaml"))
-
-
 def train(cfg: DictConfig, device: torch.device) -> str | None:
     """Build, resume and train; the message of a data, config or snapshot error, else None.
 
@@ -118,7 +100,7 @@ def train(cfg: DictConfig, device: torch.device) -> str | None:
     try:
         model, optimizer, train_set, val_set, data, snapshot_meta, flops = \
             load_train_objs(cfg, device)
-        save_config(cfg)  # only now: a run refused for its data or model leaves no folder
+        config.save(cfg)  # only now: a run refused for its data or model leaves no folder
         trainer = Trainer(cfg.trainer_config, model, optimizer, train_set, val_set, device,
                           cfg.run_dir, snapshot_meta, flops)
         # Every rank reads the snapshot, if there is one (only rank 0 ever writes files).

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, fields
 
 import torch
+import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 from hydra.errors import (
     ConfigCompositionException,
@@ -221,3 +222,25 @@ def load(overrides: list[str]) -> DictConfig:
         raise ValueError(" ".join(str(e).split())) from None
     validate(cfg)
     return cfg
+
+
+def model_config(cfg: DictConfig, meta: dict) -> tuple[GPTConfig, str | None]:
+    """The model's config and where its weights come from (gpt_config.init_from, or None).
+
+    The vocabulary and block size come from the data's meta, the rest from gpt_config; with
+    init_from, the pretrained model's sizes (pretrained.gpt_config_from checks they agree)."""
+    settings = OmegaConf.to_container(cfg.gpt_config, resolve=True)
+    init_from = settings.pop("init_from", None)
+    if init_from:  # GPT-2 weights: transformers is imported only for them
+        from mingpt import pretrained
+        return pretrained.gpt_config_from(init_from, settings, meta["vocab_size"],
+                                          meta["block_size"], cfg.data_config.name), init_from
+    return GPTConfig(**{**settings, "vocab_size": meta["vocab_size"],
+                        "block_size": meta["block_size"]}), None
+
+
+def save(cfg: DictConfig) -> None:
+    """runs/<run_name>/config.yaml, the resolved config of this run, from global rank 0 only."""
+    if dist.get_rank() == 0:
+        os.makedirs(cfg.run_dir, exist_ok=True)
+        OmegaConf.save(cfg, os.path.join(cfg.run_dir, "config.yaml"))

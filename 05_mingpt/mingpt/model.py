@@ -311,6 +311,12 @@ class GPT(nn.Module):
                 idx_cond = idx_next if caches is not None else idx[:, -block_size:]
         return idx
 
+    def describe(self) -> str:
+        """One line for the log: size and shape."""
+        c = self.config
+        return (f"{self.num_params():,} parameters ({c.n_layer} layers, {c.n_head} heads, "
+                f"{c.n_embd} wide, vocab {c.vocab_size}, block {c.block_size})")
+
     def num_params(self, non_embedding: bool = False) -> int:
         """Number of parameters (the tied embedding / lm_head weight counts once).
 
