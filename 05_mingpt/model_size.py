@@ -20,6 +20,7 @@ import sys
 import torch
 
 from mingpt.model import GPT, PRESETS, GPTConfig
+from mingpt.parallel import STRATEGIES as REGISTRY
 
 # Bytes per parameter. A training snapshot keeps fp32 weights plus AdamW's two fp32 moments
 # (exp_avg, exp_avg_sq): 3 x 4 bytes. Mixed precision does not change this: the optimizer
@@ -134,7 +135,8 @@ def print_table(rows: list[dict[str, object]]) -> None:
 
 # --- per-rank training memory, per strategy (--memory) ----------------------------------------
 
-STRATEGIES = ("ddp", "zero", "fsdp", "tp", "fsdp_tp")
+# The strategies whose memory split the registry describes (parallel.STRATEGIES, `memory`).
+MEMORY = {name: s for name, s in REGISTRY.items() if s.memory is not None}
 # How tensor parallelism splits a block's weights (tensor_parallel.py, Megatron-LM's layout):
 # q/k/v and the MLP's widening matmul column-wise (dim 0 of an nn.Linear weight, and its
 # bias), both output projections row-wise (dim 1; their biases stay whole). Every other
@@ -154,15 +156,15 @@ def chunk(n: int, parts: int, index: int) -> int:
 def local_shape(name: str, shape: tuple[int, ...], strategy: str, world_size: int,
                 tp_size: int, rank: int) -> tuple[int, ...]:
     """The shape of parameter `name` that `rank` stores under `strategy`."""
-    shape = list(shape)
+    shape, s = list(shape), MEMORY[strategy]
     dp_rank, tp_rank = divmod(rank, tp_size)  # a (dp, tp) mesh: TP groups are neighbours
-    if strategy in ("tp", "fsdp_tp"):
+    if s.tp:
         dim = next((d for suffix, d in TP_DIM.items() if name.endswith(suffix)), None)
         if dim is not None:
             shape[dim] = chunk(shape[dim], tp_size, tp_rank)
-    if strategy == "fsdp":  # dim 0 over all ranks
+    if s.memory.shards_over == "world":  # fsdp: dim 0 over all ranks
         shape[0] = chunk(shape[0], world_size, rank)
-    if strategy == "fsdp_tp":  # TP inside, then dim 0 of the TP shard over the dp ranks
+    if s.memory.shards_over == "dp":  # fsdp_tp: TP inside, then dim 0 of the TP shard over dp
         shape[0] = chunk(shape[0], world_size // tp_size, dp_rank)
     return tuple(shape)
 
@@ -215,11 +217,12 @@ def buffer_bytes(model: GPT, strategy: str, tp_size: int) -> int:
     total = model.num_params()
     # All blocks are the same size: FSDP's units are the blocks, plus the root's leftovers.
     block = sum(p.numel() for p in model.blocks[0].parameters())
-    if strategy in ("ddp", "zero"):
+    s = MEMORY[strategy]
+    if s.memory.buffers == "buckets":
         return BYTES_FP32 * total
-    if strategy in ("fsdp", "fsdp_tp"):
+    if s.memory.buffers == "gathers":
         root = total - model.config.n_layer * block
-        return BYTES_FP32 * (root + 3 * block // (tp_size if strategy == "fsdp_tp" else 1))
+        return BYTES_FP32 * (root + 3 * block // (tp_size if s.tp else 1))
     return 0
 
 
@@ -232,7 +235,8 @@ def memory_row(model: GPT, strategy: str, world_size: int, tp_size: int, batch_s
     # keeps them only for the parameters this rank owns.
     local = {name: math.prod(local_shape(name, tuple(p.shape), strategy, world_size, tp_size,
                                          rank)) for name, p in named}
-    updated = zero_partition(model, world_size)[rank] if strategy == "zero" else set(local)
+    sharded = MEMORY[strategy].memory.sharded_optimizer  # zero
+    updated = zero_partition(model, world_size)[rank] if sharded else set(local)
     row = {
         "parameters": BYTES_FP32 * sum(local.values()),
         "gradients": BYTES_FP32 * sum(local.values()),
@@ -241,7 +245,7 @@ def memory_row(model: GPT, strategy: str, world_size: int, tp_size: int, batch_s
     row["model state"] = sum(row.values())
     row["buffers"] = buffer_bytes(model, strategy, tp_size)
     row["activations"] = activation_bytes(model, batch_size,
-                                          tp_size if strategy in ("tp", "fsdp_tp") else 1)
+                                          tp_size if MEMORY[strategy].tp else 1)
     row["total"] = row["model state"] + row["buffers"] + row["activations"]
     return row
 
@@ -251,12 +255,10 @@ def memory_rows(model: GPT, world_size: int, tp_size: int, batch_size: int
     """One row per strategy: rank 0's bytes (the largest share where shards are uneven)."""
     rows = []
     # Rank 0 stands for all: FSDP's uneven chunks give it the most, ZeRO's partition nearly so.
-    for strategy in STRATEGIES:
-        if strategy in ("tp", "fsdp_tp") and (model.config.n_head % tp_size
-                                              or model.config.n_embd % tp_size):
+    for strategy, s in MEMORY.items():
+        if s.tp and (model.config.n_head % tp_size or model.config.n_embd % tp_size):
             continue  # TP needs the heads and the width to split evenly
-        layout = f"{world_size} ranks" if strategy in ("ddp", "zero", "fsdp") else \
-            f"tp {tp_size} x dp {world_size // tp_size}"
+        layout = f"tp {tp_size} x dp {world_size // tp_size}" if s.tp else f"{world_size} ranks"
         sizes = memory_row(model, strategy, world_size, tp_size, batch_size)
         # Human-readable sizes for the table; memory_row keeps the exact bytes for tests.
         rows.append({"strategy": strategy, "layout": layout,

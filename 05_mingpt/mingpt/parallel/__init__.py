@@ -22,6 +22,18 @@ from mingpt.parallel.settings import Settings
 
 
 @dataclass(frozen=True)
+class Memory:
+    """How a strategy splits what a rank holds: model_size.py predicts bytes per rank from it
+    (tests/test_mingpt_memory.py checks the predictions against real shards)."""
+
+    shards_over: str | None = None  # dim 0 of every parameter over "world" or the "dp" ranks
+    sharded_optimizer: bool = False  # each rank keeps AdamW's state for the parameters it owns
+    # DDP's all-reduce buckets hold every gradient a second time ("buckets"); FSDP gathers the
+    # root, the running and the next block and one block's gradient ("gathers").
+    buffers: str | None = None
+
+
+@dataclass(frozen=True)
 class Strategy:
     """How a strategy wraps the model, how its snapshots are laid out, what else it needs."""
 
@@ -38,19 +50,24 @@ class Strategy:
     # (main.build_local), so no rank ever holds the whole model.
     init_on_meta: Callable[[nn.Module, torch.device, bool], None] | None = None
     cpu_offload: bool = False  # trainer_config.cpu_offload applies
+    memory: Memory | None = None  # None: model_size.py does not predict it (dp: one process)
 
 
 STRATEGIES = {
-    "ddp": Strategy(ddp.apply, "ddp", "a whole replica per rank, gradients all-reduced"),
+    "ddp": Strategy(ddp.apply, "ddp", "a whole replica per rank, gradients all-reduced",
+                    memory=Memory(buffers="buckets")),
     "fsdp": Strategy(fsdp.apply, "fsdp",
                      "parameters, gradients and optimizer state sharded over all ranks",
-                     init_on_meta=fsdp.init_sharded, cpu_offload=True),
+                     init_on_meta=fsdp.init_sharded, cpu_offload=True,
+                     memory=Memory(shards_over="world", buffers="gathers")),
     "zero": Strategy(ddp.apply, "ddp", "ddp, with AdamW's state sharded over the ranks",
-                     optimizer=zero.optimizer),
+                     optimizer=zero.optimizer,
+                     memory=Memory(sharded_optimizer=True, buffers="buckets")),
     "tp": Strategy(tensor.apply, "fsdp", "every block's matmuls split over all ranks",
-                   tp=True, check=tensor.check_config),
+                   tp=True, check=tensor.check_config, memory=Memory()),
     "fsdp_tp": Strategy(fsdp_tp.apply, "fsdp",
-                        "TP inside groups of tp_size ranks, FSDP across the groups", tp=True),
+                        "TP inside groups of tp_size ranks, FSDP across the groups", tp=True,
+                        memory=Memory(shards_over="dp", buffers="gathers")),
     "dp": Strategy(dp.apply, "ddp", "nn.DataParallel: one process drives every GPU",
                    check=dp.check_config),
 }
