@@ -3,7 +3,6 @@
 A module of its own so that each spawned process imports torch and four 05_mingpt modules
 only (not pytest, hydra or the trainer): four processes share the CI machine's two cores.
 """
-import gc
 import json
 import sys
 from datetime import timedelta
@@ -21,7 +20,7 @@ CONFIG = dict(model_type=None, n_layer=1, n_head=2, n_embd=8, vocab_size=5, bloc
 def main(rank: int, out: str) -> None:
     torch.set_num_threads(1)
     sys.path.insert(0, str(MINGPT))  # a fresh process: nothing of the steps' modules loaded
-    from mingpt import optim, parallel, snapshot  # noqa: PLC0415  (once the path is set)
+    from mingpt import distributed, optim, parallel, snapshot  # noqa: PLC0415  (path set)
     from mingpt.model import GPT, GPTConfig  # noqa: PLC0415
     dist.init_process_group("gloo", store=dist.FileStore(f"{out}/store", 4), rank=rank,
                             world_size=4, timeout=timedelta(seconds=120))
@@ -55,10 +54,5 @@ def main(rank: int, out: str) -> None:
     if rank == 0:  # the parent compares the snapshot with what a plain model reaches
         torch.save(trained(1, "plain")[0].state_dict(), f"{out}/plain.pt")
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
-    # As distributed.release: drop what holds the group, so gloo's threads are joined.
-    del model, optimizer, fresh, fresh_optimizer
-    from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415
-    for mesh in [o for o in gc.get_objects() if issubclass(type(o), DeviceMesh)]:
-        getattr(mesh, "_pg_registry", {}).clear()
-    gc.collect()
-    dist.destroy_process_group()
+    del model, optimizer, fresh, fresh_optimizer  # what holds the group, before releasing it
+    distributed.release()

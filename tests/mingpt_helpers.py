@@ -141,7 +141,8 @@ def load_ddp_snapshot(path: Path) -> dict:
 # modules below that only some tests need are `extra` names of mingpt_imported.
 MINGPT_MODULES = {
     "config": "mingpt.config", "data": "mingpt.data", "char_dataset": "mingpt.data.char",
-    "devices": "mingpt.devices", "errors": "mingpt.errors", "faults": "mingpt.faults",
+    "devices": "mingpt.devices", "distributed": "mingpt.distributed",
+    "errors": "mingpt.errors", "faults": "mingpt.faults",
     "metrics": "mingpt.metrics", "model": "mingpt.model", "optim": "mingpt.optim",
     "parallel": "mingpt.parallel", "common": "mingpt.parallel.common",
     "ddp": "mingpt.parallel.ddp", "dp": "mingpt.parallel.dp", "fsdp": "mingpt.parallel.fsdp",

@@ -5,7 +5,6 @@ local shards of real models.
 In-process checks run in a one-rank gloo group with an in-memory store; what needs two ranks
 (uneven shards, ZeRO's partition, TP's split) runs in ONE pair of spawned processes that does
 every two-rank check and writes its findings for the test to assert on."""
-import gc
 import importlib
 import json
 import sys
@@ -17,7 +16,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401  imported before any group exists (test_teardown.py)
 import torch.multiprocessing as mp
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from mingpt_helpers import MINGPT, mingpt_imported
@@ -189,7 +187,8 @@ def _two_rank_worker(rank: int, store_path: str, out_dir: str, methods: list[str
     # the trainer's TensorBoard and hydra imports would double the start-up time.
     sys.path.insert(0, str(MINGPT))
     m = {name.rpartition(".")[2]: importlib.import_module(name) for name in (
-        "mingpt.model", "mingpt.parallel", "mingpt.optim", "mingpt.metrics", "model_size")}
+        "mingpt.model", "mingpt.parallel", "mingpt.optim", "mingpt.metrics", "mingpt.distributed",
+        "model_size")}
     metrics, model_size = m["metrics"], m["model_size"]
     result: dict = {"methods": methods}
     reference = plain_gpt(m, seed=5)
@@ -221,10 +220,7 @@ def _two_rank_worker(rank: int, store_path: str, out_dir: str, methods: list[str
     # As main.py does: free everything that holds the group, so destroy_process_group joins
     # gloo's worker threads before Python exits (tests/test_teardown.py explains the abort).
     del reference
-    for mesh in [o for o in gc.get_objects() if issubclass(type(o), DeviceMesh)]:
-        getattr(mesh, "_pg_registry", {}).clear()
-    gc.collect()
-    dist.destroy_process_group()
+    m["distributed"].release()
 
 
 def test_two_ranks_hold_the_predicted_shards(m, tmp_path):

@@ -3,7 +3,6 @@ set_grad_sync, and snapshot compatibility and round trips, in a one-rank gloo gr
 in-memory store. The gradient-sync checks that need two ranks run in two spawned processes:
 the default process group is one per process, so two threads cannot be two ranks."""
 import copy
-import gc
 import json
 from datetime import timedelta
 from pathlib import Path
@@ -13,7 +12,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401  imported before any group exists (test_teardown.py)
 import torch.multiprocessing as mp
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -237,10 +235,7 @@ def _two_rank_worker(rank: int, store_path: str, out_dir: str) -> None:
     # As main.py does: free everything that holds the group, so destroy_process_group joins
     # gloo's worker threads before Python exits (tests/test_teardown.py explains the abort).
     del model, plain, plain_model
-    for mesh in [o for o in gc.get_objects() if issubclass(type(o), DeviceMesh)]:
-        getattr(mesh, "_pg_registry", {}).clear()
-    gc.collect()
-    dist.destroy_process_group()
+    m["distributed"].release()
 
 
 def test_two_ranks_average_gradients_only_on_the_synced_micro_step(tmp_path):

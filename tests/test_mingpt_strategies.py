@@ -179,11 +179,7 @@ def _worker(rank: int, store: str, out: str, text: str) -> None:
                 overrides("tp", out_dir / "refused", text, STEPS)
                 + ["gpt_config.n_head=3", "gpt_config.n_embd=48"]), CPU)
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
-    # As distributed.release: free the meshes' group references so gloo's threads are joined.
-    for mesh in [o for o in gc.get_objects() if issubclass(type(o), DeviceMesh)]:
-        getattr(mesh, "_pg_registry", {}).clear()
-    gc.collect()
-    dist.destroy_process_group()
+    m["distributed"].release()  # every reference dropped first: gloo's threads are joined
 
 
 def mesh_errors(m: dict) -> dict[str, str]:
@@ -298,10 +294,7 @@ def _other_kernels_worker(rank: int, store: str, out: str, text: str) -> None:
             if rank == 0:
                 torch.save(weights, Path(out) / f"{method}.pt")
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
-    for mesh in [o for o in gc.get_objects() if issubclass(type(o), DeviceMesh)]:
-        getattr(mesh, "_pg_registry", {}).clear()  # as distributed.release
-    gc.collect()
-    dist.destroy_process_group()
+    m["distributed"].release()  # every reference dropped first: gloo's threads are joined
 
 
 def test_parity_holds_on_other_cpu_kernels(tmp_path, monkeypatch):

@@ -6,7 +6,6 @@ dtype and count every GPU for MFU (the GPU side: tests/test_gpu.py).
 
 The multi-rank checks run in ONE pair of spawned gloo processes, through main.load_train_objs
 and the Trainer as main.py runs them (test_mingpt_strategies.run)."""
-import gc
 import json
 import threading
 from datetime import timedelta
@@ -17,7 +16,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from conftest import REPO
 from mingpt_helpers import mingpt_imported, train_losses
@@ -58,10 +56,7 @@ def _worker(rank: int, store: str, out: str, text: str) -> None:
                                          "ln_f_equal": torch.equal(*both)}
             del model, optimizer
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
-    for mesh in [o for o in gc.get_objects() if issubclass(type(o), DeviceMesh)]:
-        getattr(mesh, "_pg_registry", {}).clear()
-    gc.collect()
-    dist.destroy_process_group()
+    m["distributed"].release()  # every reference dropped first: gloo's threads are joined
 
 
 @pytest.fixture(scope="module")
