@@ -13,6 +13,9 @@
 # The CUDA runtime base brings the user-space CUDA libraries and the NVIDIA_* variables that the
 # NVIDIA container toolkit (docker --gpus, enroot/pyxis, apptainer --nv) reads to mount the
 # host's driver. Ubuntu 22.04 ships Python 3.11 in its own archive (universe): no PPA needed.
+# The toolkit refuses to start the image on a driver older than the base's CUDA (12.8: driver
+# 570 or newer): with an older driver, pass an older base, e.g.
+# --build-arg BASE_IMAGE=docker.io/nvidia/cuda:12.6.3-runtime-ubuntu22.04.
 ARG BASE_IMAGE=docker.io/nvidia/cuda:12.8.1-runtime-ubuntu22.04
 FROM ${BASE_IMAGE}
 
@@ -36,10 +39,12 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends python3.11 python3.11-venv ca-certificates \
     && rm -rf /var/lib/apt/lists/*
 
-# A non-root user owns the code and the run directories. uid 1000 is the first user of most
-# Linux machines, so files it writes to a mounted folder belong to that user on the host; pass
+# A non-root user owns the code and the folder the steps write their snapshots to (made here:
+# WORKDIR would make it as root). uid 1000 is the first user of most Linux machines, so files
+# it writes to a mounted folder belong to that user on the host; pass
 # --user "$(id -u):$(id -g)" to docker run where yours differs.
 RUN useradd --create-home --uid 1000 --shell /bin/bash series \
+    && install -d -o series -g series /home/series/app \
     && python3.11 -m venv /opt/venv \
     && chown -R series:series /opt/venv
 # By number: a runtime can tell that it is not root without reading the image's /etc/passwd.
