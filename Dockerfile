@@ -6,22 +6,20 @@
 #       02_multigpu/train.py
 #   docker run --rm --gpus all --ipc=host -w /home/series/app/05_mingpt ddp-series python main.py
 #
-# Another torch build (another CUDA version, or the CPU-only wheel) comes from its own index:
-#   docker build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126 -t ddp-series .
+# Another build of the pinned torch (another CUDA version, or CPU only) comes from its index:
+#   docker build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu -t ddp-series .
 # tests/test_container.py lints this file (hadolint) and checks what it names exists.
 
 # The CUDA runtime base brings the user-space CUDA libraries and the NVIDIA_* variables that the
 # NVIDIA container toolkit (docker --gpus, enroot/pyxis, apptainer --nv) reads to mount the
-# host's driver. Ubuntu 22.04 ships Python 3.11 in its own archive (universe): no PPA needed.
-# The toolkit refuses to start the image on a driver older than the base's CUDA (12.8: driver
-# 570 or newer): with an older driver, pass an older base, e.g.
-# --build-arg BASE_IMAGE=docker.io/nvidia/cuda:12.6.3-runtime-ubuntu22.04.
-ARG BASE_IMAGE=docker.io/nvidia/cuda:12.8.1-runtime-ubuntu22.04
+# host's driver. Its CUDA is the one PyPI's torch 2.14.1 is built for (torch.version.cuda 13.0;
+# a test keeps the two equal), which needs driver 580 or newer. For an older driver, build with
+# an older BASE_IMAGE and a TORCH_INDEX_URL (download.pytorch.org/whl/cuXYZ) of the same CUDA.
+ARG BASE_IMAGE=docker.io/nvidia/cuda:13.0.1-runtime-ubuntu22.04
 FROM ${BASE_IMAGE}
 
 # The wheel index torch and torchvision come from. PyPI's build bundles its CUDA libraries and
-# runs on CPU too; https://download.pytorch.org/whl/cu126 (or .../cpu) picks another build of
-# the same pinned version.
+# runs on CPU too.
 ARG TORCH_INDEX_URL=https://pypi.org/simple
 
 ENV DEBIAN_FRONTEND=noninteractive \
@@ -32,11 +30,16 @@ ENV DEBIAN_FRONTEND=noninteractive \
     VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH
 
-# --no-install-recommends and no apt lists kept: a smaller image. Versions are the release's
-# (22.04's archive); the Python packages, which decide the results, are pinned below.
+# Python 3.11 from the deadsnakes PPA: Ubuntu 22.04's own python3.11 is an early 3.11.0 build
+# (reported to lack sys.get_int_max_str_digits, which torch's compiler calls). The PPA tool is
+# removed again; --no-install-recommends and no apt lists kept: a smaller image. apt versions
+# are the archive's; the Python packages, which decide the results, are pinned below.
 # hadolint ignore=DL3008
 RUN apt-get update \
+    && apt-get install -y --no-install-recommends software-properties-common gpg-agent \
+    && add-apt-repository -y ppa:deadsnakes/ppa \
     && apt-get install -y --no-install-recommends python3.11 python3.11-venv ca-certificates \
+    && apt-get purge -y --auto-remove software-properties-common gpg-agent \
     && rm -rf /var/lib/apt/lists/*
 
 # A non-root user owns the code and the folder the steps write their snapshots to (made here:
@@ -53,7 +56,7 @@ WORKDIR /home/series/app
 
 # Requirements first, code later: editing the code does not re-run the slow install layer.
 # torch and torchvision are installed first from TORCH_INDEX_URL at requirements.txt's pinned
-# versions; the second install then finds them satisfied (==2.14.1 accepts 2.14.1+cu126).
+# versions; the second install then finds them satisfied (==2.14.1 accepts 2.14.1+cpu).
 COPY --chown=series:series requirements.txt ./
 RUN grep -E '^(torch|torchvision)==' requirements.txt > /tmp/torch.txt \
     && pip install --index-url "$TORCH_INDEX_URL" -r /tmp/torch.txt \

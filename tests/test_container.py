@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from dockerfile_parse import DockerfileParser
 
 from conftest import REPO
@@ -140,6 +141,24 @@ def test_it_runs_as_a_user_other_than_root():
     # The base: CUDA's runtime image, whose Python the RUN lines name (3.11, as the series).
     assert re.fullmatch(r"docker\.io/nvidia/cuda:[\d.]+-runtime-ubuntu22\.04", PARSED.baseimage)
     assert any("python3.11 -m venv" in r for r in instructions("RUN"))
+
+
+def test_the_base_image_has_the_cuda_of_requirements_txts_torch():
+    # The default TORCH_INDEX_URL is PyPI, whose torch the test environment installed from the
+    # same requirements.txt: the base's CUDA must be the one that torch was built for, or the
+    # container toolkit admits drivers too old for it. (A local build, +cpu or +cuXYZ, is not
+    # PyPI's: nothing to compare.)
+    # (torch.__version__ says 2.14.1+cu130 either way; the installed distribution's version has
+    # a local part only where it came from another index.)
+    from importlib.metadata import version
+
+    import torch
+
+    assert PARSED.args["TORCH_INDEX_URL"] == "https://pypi.org/simple"
+    if "+" in version("torch") or torch.version.cuda is None:
+        pytest.skip(f"torch {version('torch')} is not PyPI's build")
+    cuda = re.search(r":(\d+\.\d+)\.\d+-runtime-", PARSED.baseimage).group(1)
+    assert cuda == torch.version.cuda, (PARSED.baseimage, torch.version.cuda)
 
 
 def documented_commands() -> list[list[str]]:
