@@ -9,10 +9,11 @@
 set -euo pipefail
 role="${1:?usage: pcluster_node_setup.sh head|compute}"
 
-# Python 3.11 (Ubuntu 22.04's universe archive) on every node: a venv made on /fsx from the
-# head node then runs on the compute nodes too, with the same interpreter path.
+# Python 3.11 on every node, so that a venv made on /fsx from the head node runs on the compute
+# nodes too, with the same interpreter path. From the deadsnakes PPA, as in the Dockerfile:
+# Ubuntu 22.04's own python3.11 is an early 3.11.0 build that torch's compiler may not run on.
 export DEBIAN_FRONTEND=noninteractive
-apt-get update -q
+add-apt-repository -y ppa:deadsnakes/ppa   # also refreshes the package lists
 apt-get install -y -q --no-install-recommends python3.11 python3.11-venv
 
 # Containers under Slurm (srun --container-image): the official AMI (ParallelCluster >= 3.11.1)
