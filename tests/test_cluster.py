@@ -58,8 +58,8 @@ print(json.dumps({
     "efa": resource.efa.enabled,
     "placement_group": queue.networking.placement_group.enabled,
     "shared": [(s.mount_dir, type(s).__name__) for s in cluster.shared_storage],
-    "scripts": [a.script for a in (cluster.head_node.custom_actions.on_node_configured,
-                                   queue.custom_actions.on_node_configured)],
+    "scripts": [(a.script, a.args) for a in (cluster.head_node.custom_actions.on_node_configured,
+                                             queue.custom_actions.on_node_configured)],
 }))
 """
 
@@ -111,9 +111,13 @@ def test_the_schema_accepts_the_cluster_as_described(pcluster_python):
         # sbatch_run.sh asks for 2 nodes: the queue must be able to start them.
         "max_count": 2, "efa": True, "placement_group": True,
         "shared": [["/fsx", "SharedFsxLustre"]],
-        "scripts": ["s3://my-bucket/pcluster_node_setup.sh"] * 2,
+        "scripts": [[f"s3://my-bucket/{SETUP_SCRIPT.name}", ["head"]],
+                    [f"s3://my-bucket/{SETUP_SCRIPT.name}", ["compute"]]],
     }
-    assert SETUP_SCRIPT.is_file()
+    # The script knows both roles: the head node also switches pyxis on for the cluster.
+    setup = SETUP_SCRIPT.read_text()
+    assert 'role="${1:?usage: pcluster_node_setup.sh head|compute}"' in setup
+    assert 'if [ "$role" = head ]; then' in setup
     nodes = re.search(r"^#SBATCH --nodes=(\d+)", (REPO / "slurm_scripts/sbatch_run.sh")
                       .read_text(), re.M)
     assert int(nodes.group(1)) <= cluster["max_count"]
