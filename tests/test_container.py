@@ -162,13 +162,17 @@ def test_the_base_image_has_the_cuda_of_requirements_txts_torch():
 
 
 def documented_commands() -> list[list[str]]:
-    """The `docker run`/`apptainer exec` lines README.md shows, each as the command run inside
-    the image, plus the Dockerfile's CMD."""
+    """The `docker run`/`apptainer exec` lines README.md and the Dockerfile's header show, each
+    as the command run inside the image, plus the Dockerfile's CMD."""
     text = (REPO / "README.md").read_text()
     section = text.split("\n## Running in a container\n", 1)[1].split("\n## ")[0]
+    blocks = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
+    # The header: the comment lines before the first instruction, `#` and indent removed.
+    header = DOCKERFILE.read_text().split("\nARG ")[0]
+    blocks.append("\n".join(line.lstrip("# ") for line in header.splitlines()))
     (cmd,) = instructions("CMD")
     commands = [json.loads(cmd)]  # the exec form: a JSON list
-    for block in re.findall(r"```bash\n(.*?)```", section, flags=re.S):
+    for block in blocks:
         for line in block.replace("\\\n", " ").splitlines():
             words = shlex.split(line.split(" #")[0])
             if words[:2] == ["docker", "run"] or words[:2] == ["apptainer", "exec"]:
@@ -181,7 +185,7 @@ def documented_commands() -> list[list[str]]:
 
 def test_the_documented_commands_name_files_in_the_image():
     commands = documented_commands()
-    assert len(commands) >= 5, commands  # CMD, and at least steps 02-05 in the README
+    assert len(commands) >= 8, commands  # CMD, steps 02-05 in the README, the header's two
     in_image = set(copied_files().values())
     scripts = []
     for command in commands:
@@ -193,6 +197,15 @@ def test_the_documented_commands_name_files_in_the_image():
         path = script if script.startswith("/") else f"{cwd}/{script}"
         assert path in in_image, f"{command}: {path} is not in the image"
         scripts.append(script)
+        # torchrun's options as torchrun's own parser reads them; the script's as it declares.
+        at = command.index(script)
+        if command[0] == "torchrun":
+            from torch.distributed.run import get_args_parser
+
+            get_args_parser().parse_args(command[1:at + 1])  # SystemExit on a wrong option
+        source = (REPO / path.removeprefix(workdir() + "/")).read_text()
+        for option in (w.split("=")[0] for w in command[at + 1:] if w.startswith("--")):
+            assert f'add_argument("{option}"' in source, f"{script} has no {option}"
     for step in ["02_multigpu", "03_torchrun_fault_tolerance", "04_multinode", "main.py"]:
         assert any(step in s for s in scripts), f"README.md shows no container run of {step}"
 
