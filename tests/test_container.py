@@ -111,7 +111,8 @@ def test_the_image_holds_each_step_and_05_but_no_run_output():
     # Never a run's output or a local environment, even where they sit inside a copied folder.
     for path in ["05_mingpt/runs/x/snapshot/model.pt", "05_mingpt/outputs/x/main.log",
                  "snapshot.pt", "02_multigpu/checkpoint.pt", ".venv/bin/python",
-                 "05_mingpt/data/shakespeare_bpe/train.bin", "05_mingpt/mingpt/__pycache__/a.pyc"]:
+                 "05_mingpt/data/shakespeare_bpe/train.bin", "05_mingpt/mingpt/__pycache__/a.pyc",
+                 "ddp-series.sqsh", "ddp-series.sif", "logs/456_x/attempt_0/0/stdout.log"]:
         assert not sent_to_builder(path), f".dockerignore lets {path} through"
 
 
