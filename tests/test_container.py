@@ -104,10 +104,13 @@ def test_the_image_holds_each_step_and_05_but_no_run_output():
                  "05_mingpt/data/input.txt", "05_mingpt/mingpt/model.py",
                  "slurm_scripts/sbatch_run.sh", "requirements.txt"]:
         assert image.get(path) == f"{workdir()}/{path}", (path, image.get(path))
-    # Every helper a step imports comes along (the steps' folders are copied whole).
-    assert {p for p in image if p.startswith("02_multigpu/")} == {
-        p for p in subprocess.run(["git", "ls-files", "02_multigpu"], cwd=REPO,
-                                  capture_output=True, text=True).stdout.split()}
+    # .dockerignore drops no file of the repository from a copied folder: each step's helpers,
+    # 05's package, configs and data all come along.
+    sources = [a.rstrip("/") for v in instructions("COPY")
+               for a in [w for w in shlex.split(v) if not w.startswith("--")][:-1]]
+    tracked = subprocess.run(["git", "ls-files", *sources], cwd=REPO, capture_output=True,
+                             text=True, check=True).stdout.split()
+    assert set(image) == set(tracked)
     # Never a run's output or a local environment, even where they sit inside a copied folder.
     for path in ["05_mingpt/runs/x/snapshot/model.pt", "05_mingpt/outputs/x/main.log",
                  "snapshot.pt", "02_multigpu/checkpoint.pt", ".venv/bin/python",
