@@ -2,7 +2,7 @@
 # Build and run it from the repository root (README.md, "Running in a container"):
 #
 #   docker build -t ddp-series .
-#   docker run --rm --gpus all --ipc=host ddp-series torchrun --standalone --nproc_per_node=4 \
+#   docker run --rm --gpus all --ipc=host ddp-series torchrun --standalone --nproc_per_node=gpu \
 #       02_multigpu/train.py
 #   docker run --rm --gpus all --ipc=host -w /home/series/app/05_mingpt ddp-series python main.py
 #

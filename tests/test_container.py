@@ -2,7 +2,8 @@
 engine can run here, and no base image can be pulled; README.md, "Running in a container"):
 hadolint finds nothing; it copies files that exist and that .dockerignore lets through;
 it installs the repository's pinned requirements.txt, torch from the TORCH_INDEX_URL build
-argument, as a non-root user; and the commands documented for it name files in the image.
+argument, as a non-root user, on a CUDA base that matches PyPI's torch; and the commands
+documented for it name files in the image, with options that torchrun and the scripts accept.
 """
 import json
 import re
