@@ -6,6 +6,8 @@
 #   sbatch slurm_scripts/sbatch_run.sh 100 20                # arguments go to train.py
 #   STEP=mingpt sbatch slurm_scripts/sbatch_run.sh           # 05_mingpt (hydra overrides as args)
 #   NPROC_PER_NODE=2 sbatch --gpus-per-node=0 slurm_scripts/sbatch_run.sh   # CPU nodes, 2 each
+#   CONTAINER_IMAGE=$PWD/ddp-series.sqsh sbatch slurm_scripts/sbatch_run.sh  # in the Dockerfile's
+#                                                        # image (pyxis/enroot; README.md)
 #
 # Node and GPU counts are set here, once: the #SBATCH lines below. Edit the partition/account
 # lines for your cluster. Submit from the repository root (Slurm starts the job in that folder).
@@ -46,7 +48,15 @@ echo "head node: $head_node:$port, nodes: $SLURM_NNODES (${nodes//$'\n'/ }), pro
 # Snapshots are written relative to this folder: it must be on storage every node shares.
 # --kill-on-bad-exit=1: if one node's agent fails for good, stop the others instead of letting
 # them wait at the rendezvous until the time limit.
-srun --kill-on-bad-exit=1 torchrun \
+# CONTAINER_IMAGE: each agent runs in that image (pyxis's srun options), which brings the
+# Python environment; this folder is mounted at the same path and is the working directory, so
+# the code, the snapshots and the output are the shared folder's, as without a container.
+container=()
+if [ -n "${CONTAINER_IMAGE:-}" ]; then
+  container=(--container-image="$CONTAINER_IMAGE" --container-mounts="$PWD:$PWD"
+             --container-workdir="$PWD")
+fi
+srun --kill-on-bad-exit=1 "${container[@]}" torchrun \
   --nnodes="$SLURM_NNODES" \
   --nproc_per_node="$nproc_per_node" \
   --rdzv-id="$SLURM_JOB_ID" \
