@@ -17,7 +17,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from mingpt.parallel import ddp, dp, fsdp, fsdp_tp, tensor, zero
+from mingpt.parallel import context, ddp, dp, fsdp, fsdp_tp, tensor, zero
 from mingpt.parallel.settings import Settings
 
 
@@ -51,18 +51,19 @@ class Strategy:
     init_on_meta: Callable[[nn.Module, torch.device, bool], None] | None = None
     cpu_offload: bool = False  # trainer_config.cpu_offload applies
     memory: Memory | None = None  # None: model_size.py does not predict it (dp: one process)
+    cp: bool = False  # composes with context parallelism (trainer_config.cp_size, context.py)
 
 
 STRATEGIES = {
     "ddp": Strategy(ddp.apply, "ddp", "a whole replica per rank, gradients all-reduced",
-                    memory=Memory(buffers="buckets")),
+                    memory=Memory(buffers="buckets"), cp=True),
     "fsdp": Strategy(fsdp.apply, "fsdp",
                      "parameters, gradients and optimizer state sharded over all ranks",
                      init_on_meta=fsdp.init_sharded, cpu_offload=True,
-                     memory=Memory(shards_over="world", buffers="gathers")),
+                     memory=Memory(shards_over="world", buffers="gathers"), cp=True),
     "zero": Strategy(ddp.apply, "ddp", "ddp, with AdamW's state sharded over the ranks",
                      optimizer=zero.optimizer,
-                     memory=Memory(sharded_optimizer=True, buffers="buckets")),
+                     memory=Memory(sharded_optimizer=True, buffers="buckets"), cp=True),
     "tp": Strategy(tensor.apply, "fsdp", "every block's matmuls split over all ranks",
                    tp=True, check=tensor.check_config, memory=Memory()),
     "fsdp_tp": Strategy(fsdp_tp.apply, "fsdp",
@@ -80,4 +81,7 @@ def parallelize(model: nn.Module, device: torch.device, method: str = "ddp",
     ValueError (one line) where the world size or the model does not fit the method."""
     if method not in STRATEGIES:
         raise ValueError(f"unknown distributed_method {method!r}")
-    return STRATEGIES[method].apply(model, device, Settings(**settings))
+    s = Settings(**settings)
+    if s.cp_size > 1:  # before the wrapper: it swaps each block's attention (context.py)
+        context.apply(model, device, s.cp_size)
+    return STRATEGIES[method].apply(model, device, s)
