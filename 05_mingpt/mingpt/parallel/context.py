@@ -68,14 +68,16 @@ def check_config(t: DictConfig, block_size: int, dropout: float, methods: tuple[
                  ) -> None:
     """ValueError (one line) unless trainer_config.cp_size fits the method and the model."""
     cp = t.cp_size
+    # Checked before any process exists; the world size (a multiple of cp_size) only in apply.
     if cp < 0:
         raise ValueError(f"trainer_config.cp_size must be an integer >= 0 (0 or 1: off), "
                          f"got {cp}")
-    if cp <= 1:
+    if cp <= 1:  # a group of one rank keeps whole sequences: nothing to split
         return
     if t.distributed_method not in methods:
         raise ValueError(f"trainer_config.cp_size={cp} needs distributed_method "
                          f"{' or '.join(methods)}, got {t.distributed_method}")
+    # Zig-zag: 2 x cp equal chunks, so both the length and the causal work split evenly.
     if block_size % (2 * cp):
         raise ValueError(f"gpt_config.block_size={block_size} must divide by 2 x cp_size = "
                          f"{2 * cp} (each rank keeps 2 of the 2 x cp_size equal chunks of a "
@@ -96,6 +98,8 @@ def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int,
         raise ValueError(f"sequence length {seq_len} does not divide by 2 x cp_size = "
                          f"{2 * cp_size}")
     c = seq_len // (2 * cp_size)  # chunk length
+    # Early chunk r and late chunk 2cp - 1 - r: the causal mask gives the late one the most
+    # keys and the early one the fewest, so every rank gets the same share of the work.
     first, second = cp_rank * c, (2 * cp_size - 1 - cp_rank) * c
     return torch.cat([torch.arange(first, first + c, device=device),
                       torch.arange(second, second + c, device=device)])
@@ -137,7 +141,9 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 group: dist.ProcessGroup) -> torch.Tensor:
+        # The kernel and the exchanges want dense tensors (q, k, v are transposed views).
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        # seq_dim 2 of (B, nh, T, hs); torch's ring merges the blocks by log-sum-exp in fp32.
         with _ring_options():
             out, lse = torch_cp._templated_ring_attention(
                 group, 2, aten._scaled_dot_product_flash_attention_for_cpu, q, k, v,
@@ -150,12 +156,15 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor) -> tuple:
         q, k, v, out, lse = ctx.saved_tensors
+        # Each block's gradients from the flash backward kernel, given the merged output and
+        # log-sum-exp (so a block's softmax is normalised over all keys); dK and dV travel
+        # on round the ring with their block until they reach the rank that owns it.
         with _ring_options():
             dq, dk, dv = torch_cp._templated_ring_attention_backward(
                 ctx.group, 2, aten._scaled_dot_product_flash_attention_for_cpu_backward,
                 grad_out.contiguous(), "grad_out", q, k, v, out, lse, True,
                 dropout_p=0.0, scale=None)[:3]
-        return dq, dk, dv, None
+        return dq, dk, dv, None  # no gradient for the group
 
 
 class _SDPA(nn.Module):
@@ -183,7 +192,7 @@ class ContextParallelAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float
                  ) -> torch.Tensor:
-        if not self.switch.active:
+        if not self.switch.active:  # a forward without targets: whole sequences (generate)
             return causal_attention(q, k, v, dropout_p)
         if dropout_p:  # config.py refuses it; a direct caller gets told too
             raise ValueError("context parallelism has no attention dropout: set dropout=0")
@@ -196,11 +205,14 @@ def _shard_sequences(switch: _Switch, cp_rank: int, cp_size: int, model: nn.Modu
                      args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     """GPT's forward pre-hook: with targets, keep this rank's zig-zag chunks of idx and
     targets and pass their positions; without (generate), leave the call as it is."""
+    # The trainer calls model(x, y); a caller may also name targets=.
     idx, targets = args[0], args[1] if len(args) > 1 else kwargs.get("targets")
     switch.active = targets is not None
     if targets is None:
         return None
     pos = zigzag_positions(idx.size(1), cp_size, cp_rank, idx.device)  # (T / cp,)
+    # The same positions for idx and targets: each kept token predicts its own next token,
+    # whose label sits in targets at the same place, so the loss needs no other rank.
     kwargs = {key: value for key, value in kwargs.items() if key != "targets"}
     return (idx[:, pos], targets[:, pos]), {**kwargs, "positions": pos}
 
@@ -217,6 +229,7 @@ def apply(model: nn.Module, device: torch.device, cp_size: int) -> DeviceMesh:
                          f"{world}")
     mesh = init_device_mesh(device.type, (world // cp_size, cp_size),
                             mesh_dim_names=("dp", "cp"))
+    # One switch and one attention object for all blocks: every block runs the same way.
     switch, cp_rank = _Switch(), mesh["cp"].get_local_rank()
     attend = ContextParallelAttention(mesh["cp"], switch)
     for block in model.blocks:
@@ -226,5 +239,5 @@ def apply(model: nn.Module, device: torch.device, cp_size: int) -> DeviceMesh:
         lambda module, args, kwargs: _shard_sequences(switch, cp_rank, cp_size, module, args,
                                                       kwargs),
         with_kwargs=True)
-    model.dp_cp_mesh = mesh
+    model.dp_cp_mesh = mesh  # the trainer deals data out over its dp dimension only
     return mesh
