@@ -169,13 +169,44 @@ def _four_worker(rank: int, store: str, out: str, text: str) -> None:
     m["distributed"].release()  # every reference dropped first: gloo's threads are joined
 
 
+def saved_bytes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
+    """The bytes autograd keeps for backward in one forward: every saved tensor's storage,
+    once, leaving out the parameters (model state, not activations)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x, y)
+    return sum(kept.values())
+
+
+def activation_memory(m: dict) -> dict:
+    """Saved bytes of one forward without and with cp 2, and model_size.py's predictions."""
+    torch.manual_seed(0)
+    gpt = m["model"].GPT(m["model"].GPTConfig(model_type=None, n_layer=2, n_head=2, n_embd=32,
+                                              vocab_size=65, block_size=64, dropout=0.0))
+    x, y = torch.randint(0, 65, (4, 64)), torch.randint(0, 65, (4, 64))
+    measured = [saved_bytes(gpt, x, y)]
+    m["parallel"].context.apply(gpt, CPU, 2)
+    measured.append(saved_bytes(gpt, x, y))
+    predict = m["model_size"].flash_activation_bytes
+    return {"measured": measured, "predicted": [predict(gpt, 4), predict(gpt, 4, 2)]}
+
+
 def _pair_worker(rank: int, store: str, out: str, text: str) -> None:
     """cp over both ranks with ddp and fsdp against ddp; resumes; resume into plain ddp."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,
                             timeout=timedelta(seconds=120))
     out_dir, text, result = Path(out), Path(text), {}
-    with mingpt_imported("main") as m:
+    with mingpt_imported("main", "model_size") as m:
+        result["memory"] = activation_memory(m)
         # ddp: 4 + 4 sequences; cp 2 (dp 1): both ranks take all 8, half of each sequence.
         result["ddp_log"], ddp = fit(m, overrides(out_dir / "ddp", text, "ddp", 0, 4, STEPS))
         runs = {"ddp_cp": ("ddp", ()), "fsdp_cp": ("fsdp", ()),
@@ -268,6 +299,17 @@ def test_cp_resumes_bitwise_and_into_plain_ddp(pair):
         r = result["cp->ddp"]
         assert r["beyond"] <= OUTLIERS, (r["max"], r["beyond"])
         assert rank or "resumed from" in r["log"]
+
+
+def test_model_size_predicts_cps_activations_exactly(pair):
+    """model_size.flash_activation_bytes counts every tensor autograd keeps, so prediction and
+    measurement agree to the byte, without cp and with cp 2 on each rank; cp 2 keeps about
+    half (all but the positions' ids and one vector more per block for the ring's output)."""
+    for result in pair[1]:
+        memory = result["memory"]
+        assert memory["measured"] == memory["predicted"], memory
+        plain, split = memory["measured"]
+        assert 0.5 < split / plain < 0.55, memory
 
 
 def test_sample_loads_a_cp_snapshot(pair):
