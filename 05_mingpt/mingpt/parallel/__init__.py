@@ -5,7 +5,9 @@
 
 Each strategy is a module with `apply(model, device, settings)` (ddp.py, fsdp.py, tensor.py,
 fsdp_tp.py, dp.py; zero.py brings an optimizer), and one entry in STRATEGIES below, which the
-config check, the snapshots, model_size.py and the docs read. Order inside every `apply`:
+config check, the snapshots, model_size.py and the docs read. Context parallelism (context.py,
+trainer_config.cp_size) is no strategy of its own: it splits the sequences before ddp, zero
+or fsdp wraps the model (their `cp` flag). Order inside every `apply`:
 TP's plan first (it names the blocks' own submodules), then activation checkpointing and
 torch.compile per block (ddp and zero compile the whole model instead), then the wrapper
 (DDP, FSDP, DataParallel). Adding a strategy: README, "Extending".

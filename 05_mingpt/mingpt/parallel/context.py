@@ -28,8 +28,9 @@ chunks), so every rank does the same work at every step. Hence block_size must d
 
 Which ring. On a GPU, PyTorch's context parallelism (its `_ContextParallel` style on the
 attention function, whose q, k, v become DTensors sharded on the sequence and whose
-scaled_dot_product_attention is dispatched to the ring). On a CPU that dispatch has no rule for
-the CPU flash-attention op (torch 2.14.1: "no sharding strategy"), so the ring runs through
+scaled_dot_product_attention is dispatched to the ring). On a CPU that dispatch stops at the
+CPU flash-attention op (torch 2.14.1: "Operator aten._scaled_dot_product_flash_attention_for_cpu
+.default does not have a sharding strategy registered"), so the ring runs through
 torch's own ring functions (`_templated_ring_attention` and its backward, the same code the GPU
 path reaches) called on the CPU flash kernel from a small autograd.Function here. Both are
 private torch APIs (the public `context_parallel` context manager is built on them); tests pin
