@@ -323,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
                 print()
             print("model state = parameters + gradients + optimizer (exp_avg, exp_avg_sq); "
                   "buffers: DDP's gradient buckets, FSDP's gathered blocks; activations: a "
-                  "rough estimate (model_size.activation_bytes)")
+                  "rough estimate (model_size.activation_bytes); cp's: counted for dropout 0 "
+                  "(model_size.flash_activation_bytes)")
             return 0
         rows = [size_row(p, args.vocab_size, args.block_size) for p in presets]
     except ValueError as err:  # an invalid model config: one line, no traceback

@@ -5,8 +5,9 @@ bit, resumes into plain ddp, and sample.py loads its snapshot; and the config re
 does not fit in one line.
 
 The multi-rank checks run in spawned gloo processes (one process group per process): one set
-of 4 (attention at cp 4 and on a (2, 2) mesh; ddp against ddp x cp) and one pair (cp over 2
-ranks with ddp and fsdp, resumes). Each writes its findings for the tests to assert on.
+of 4 (attention at cp 4 and on a (2, 2) mesh; ddp against ddp and fsdp over dp 2 x cp 2) and
+one pair (cp over 2 ranks with ddp and fsdp, resumes, activation memory). Each writes its
+findings for the tests to assert on.
 """
 import contextlib
 import io
@@ -21,8 +22,16 @@ import torch.distributed.nn  # noqa: F401  imported before any group exists (tes
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
-from conftest import REPO
-from mingpt_helpers import U, log_units, mingpt_imported, tiny, train_losses, val_losses
+from conftest import REPO, TORCHRUN, run
+from mingpt_helpers import (
+    U,
+    copy_mingpt,
+    log_units,
+    mingpt_imported,
+    tiny,
+    train_losses,
+    val_losses,
+)
 
 CPU = torch.device("cpu")
 STEPS, HALF = 4, 2
@@ -163,8 +172,11 @@ def _four_worker(rank: int, store: str, out: str, text: str) -> None:
         # 8 sequences per step both ways: 4 ranks x 2, or 2 dp groups x 4 (each cp pair
         # shares its 4, every rank keeping half of each sequence).
         ddp_log, ddp = fit(m, overrides(out_dir / "ddp4", Path(text), "ddp", 0, 2, STEPS))
-        log, weights = fit(m, overrides(out_dir / "ddp_cp4", Path(text), "ddp", 2, 4, STEPS))
-        result["dp x cp"] = {"ddp_log": ddp_log, "log": log, **weights_report(weights, ddp)}
+        for method in ("ddp", "fsdp"):  # fsdp: every weight sharded over all 4 ranks
+            log, weights = fit(m, overrides(out_dir / f"{method}_cp4", Path(text), method, 2,
+                                            4, STEPS))
+            result[f"{method} dp x cp"] = {"ddp_log": ddp_log, "log": log,
+                                           **weights_report(weights, ddp)}
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
     m["distributed"].release()  # every reference dropped first: gloo's threads are joined
 
@@ -278,8 +290,11 @@ def test_cp_trains_as_ddp_does_on_the_same_sequences(pair):
         assert r["beyond"] <= OUTLIERS and not r["equal"], (name, r["max"], r["beyond"])
 
 
-def test_dp_times_cp_trains_as_ddp_does(four):
-    r = four[0]["dp x cp"]
+@pytest.mark.parametrize("method", ["ddp", "fsdp"])
+def test_dp_times_cp_trains_as_ddp_does(four, method):
+    """2 dp groups x 2 cp ranks: gradients averaged over all 4 ranks (DDP's all-reduce, FSDP's
+    reduce-scatter) are the mean over the batch, as each rank holds as many tokens."""
+    r = four[0][f"{method} dp x cp"]
     assert "data-parallel size 2" in r["log"]  # 2 dp groups of 2 cp ranks
     assert_follows_ddp(r["log"], r["ddp_log"])
     assert r["beyond"] <= OUTLIERS, (r["max"], r["beyond"])
@@ -353,3 +368,20 @@ def test_zigzag_positions_cover_each_sequence_once_with_equal_causal_work():
             work = {int((c + 1).sum()) for c in chunks}
             assert len(work) == 1, (cp, work)
         assert context.zigzag_positions(16, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+
+
+def test_the_readmes_cp_command_trains(tmp_path):
+    """The cp command of 05's README (Strategies), as written plus tiny overrides: two gloo
+    processes train, evaluate, save and sample."""
+    readme = (REPO / "05_mingpt/README.md").read_text()
+    command = next(line for line in readme.splitlines()
+                   if line.startswith("torchrun") and "cp_size" in line)
+    given = command.split("main.py", 1)[1].split()
+    mingpt = copy_mingpt(tmp_path)
+    proc = run([TORCHRUN, "--standalone", "--nproc_per_node=2", "main.py",
+                *tiny(*given, "run_name=cp", "gpt_config.dropout=0.0")], cwd=mingpt)
+    assert "data-parallel size 1" in proc.stdout  # one cp group of both processes
+    assert "block 256" in proc.stdout and "sample:" in proc.stdout
+    losses = val_losses(proc.stdout)
+    assert losses[max(losses)] < losses[0] - 0.3, losses
+    assert (mingpt / "runs/cp/snapshot").is_file()  # the ddp layout: one file
