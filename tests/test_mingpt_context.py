@@ -358,6 +358,31 @@ def test_config_refuses_cp_that_does_not_fit(args, message):
     assert str(e.value) == message
 
 
+def test_the_models_positions_and_attend_generalise_it_without_changing_it():
+    """GPT.forward's positions default to 0..T-1 and CausalSelfAttention.attend to causal
+    attention: given explicitly they compute the same, bit for bit; a swapped attend is what
+    every block runs when nothing is cached, and generate's cached steps do not use it."""
+    with mingpt_imported() as m:
+        torch.manual_seed(0)
+        gpt = m["model"].GPT(m["model"].GPTConfig(model_type="gpt-nano", vocab_size=11,
+                                                  block_size=16, dropout=0.0))
+        x = torch.randint(0, 11, (2, 16))
+        logits, _ = gpt(x)
+        assert torch.equal(gpt(x, positions=torch.arange(16))[0], logits)
+        calls = []
+
+        def recorded(q, k, v, dropout_p):
+            calls.append(q.shape)
+            return m["model"].causal_attention(q, k, v, dropout_p)
+
+        for block in gpt.blocks:
+            block.attn.attend = recorded
+        assert torch.equal(gpt(x)[0], logits) and len(calls) == 3  # one per block
+        gpt.eval()
+        gpt.generate(x[:, :4], 3, do_sample=False)  # the prompt: no cache yet, then cached
+        assert calls[3:] == [torch.Size([2, 3, 4, 16])] * 3, calls
+
+
 def test_zigzag_positions_cover_each_sequence_once_with_equal_causal_work():
     with mingpt_imported() as m:
         context = m["parallel"].context

@@ -272,7 +272,8 @@ class GPT(nn.Module):
         `positions` (T,): where in its sequence each token of idx stands, for the position
         embedding; by default past, past + 1, ... A caller that passes some pieces of longer
         sequences (context parallelism, parallel/context.py) gives their real positions; the
-        attention it installs (CausalSelfAttention.attend) then knows the causal order.
+        causal order across those pieces is then the job of the attention it installs
+        (CausalSelfAttention.attend).
         """
         B, T = idx.size()
         past = caches[0].length if caches else 0  # positions already in the caches
