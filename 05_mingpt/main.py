@@ -78,6 +78,7 @@ def load_train_objs(cfg: DictConfig, device: torch.device) -> tuple:
     flops_per_token = model.flops_per_token()
     model = parallelize(model, device, t.distributed_method, precision=t.precision,
                         cpu_offload=t.cpu_offload, compile=t.compile, tp_size=t.tp_size,
+                        cp_size=t.cp_size,
                         activation_checkpointing=t.activation_checkpointing)
     if init:  # the weights GPT(gpt_config) would have drawn, bit for bit, in shards
         init(model, device, t.cpu_offload)

@@ -6,6 +6,7 @@ with --memory, what one rank holds in training under each strategy.
     python model_size.py --vocab_size 65 --block_size 256
     python model_size.py --memory --preset gpt2-medium --vocab_size 65 --block_size 256 \
         --world_size 2 --tp_size 2 --batch_size 4   # per-rank bytes: ddp, zero, fsdp, tp, fsdp_tp
+    python model_size.py --memory --preset gpt-mini --block_size 2048 --cp_size 4  # and cp
 
 The models are built on the `meta` device: modules get shapes but no storage, so counting the
 parameters of the 1.5B-parameter gpt2-xl takes no memory and no time. The memory predictions
@@ -65,6 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="--memory: tensor-parallel group size for tp, fsdp_tp (default: 2)")
     parser.add_argument("--batch_size", type=positive_int, default=4,
                         help="--memory: sequences per rank per micro-step (default: 4)")
+    parser.add_argument("--cp_size", type=positive_int, default=2,
+                        help="--memory: largest context-parallel group to show (default: 2)")
     args = parser.parse_args(argv)
     if args.memory and args.world_size % args.tp_size:
         parser.error(f"--world_size {args.world_size} must be divisible by --tp_size "
@@ -206,6 +209,31 @@ def activation_bytes(model: GPT, batch_size: int, tp_size: int = 1) -> int:
     return int(cfg.n_layer * block + outside)
 
 
+def flash_activation_bytes(model: GPT, batch_size: int, cp_size: int = 1) -> int:
+    """What autograd keeps for backward in one fp32 micro-step without dropout, per rank, when
+    each rank holds 1/cp_size of every sequence (context parallelism; cp_size 1: none).
+
+    Without dropout, attention runs in a flash kernel (no T x T matrix): it keeps q, k, v, its
+    output and one fp32 log-sum-exp per head and token. Per block and local token, 16 fp32
+    vectors of width C: the LayerNorms' inputs and outputs (4), q/k/v (3), attention's output
+    (1), the MLP's hidden layer before and after GELU (8); and two LayerNorms' mean and rstd
+    (4 floats). Under cp the ring's merged output is a fresh tensor that the head transpose
+    copies once more for c_proj: one vector more. Outside the blocks: token ids and targets
+    (int64), positions, the final LayerNorm's input, output and statistics, cross-entropy's
+    log-softmax over the vocabulary and its scalar total weight. Every term scales with the
+    local tokens, so the whole falls as 1/cp_size; tests/test_mingpt_context.py counts the
+    real tensors.
+    """
+    cfg = model.config
+    seq = cfg.block_size // cp_size  # the positions each rank keeps
+    tokens = batch_size * seq
+    vectors = 16 + (1 if cp_size > 1 else 0)
+    block = BYTES_FP32 * tokens * (vectors * cfg.n_embd + 4 + cfg.n_head)
+    outside = 8 * (2 * tokens + seq) + BYTES_FP32 * tokens * (2 * cfg.n_embd + 2
+                                                              + cfg.vocab_size)
+    return cfg.n_layer * block + outside + BYTES_FP32
+
+
 def buffer_bytes(model: GPT, strategy: str, tp_size: int) -> int:
     """Communication and gathering buffers besides the model state (fp32).
 
@@ -250,6 +278,17 @@ def memory_row(model: GPT, strategy: str, world_size: int, tp_size: int, batch_s
     return row
 
 
+def cp_rows(model: GPT, batch_size: int, cp_size: int) -> list[dict[str, object]]:
+    """Context parallelism: activations per rank for cp 1, 2, 4, ... up to cp_size, where the
+    block size splits into 2 x cp chunks (the model state is the data-parallel strategy's)."""
+    rows, cp = [], 1
+    while cp <= cp_size and model.config.block_size % (2 * cp if cp > 1 else 1) == 0:
+        rows.append({"cp_size": cp, "tokens per rank": batch_size * model.config.block_size // cp,
+                     "activations": human_bytes(flash_activation_bytes(model, batch_size, cp))})
+        cp *= 2
+    return rows
+
+
 def memory_rows(model: GPT, world_size: int, tp_size: int, batch_size: int
                 ) -> list[dict[str, object]]:
     """One row per strategy: rank 0's bytes (the largest share where shards are uneven)."""
@@ -277,10 +316,15 @@ def main(argv: list[str] | None = None) -> int:
                       f"{args.vocab_size}, block_size={args.block_size}, batch_size="
                       f"{args.batch_size} per rank, fp32, AdamW; bytes per rank (rank 0)")
                 print_table(memory_rows(model, args.world_size, args.tp_size, args.batch_size))
+                # Context parallelism (cp_size) splits the sequences, not the model state.
+                print("\ncontext parallelism (ddp, zero or fsdp x cp_size; dropout 0): "
+                      "activations per rank")
+                print_table(cp_rows(model, args.batch_size, args.cp_size))
                 print()
             print("model state = parameters + gradients + optimizer (exp_avg, exp_avg_sq); "
                   "buffers: DDP's gradient buckets, FSDP's gathered blocks; activations: a "
-                  "rough estimate (model_size.activation_bytes)")
+                  "rough estimate (model_size.activation_bytes); cp's: counted for dropout 0 "
+                  "(model_size.flash_activation_bytes)")
             return 0
         rows = [size_row(p, args.vocab_size, args.block_size) for p in presets]
     except ValueError as err:  # an invalid model config: one line, no traceback

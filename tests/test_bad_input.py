@@ -376,6 +376,20 @@ def test_mingpt_world_size_that_does_not_fit_tp_size(mingpt, main_py):
     one_error_line(proc, "trainer_config.tp_size=2 must divide the world size 1")
 
 
+def test_mingpt_block_size_that_does_not_split_over_cp_size(mingpt, main_py):
+    with nothing_lost(mingpt):
+        proc = main_py(*tiny("run_name=cp", "trainer_config.cp_size=2",
+                             "gpt_config.block_size=30", "gpt_config.dropout=0.0"))
+    one_error_line(proc, "gpt_config.block_size=30 must divide by 2 x cp_size = 4")
+
+
+def test_mingpt_world_size_that_does_not_fit_cp_size(mingpt, main_py):
+    with nothing_lost(mingpt):
+        proc = main_py(*tiny("run_name=cp", "trainer_config.cp_size=2",
+                             "gpt_config.dropout=0.0"))
+    one_error_line(proc, "trainer_config.cp_size=2 must divide the world size 1")
+
+
 def test_mingpt_port_in_use(mingpt, main_py, busy_port):
     with nothing_lost(mingpt):
         proc = main_py(*tiny("run_name=port"), **worker_env(busy_port))

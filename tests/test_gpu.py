@@ -234,3 +234,70 @@ def test_mingpt_dp_replicas_compute_in_bf16_and_count_every_gpu(tmp_path):
     table = proc.stdout[proc.stdout.index("memory per rank"):]
     peaks = re.search(r"training peak(.*)", table).group(1).split()
     assert len(peaks) == GPUS, table  # one column per GPU of the one process
+
+
+def _cp_attention_worker(rank: int, store: str, out: str) -> None:
+    """One of 2 GPUs: PyTorch's own context parallelism (what context.py picks on CUDA) on
+    this rank's zig-zag chunks, forward and backward, against exact (float64) attention."""
+    import json
+    from datetime import timedelta
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from test_mingpt_context import reference
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", store=dist.FileStore(store, 2), rank=rank, world_size=2,
+                            timeout=timedelta(seconds=120))
+    with mingpt_imported() as m:
+        context = m["parallel"].context
+        mesh = init_device_mesh("cuda", (1, 2), mesh_dim_names=("dp", "cp"))
+        switch = context._Switch()
+        switch.active = True  # as in a forward with targets
+        attend = context.ContextParallelAttention(mesh["cp"], switch)
+        torch.manual_seed(0)  # the same tensors on both ranks: each keeps its chunks
+        q, k, v, dout = (torch.randn(2, 3, 64, 16) for _ in range(4))
+        exact, sizes, roundings = reference(q, k, v, dout)
+        pos = context.zigzag_positions(64, 2, rank)
+        local = [t[:, :, pos].cuda().requires_grad_() for t in (q, k, v)]
+        y = attend(*local, 0.0)
+        y.backward(dout[:, :, pos].cuda())
+        beyond = {}
+        for name, got, x, size in zip(("out", "dq", "dk", "dv"), (y, *(t.grad for t in local)),
+                                      exact, sizes, strict=True):
+            # The bound of test_mingpt_context.reference, as for the CPU ring.
+            bound = (roundings + 4) * 2.0**-24 * size[:, :, pos]
+            beyond[name] = int(((got.detach().cpu().double() - x[:, :, pos]).abs() > bound)
+                               .sum())
+        result = {"torch_ring": attend.torch_ring is not None, "beyond": beyond}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(GPUS < 2, reason="context parallelism needs 2 GPUs")
+def test_mingpt_context_parallel_on_gpus_equals_full_attention_and_trains(tmp_path):
+    """cp_size=2 on 2 GPUs: PyTorch's context parallelism is chosen (not the CPU ring) and
+    computes what full attention computes, as the CPU ring does (test_mingpt_context.py);
+    then main.py trains with it over NCCL and resumes."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_cp_attention_worker, args=(str(tmp_path / "store"), str(tmp_path)),
+                       nprocs=2, start_method="spawn")
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result == {"torch_ring": True,
+                          "beyond": {"out": 0, "dq": 0, "dk": 0, "dv": 0}}, (rank, result)
+    mingpt = copy_mingpt(tmp_path)
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", "main.py"]
+    args = ["run_name=cp", "trainer_config.cp_size=2", "gpt_config.dropout=0.0",
+            "trainer_config.eval_every=5"]
+    first = run([*cmd, *tiny(*args, "trainer_config.max_steps=5")], cwd=mingpt,
+                CUDA_VISIBLE_DEVICES=VISIBLE)
+    proc = run([*cmd, *tiny(*args)], cwd=mingpt, CUDA_VISIBLE_DEVICES=VISIBLE)  # from step 5
+    assert "backend nccl" in proc.stdout and "resumed from" in proc.stdout
+    start, end = val_losses(first.stdout), val_losses(proc.stdout)
+    assert end[10] < start[5] < start[0], (start, end)

@@ -29,7 +29,7 @@ from mingpt import ROOT
 from mingpt.data import KINDS, data_module
 from mingpt.errors import require
 from mingpt.model import GPTConfig, resolve_config
-from mingpt.parallel import STRATEGIES
+from mingpt.parallel import STRATEGIES, context
 from mingpt.parallel.tensor import check_tp
 from mingpt.precision import PRECISIONS
 
@@ -38,6 +38,7 @@ CONFIG_NAME = "gpt2_train_cfg"
 # The strategies and the ones that split each block's matmuls (tp_size): parallel.STRATEGIES.
 DISTRIBUTED_METHODS = tuple(STRATEGIES)
 TP_METHODS = tuple(name for name, strategy in STRATEGIES.items() if strategy.tp)
+CP_METHODS = tuple(name for name, strategy in STRATEGIES.items() if strategy.cp)  # cp_size
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -50,6 +51,7 @@ class TrainerConfig:
     grad_accum_steps: int = MISSING
     distributed_method: str = MISSING
     tp_size: int = MISSING
+    cp_size: int = MISSING
     precision: str = MISSING
     cpu_offload: bool = MISSING
     activation_checkpointing: bool = MISSING
@@ -206,6 +208,8 @@ def validate(cfg: DictConfig) -> None:
     if t.tp_size and init_from is None:  # tp_size 0 (every rank): checked once ranks exist
         # Every TP rank computes n_head / tp_size heads and n_embd / tp_size MLP columns.
         check_tp(sizes.n_head, sizes.n_embd, t.tp_size)
+    # Sequences split over cp_size ranks: the method, block_size, dropout (context.py).
+    context.check_config(t, sizes.block_size, sizes.dropout, CP_METHODS)
 
 
 def load(overrides: list[str]) -> DictConfig:

@@ -110,6 +110,14 @@ class KVCache:
         return self.k[:, :, :self.length], self.v[:, :, :self.length]
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float
+                     ) -> torch.Tensor:
+    """softmax(q k^T / sqrt(hs)) v over the lower triangle: (B, nh, T, hs) each -> (B, nh, T, hs).
+
+    Masked inside the kernel (is_causal): flash / memory-efficient on a GPU, flash on a CPU."""
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention where position t only attends to positions <= t."""
 
@@ -117,6 +125,11 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.head_size = config.n_embd // config.n_head  # hs: channels per head
         self.dropout = config.dropout
+        # How q, k, v become the output when nothing is cached: a plain attribute, so that a
+        # wrapper can put another implementation of the same function here (context
+        # parallelism's ring attention, parallel/context.py) without touching this file.
+        self.attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float],
+                              torch.Tensor] = causal_attention
         # One matmul computes queries, keys and values for all heads at once.
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
@@ -142,17 +155,19 @@ class CausalSelfAttention(nn.Module):
             past = cache.length
             k, v = cache.update(k, v)  # (B, nh, past + T, hs): keys of earlier positions first
         # Query i is at position past + i and may see keys 0..past + i. Nothing cached: the
-        # lower triangle, is_causal=True (masked inside the kernel: flash / memory-efficient on
-        # GPU). One new query after cached ones sees every key: no mask. Several need the
-        # shifted triangle as a bool mask (True: attend); a 0/1 *float* mask would be added to
-        # the scores and mask nothing. Dropout on the attention weights only while training.
-        mask = None
-        if past and T > 1:
-            mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
-            is_causal=past == 0,
-        )  # (B, nh, T, hs)
+        # lower triangle (self.attend). One new query after cached ones sees every key: no
+        # mask. Several need the shifted triangle as a bool mask (True: attend); a 0/1 *float*
+        # mask would be added to the scores and mask nothing. Dropout on the attention weights
+        # only while training.
+        dropout_p = self.dropout if self.training else 0.0
+        if past == 0:
+            y = self.attend(q, k, v, dropout_p)  # (B, nh, T, hs)
+        else:
+            mask = None
+            if T > 1:
+                mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                               dropout_p=dropout_p)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
         return self.resid_dropout(self.c_proj(y))
 
@@ -248,19 +263,25 @@ class GPT(nn.Module):
                 fill(param, partial(nn.init.normal_, mean=0.0, std=std))
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
-                caches: list[KVCache] | None = None
+                caches: list[KVCache] | None = None, positions: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits (B, T, vocab_size), and the mean cross-entropy when targets are given.
 
         Targets equal to -1 are ignored (padding). With caches (one KVCache per block, as
         generate makes them), idx holds only the tokens after the cached positions.
+        `positions` (T,): where in its sequence each token of idx stands, for the position
+        embedding; by default past, past + 1, ... A caller that passes some pieces of longer
+        sequences (context parallelism, parallel/context.py) gives their real positions; the
+        causal order across those pieces is then the job of the attention it installs
+        (CausalSelfAttention.attend).
         """
         B, T = idx.size()
         past = caches[0].length if caches else 0  # positions already in the caches
         if past + T > self.config.block_size:
             raise ValueError(f"sequence length {past + T} exceeds block_size "
                              f"{self.config.block_size}")
-        pos = torch.arange(past, past + T, dtype=torch.long, device=idx.device)  # (T,)
+        pos = positions if positions is not None else \
+            torch.arange(past, past + T, dtype=torch.long, device=idx.device)  # (T,)
         x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C) + (T, C) broadcasts over batch
         for block, cache in zip(self.blocks, caches or [None] * len(self.blocks), strict=True):
             x = block(x, cache)  # (B, T, C)

@@ -5,7 +5,9 @@
 
 Each strategy is a module with `apply(model, device, settings)` (ddp.py, fsdp.py, tensor.py,
 fsdp_tp.py, dp.py; zero.py brings an optimizer), and one entry in STRATEGIES below, which the
-config check, the snapshots, model_size.py and the docs read. Order inside every `apply`:
+config check, the snapshots, model_size.py and the docs read. Context parallelism (context.py,
+trainer_config.cp_size) is no strategy of its own: it splits the sequences before ddp, zero
+or fsdp wraps the model (their `cp` flag). Order inside every `apply`:
 TP's plan first (it names the blocks' own submodules), then activation checkpointing and
 torch.compile per block (ddp and zero compile the whole model instead), then the wrapper
 (DDP, FSDP, DataParallel). Adding a strategy: README, "Extending".
@@ -17,7 +19,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from mingpt.parallel import ddp, dp, fsdp, fsdp_tp, tensor, zero
+from mingpt.parallel import context, ddp, dp, fsdp, fsdp_tp, tensor, zero
 from mingpt.parallel.settings import Settings
 
 
@@ -51,18 +53,19 @@ class Strategy:
     init_on_meta: Callable[[nn.Module, torch.device, bool], None] | None = None
     cpu_offload: bool = False  # trainer_config.cpu_offload applies
     memory: Memory | None = None  # None: model_size.py does not predict it (dp: one process)
+    cp: bool = False  # composes with context parallelism (trainer_config.cp_size, context.py)
 
 
 STRATEGIES = {
     "ddp": Strategy(ddp.apply, "ddp", "a whole replica per rank, gradients all-reduced",
-                    memory=Memory(buffers="buckets")),
+                    memory=Memory(buffers="buckets"), cp=True),
     "fsdp": Strategy(fsdp.apply, "fsdp",
                      "parameters, gradients and optimizer state sharded over all ranks",
                      init_on_meta=fsdp.init_sharded, cpu_offload=True,
-                     memory=Memory(shards_over="world", buffers="gathers")),
+                     memory=Memory(shards_over="world", buffers="gathers"), cp=True),
     "zero": Strategy(ddp.apply, "ddp", "ddp, with AdamW's state sharded over the ranks",
                      optimizer=zero.optimizer,
-                     memory=Memory(sharded_optimizer=True, buffers="buckets")),
+                     memory=Memory(sharded_optimizer=True, buffers="buckets"), cp=True),
     "tp": Strategy(tensor.apply, "fsdp", "every block's matmuls split over all ranks",
                    tp=True, check=tensor.check_config, memory=Memory()),
     "fsdp_tp": Strategy(fsdp_tp.apply, "fsdp",
@@ -80,4 +83,7 @@ def parallelize(model: nn.Module, device: torch.device, method: str = "ddp",
     ValueError (one line) where the world size or the model does not fit the method."""
     if method not in STRATEGIES:
         raise ValueError(f"unknown distributed_method {method!r}")
-    return STRATEGIES[method].apply(model, device, Settings(**settings))
+    s = Settings(**settings)
+    if s.cp_size > 1:  # before the wrapper: it swaps each block's attention (context.py)
+        context.apply(model, device, s.cp_size)
+    return STRATEGIES[method].apply(model, device, s)

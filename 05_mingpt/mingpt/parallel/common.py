@@ -45,11 +45,14 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def data_parallel(model: nn.Module) -> tuple[int, int]:
-    """(rank, size) among the ranks that see different data: the dp dimension of a TP mesh.
+    """(rank, size) among the ranks that see different data: the dp dimension of a TP or a
+    CP mesh.
 
     Every rank of one TP group computes on the same batch (each with its slice of the weights),
-    so samplers, seeds and tokens/s count data-parallel ranks, not processes."""
-    mesh = getattr(unwrap(model), "dp_tp_mesh", None)
+    and so does every rank of one CP group (each with its slice of the sequences), so samplers,
+    seeds and tokens/s count data-parallel ranks, not processes."""
+    inner = unwrap(model)
+    mesh = getattr(inner, "dp_tp_mesh", None) or getattr(inner, "dp_cp_mesh", None)
     if mesh is None:
         return dist.get_rank(), dist.get_world_size()
     return mesh["dp"].get_local_rank(), mesh["dp"].size()

@@ -8,3 +8,4 @@ class Settings(NamedTuple):
     activation_checkpointing: bool = False  # recompute each block's activations in backward
     compile: bool = False  # torch.compile: per block, or the whole model (ddp, zero)
     tp_size: int = 0  # ranks per tensor-parallel group (0: every rank)
+    cp_size: int = 0  # ranks per context-parallel group (0, 1: off; context.py)
