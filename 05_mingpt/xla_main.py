@@ -22,19 +22,10 @@ from dataclasses import asdict
 
 import numpy as np
 import torch
-import torch_xla
-import torch_xla.core.xla_model as xm
-import torch_xla.distributed.parallel_loader as pl
-import torch_xla.distributed.spmd as xs
-import torch_xla.runtime as xr
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, Dataset, Subset
 from torch.utils.data.distributed import DistributedSampler
 from torch.utils.tensorboard import SummaryWriter
-from torch_xla.experimental.spmd_fully_sharded_data_parallel import (
-    SpmdFullyShardedDataParallel,
-    _prepare_spmd_partition_spec,
-)
 
 from mingpt import config, snapshot, storage
 from mingpt.data import data_module
@@ -43,6 +34,21 @@ from mingpt.model import GPT
 from mingpt.optim import build_optimizer, build_scheduler, resume_scheduler
 from mingpt.trainer import rank_indices
 from sample import generate_text
+
+# XLA's C++ warns once per compiled program that GSPMD is to be replaced by Shardy (JAX's
+# partitioner; torch_xla 2.9 has no switch to it): errors only, unless asked otherwise. It
+# reads the variable as it loads, so before the import.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import torch_xla  # noqa: E402
+import torch_xla.core.xla_model as xm  # noqa: E402
+import torch_xla.distributed.parallel_loader as pl  # noqa: E402
+import torch_xla.distributed.spmd as xs  # noqa: E402
+import torch_xla.runtime as xr  # noqa: E402
+from torch_xla.experimental.spmd_fully_sharded_data_parallel import (  # noqa: E402
+    SpmdFullyShardedDataParallel,
+    _prepare_spmd_partition_spec,
+)
 
 USAGE = """usage: python xla_main.py [--cfg job] [section.key=value ...]
 
@@ -220,7 +226,7 @@ class XlaTrainer:
                  run_dir: str) -> None:
         (self.data, self.train_set, self.val_set, self.model, self.optimizer, self.scheduler,
          self.snapshot_meta, state) = built
-        self.cfg, self.mesh, self.device, self.n = cfg, mesh, device, mesh.size()
+        self.cfg, self.mesh, self.device, self.n = cfg, mesh, device, int(mesh.size())
         # Inputs land on the devices already split along the batch (device d: rows of d).
         self.input_sharding = xs.ShardingSpec(mesh, ("fsdp", None))
         self.val_subset, self.val_order = val_batches(self.val_set, self.n, cfg)
@@ -311,7 +317,11 @@ class XlaTrainer:
 
     def log_eval(self) -> None:
         started = time.perf_counter()
+        # Every sync (each batch here) advances the device's RNG seed: evaluating must not, or
+        # a resumed run, which evaluates where the saved one did not, would draw other dropout.
+        rng = xm.get_rng_state(self.device)
         loss = self.evaluate()
+        xm.set_rng_state(rng, self.device)
         print(f"step {self.step} | val loss {loss:.4f}", flush=True)
         self.writer.add_scalar("val/loss", loss, self.step)
         self.writer.flush()
@@ -336,8 +346,15 @@ class XlaTrainer:
             "xla_rng": xm.get_rng_state(self.device),  # dropout's stream on the devices
             "model": self.weights(), "optimizer": to_cpu(self.optimizer.state_dict(), {}),
             **self.snapshot_meta}
-        snapshot.keep_previous(cfg.snapshot_path, cfg.keep_last)
-        snapshot.save_file(cfg.snapshot_path, state)
+        try:
+            snapshot.keep_previous(cfg.snapshot_path, cfg.keep_last)
+            snapshot.save_file(cfg.snapshot_path, state)  # atomic: complete, or not there
+        except OSError as e:  # a full disk, a read-only folder: main.py's one line
+            raise snapshot.SaveError(f"cannot save the snapshot to {cfg.snapshot_path} "
+                                     f"({e.strerror or e}); the previous snapshot, if any, is "
+                                     "unchanged: free some space or set "
+                                     "trainer_config.snapshot_path, then run again to resume"
+                                     ) from None
         print(f"step {self.step}: snapshot saved to {cfg.snapshot_path}", flush=True)
         self.t_log += time.perf_counter() - started
 
@@ -366,6 +383,10 @@ def sharding_report(model: torch.nn.Module, n: int) -> str:
 
 
 def train(cfg: DictConfig) -> None:
+    # SpmdFullyShardedDataParallel puts an optimization barrier in the model's backward through
+    # a full backward hook; torch warns that the model's inputs (token ids) need no gradient,
+    # which is true and harmless, at every backward.
+    warnings.filterwarnings("ignore", "Full backward hook is firing", UserWarning)
     mesh = make_mesh()
     device = torch_xla.device()
     print(f"torch {torch.__version__} | torch_xla {torch_xla.__version__} | python "
