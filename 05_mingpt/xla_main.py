@@ -71,12 +71,13 @@ def check_xla(cfg: DictConfig) -> None:
             f"{METHOD} with xla_main.py (SPMD FSDP over every XLA device)", t.distributed_method)
     require(t.device == "auto", "trainer_config.device",
             "auto with xla_main.py (PJRT_DEVICE picks the XLA device)", t.device)
-    # fp16 needs GradScaler, which torch_xla's SPMD path does not pair with; bf16 does not.
+    # fp16 needs a loss scaler, which this loop does not have; bf16 (what TPUs and Trainium
+    # compute fast) needs none.
     require(t.precision in ("fp32", "bf16"), "trainer_config.precision",
             "fp32 or bf16 with xla_main.py", t.precision)
-    for key in ("cpu_offload", "compile", "activation_checkpointing"):
-        require(not t[key], f"trainer_config.{key}", "False with xla_main.py (XLA compiles "
-                "every step itself; main.py has this option)", t[key])
+    for key, why in (("cpu_offload", "FSDP2's option"), ("compile", "XLA compiles every step"),
+                     ("activation_checkpointing", "main.py's option")):
+        require(not t[key], f"trainer_config.{key}", f"False with xla_main.py ({why})", t[key])
 
 
 def load_config(overrides: list[str]) -> DictConfig:
