@@ -64,6 +64,8 @@ def pytest_configure(config: pytest.Config) -> None:
 # number of tests, and put two 20-second files last on one worker while the other idled for
 # 40 s). The Slurm tests come late enough for the background install to have finished.
 SLOW_FILES = (
+    # 80 (at a load average of 3 to 5), plus building .venv-xla where it is missing (README)
+    "test_xla.py",
     "test_mingpt_train.py",  # 82
     "test_notebooks.py",  # 75
     "test_steps.py",  # 70

@@ -59,6 +59,12 @@ REUSED = [
     ("torchrun ... 03_torchrun_fault_tolerance/train.py (snapshot.pt truncated)", "error: cannot "
      "load snapshot snapshot.pt (...): it is corrupt, truncated or not a snapshot; move it away",
      "test_steps.py::test_corrupt_snapshot_is_an_error_and_is_not_overwritten"),
+    ("python xla_main.py trainer_config.distributed_method=tp", "error: "
+     "trainer_config.distributed_method must be fsdp with xla_main.py (SPMD FSDP over every XLA "
+     "device), got 'tp'", "test_xla.py::test_xla_refuses_what_only_main_py_has"),
+    ("python xla_main.py trainer_config.precision=fp16", "error: trainer_config.precision must be "
+     "fp32 or bf16 with xla_main.py, got 'fp16'",
+     "test_xla.py::test_xla_refuses_what_only_main_py_has"),
 ]
 
 

@@ -34,7 +34,9 @@ FORKED_HELPERS = {
 # ideas (torchrun, snapshots), up to two steps' worth. Each budget is what the step reaches
 # today, so any growth is a decision taken here, not drift.
 DIFF_BUDGET = {"02_multigpu": 59, "03_torchrun_fault_tolerance": 77, "04_multinode": 27}
-MARKDOWN = sorted(p for p in REPO.rglob("*.md") if ".venv" not in p.parts
+# Not the virtual environments' files: .venv, and .venv-xla (tests/test_xla.py builds it).
+VENVS = {".venv", ".venv-xla"}
+MARKDOWN = sorted(p for p in REPO.rglob("*.md") if not VENVS & set(p.parts)
                   and ".pytest_cache" not in p.parts)
 
 
@@ -121,7 +123,7 @@ def test_relative_links_resolve(md):
         assert path.exists(), f"{md.relative_to(REPO)} links to missing {target}"
 
 
-SHELL_SCRIPTS = sorted(p for p in REPO.rglob("*.sh") if ".venv" not in p.parts) + [
+SHELL_SCRIPTS = sorted(p for p in REPO.rglob("*.sh") if not VENVS & set(p.parts)) + [
     REPO / ".ci/run"]
 
 
