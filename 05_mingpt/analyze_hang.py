@@ -36,13 +36,14 @@ FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 
 def find_folder(path: str) -> str:
     """The dump folder: `path` itself, or its flight_recorder/ (a run directory)."""
-    inner = os.path.join(path, DIR)
+    inner = os.path.join(path, DIR)  # forensics.DIR, under the run directory
     return inner if os.path.isdir(inner) else path
 
 
 def load(folder: str) -> tuple[dict[int, dict], dict[int, dict]]:
     """{rank: Flight Recorder dump} and {rank: where<N>.json} of the folder."""
     dumps, wheres = {}, {}
+    # rank<N>: torch's dump (gloo: forensics.dump; NCCL: the watchdog); where<N>.json: ours.
     for name in sorted(os.listdir(folder)):
         if m := re.fullmatch(rf"{PREFIX}(\d+)", name):
             dumps[int(m[1])] = load_dump(os.path.join(folder, name))
@@ -65,6 +66,7 @@ def gloo_pg_config(details: dict) -> bool:
             continue
         ranks = config.pop("")["ranks"]
         for name, desc in {tuple(e["process_group"]) for e in dump["entries"]}:
+            # the fields NCCL's pg_config has for each group
             config.setdefault(name, {"name": name, "desc": desc, "ranks": ranks})
         changed = True
     return changed
@@ -94,6 +96,7 @@ def torch_analysis(folder: str) -> tuple[list[str], str]:
         from torch.distributed.flight_recorder.components.builder import build_db
         from torch.distributed.flight_recorder.components.config_manager import JobConfig
         from torch.distributed.flight_recorder.components.loader import read_dir
+    # Incomplete: a rank killed before it could write (gloo's SIGABRT) must not stop the rest.
     args = JobConfig().parse_args([folder, "--prefix", PREFIX, "--allow-incomplete-ranks"])
     with captured("Flight Recorder") as text:
         how = "as is"
@@ -114,7 +117,8 @@ def torch_analysis(folder: str) -> tuple[list[str], str]:
 
 def describe(entry: dict) -> str:
     """'#17 all_reduce [[28576]] Float': sequence number, op, input sizes and dtypes."""
-    op = entry["profiling_name"].split(":")[-1]  # "gloo:all_reduce", "nccl:all_reduce"
+    # "gloo:all_reduce", "nccl:all_reduce": the op, without the backend's prefix
+    op = entry["profiling_name"].split(":")[-1]
     dtypes = ",".join(sorted(set(entry.get("input_dtypes") or [])))
     return f"#{entry['collective_seq_id']} {op} {entry['input_sizes']} {dtypes}".rstrip()
 
@@ -126,6 +130,7 @@ def signature(entry: dict) -> tuple:
 
 def step_of(entry: dict, marks: list) -> int | None:
     """The step in which this rank created the collective (None: before the first step)."""
+    # time_created_ns is wall-clock time (as time.time_ns()), on the rank that made both.
     step = None
     for mark_step, start_ns in marks:
         if start_ns <= entry["time_created_ns"]:
@@ -163,6 +168,7 @@ def step_differences(dumps: dict[int, dict], wheres: dict[int, dict]) -> list[st
         if len({tuple(m) for m in made.values()}) == 1:
             continue
         lines = [f"step {step}: the ranks' collectives differ"]
+        # The ranks with fewer collectives in this step are the ones that left some out.
         most = max(len(m) for m in made.values())
         for r in ranks:
             entries = steps[r].get(step, [])
@@ -201,7 +207,7 @@ def sequence_differences(dumps: dict[int, dict]) -> list[str]:
         lines.append(f"  rank {r}: last issued {describe(entry)}{behind}")
     # The numbers every rank recorded (the recorder keeps only the newest entries).
     common = sorted(set.intersection(*(set(c) for c in seqs.values()))) if seqs else []
-    for k in common:
+    for k in common:  # the first number whose op, sizes or dtypes are not the same everywhere
         if len({signature(c[k]) for c in seqs.values()}) > 1:
             lines.append(f"  #{k} differs: " + "; ".join(
                 f"rank {r} {describe(c[k])}" for r, c in seqs.items()))
@@ -230,6 +236,7 @@ def where_line(rank: int, where: dict | None, dump: dict | None) -> str:
         head = f"rank {rank} (its last collective was issued at)"
     else:
         return f"rank {rank}: no dump"
+    # The innermost frames of the program (torch's own frames say only "in a collective").
     ours = [f for f in frames if not LIBRARY.search(f[0])][-3:]
     shown = " < ".join(f"{os.path.basename(f)}:{n} {fn}" for f, n, fn in reversed(ours))
     return f"{head}: {shown}"
@@ -238,9 +245,11 @@ def where_line(rank: int, where: dict | None, dump: dict | None) -> str:
 def report(folder: str, full: bool = False) -> list[str]:
     """The lines analyze_hang.py prints for the dumps in `folder`."""
     dumps, wheres = load(folder)
+    # A rank with only where<N>.json: the recorder was off; with only rank<N>: NCCL's dump.
     ranks = sorted(set(dumps) | set(wheres))
     if not ranks:
         raise ValueError(f"no Flight Recorder dumps (rank<N>, where<N>.json) in {folder}")
+    # The world size from our files; NCCL's dumps alone give only the ranks that wrote one.
     size = max([w["world_size"] for w in wheres.values()] or [len(ranks)])
     missing = sorted(set(range(size)) - set(ranks))
     lines = [f"{len(dumps)} Flight Recorder dumps of {size} ranks in {folder}"
@@ -248,6 +257,7 @@ def report(folder: str, full: bool = False) -> list[str]:
                 if missing else "")]
     if dumps:
         analysis, how = torch_analysis(folder)
+        # Its first finding without the stack (indented): the series' lines below show that.
         head = [line for line in analysis if not line.startswith(" ")]
         shown = analysis if full else head[:8]
         lines.append(f"torch's analyzer ({how}):")
@@ -261,6 +271,7 @@ def report(folder: str, full: bool = False) -> list[str]:
 
 
 def main(argv: list[str]) -> None:
+    # Bad arguments: one `error:` line, as every command of this folder answers them.
     parser = one_line_errors(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     parser.add_argument("path", help="runs/<run_name> or its flight_recorder folder")
     parser.add_argument("--full", action="store_true",

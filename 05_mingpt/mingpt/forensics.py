@@ -156,9 +156,13 @@ def watch(function: Callable[..., T], run_dir: str, *args) -> T:
     try:
         return function(*args)
     except Exception as e:
+        # torchrun stops every rank as soon as one exits: a peer that failed a moment earlier
+        # must not cut this rank's dump and line short (torchrun sends SIGKILL after a grace
+        # period of its own, so ignoring SIGTERM cannot keep a rank alive).
+        disarm()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         folder = dump(run_dir, first, traceback.format_exception(e))
-        disarm()  # the dump is written: torchrun's SIGTERM must not overwrite it
         if not is_collective_failure(e):
             raise
     first = re.sub(r"^\[[^\]]*\] ", "", first)  # gloo's "[.../unbound_buffer.cc:78] " prefix

@@ -39,8 +39,8 @@ class StepTimer:
     trace of that many steps (after PROFILE_AFTER) in <run_dir>/profile/rank<N>.json."""
 
     def __init__(self, device: torch.device, profile_steps: int = 0, run_dir: str = ".") -> None:
-        self.cuda = device.type == "cuda"
-        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self.cuda = device.type == "cuda"  # CUDA events, else perf_counter
+        self.seconds = dict.fromkeys(PHASES, 0.0)  # per phase, since the last report
         self.events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []  # on a GPU
         self.last: float | torch.cuda.Event | None = None  # the previous mark
         self.steps = 0  # since the last report
@@ -49,12 +49,15 @@ class StepTimer:
     def _profiler(self, steps: int, run_dir: str) -> torch.profiler.profile:
         """A profiler over steps PROFILE_AFTER + 1 .. + steps of this run (one step of its
         own warm-up before them), writing a Chrome/Perfetto trace per rank (each its own)."""
+        # One file per rank, each rank its own writer (as with sharded snapshots): the ranks'
+        # traces differ, and comparing them is the point (the slowest rank sets the pace).
         path = os.path.join(run_dir, "profile", f"rank{dist.get_rank()}.json")
 
         def write(profiler: torch.profiler.profile) -> None:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             profiler.export_chrome_trace(path)
 
+        # CPU ops always; kernels and copies too on a GPU (CUPTI).
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.cuda:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -62,7 +65,7 @@ class StepTimer:
             activities=activities, on_trace_ready=write,
             schedule=torch.profiler.schedule(wait=PROFILE_AFTER, warmup=1, active=steps,
                                              repeat=1))
-        profiler.start()
+        profiler.start()  # records nothing until the schedule's warm-up step
         return profiler
 
     def _now(self) -> float | torch.cuda.Event:
@@ -90,7 +93,7 @@ class StepTimer:
     def end_step(self) -> None:
         """The optimizer's part ends the step; the profiler moves on by one step."""
         self.mark("optimizer")
-        self.last = None
+        self.last = None  # until start(): evaluation and snapshots belong to no phase
         self.steps += 1
         if self.profiler is not None:
             self.profiler.step()
@@ -104,6 +107,7 @@ class StepTimer:
                 self.seconds[phase] += begin.elapsed_time(end) / 1000  # elapsed_time: ms
             self.events.clear()
         steps, self.steps = self.steps, 0
+        # Per step: intervals of different lengths (a resume, the last one) compare.
         report = {p: 1000 * s / steps for p, s in self.seconds.items()} if steps else {}
         self.seconds = dict.fromkeys(PHASES, 0.0)
         return report
@@ -136,6 +140,8 @@ def memory_history(enabled: bool, run_dir: str, device: torch.device) -> Iterato
     if not enabled or device.type != "cuda":
         yield
         return
+    # Private API (torch.cuda.memory's underscore functions) as torch's own memory docs use
+    # it: the only way to record allocation stacks; the visualizer reads its format.
     torch.cuda.memory._record_memory_history(max_entries=MEMORY_EVENTS)
     path = memory_snapshot_path(run_dir, dist.get_rank())
     try:
