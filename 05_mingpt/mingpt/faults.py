@@ -22,14 +22,14 @@ def _hang_target(variable: str, step: int) -> bool:
 def inject_fault(step: int, during_save: bool = False) -> None:
     """A worker SIGKILLs itself, or stalls, on torchrun's first attempt only.
 
-    FAULT_STALL_AT_STEP=N: the last rank stops before step N and never goes on, as a rank stuck
-    in I/O or a deadlock does; the others wait in step N's first collective until
-    trainer_config.collective_timeout_s, then every rank dumps its Flight Recorder trace.
-
     FAULT_AT_STEP=N: the last rank, before step N. FAULT_AT_SAVE=N: global rank 0 while saving
     the snapshot of step N, after writing it and before the commit that makes it the snapshot.
     TORCHELASTIC_RESTART_COUNT is 0 only on the first attempt, so the restarted workers resume
     from the snapshot and get past step N.
+
+    FAULT_STALL_AT_STEP=N: the last rank stops before step N and never goes on, as a rank stuck
+    in I/O or a deadlock does; the others wait in step N's first collective until
+    trainer_config.collective_timeout_s, then every rank dumps its Flight Recorder trace.
     """
     # The save fault hits rank 0 because rank 0 commits; the step fault hits the last rank, a
     # rank that prints nothing (on several nodes: not rank 0's node), to show that losing any

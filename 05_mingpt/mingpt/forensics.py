@@ -4,7 +4,7 @@
     dist.init_process_group(..., timeout=timedelta(seconds=collective_timeout_s))
     forensics.arm(run_dir)                       # the run directory exists: dump on SIGTERM
     forensics.mark_step(step)                    # each step: which step a collective belongs to
-    error = forensics.watch(train, run_dir, cfg, device)   # a failed collective: dump, one line
+    error = forensics.watch(train, run_dir, cfg, device)   # a failed collective: dump, exit 2
 
 A collective that one rank never reaches leaves the others waiting: with the timeout they stop,
 and each rank writes what its Flight Recorder saw (every collective it issued: sequence number,
@@ -80,9 +80,11 @@ def arm(run_dir: str) -> None:
     if enabled():
         os.makedirs(os.path.join(run_dir, DIR), exist_ok=True)
     _armed["run_dir"] = run_dir
-    # Not under `python main.py` (no torchrun to stop the rank) and never over a handler the
-    # program set itself.
-    if "TORCHELASTIC_RUN_ID" in os.environ and \
+    # Not under `python main.py` (no torchrun to stop the rank), never over a handler the
+    # program set itself, and gloo only: a Python handler runs only between bytecodes, so a
+    # rank blocked in an NCCL wait would outlive torchrun's SIGTERM by its grace period (30 s),
+    # where SIGTERM's default ends it at once; NCCL's ranks dump through torch's watchdog.
+    if "TORCHELASTIC_RUN_ID" in os.environ and dist.get_backend() == "gloo" and \
             signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _on_sigterm)
 
@@ -164,12 +166,15 @@ def watch(function: Callable[..., T], run_dir: str, *args) -> T:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         folder = dump(run_dir, first, traceback.format_exception(e))
         if not is_collective_failure(e):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             raise
     first = re.sub(r"^\[[^\]]*\] ", "", first)  # gloo's "[.../unbound_buffer.cc:78] " prefix
     # DETAIL's fingerprints spell out every TensorOptions field: the shapes are what differ.
     first = re.sub(r", TensorDeviceTypes=TensorOptions\(.*?\(nullopt\)\)", "", first)
     print(f"error: rank {dist.get_rank()}: a collective failed ({first}); every rank's trace "
           f"is in {folder}: python analyze_hang.py {folder}", file=sys.stderr, flush=True)
+    # Said and written: from here on torchrun's SIGTERM may end the teardown, as before.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     # SystemExit, as errors.fail: main.py's `finally` still leaves the process group.
     raise SystemExit(2)
 
