@@ -1,9 +1,10 @@
 """A hang ends in bounded time, and every rank's trace says who did not reach which collective.
 
 Two gloo processes under torchrun: a rank that stalls before step 3 (FAULT_STALL_AT_STEP), a
-rank that leaves out step 3's all-reduce and goes on (tests/hang_worker.py), and shapes that
-differ across ranks (TORCH_DISTRIBUTED_DEBUG=DETAIL). Also the step-time breakdown and the
-profile (trainer_config.profile_steps), and the config of both.
+rank that leaves out step 3's all-reduce and goes on (tests/hang_worker.py; in the trainer,
+FAULT_SKIP_AT_STEP), and shapes that differ across ranks (TORCH_DISTRIBUTED_DEBUG=DETAIL).
+Also the step-time breakdown and the profile (trainer_config.profile_steps), and the config of
+both.
 
 The waits are bounded by the collective timeout, not by sleeps: each test measures from the
 moment the hang began (the stalled rank's last step mark, in its own dump) to the job's exit,
@@ -182,3 +183,25 @@ def test_memory_snapshot_files_are_per_rank(tmp_path, mingpt_modules):
     """The snapshot's file name (the GPU test checks its content): one per rank, in the run."""
     path = mingpt_modules["main"].profiling.memory_snapshot_path(str(tmp_path), 3)
     assert path == str(tmp_path / "memory" / "rank3.pickle")
+
+
+def test_a_skipped_gradient_all_reduce_in_the_trainer_aborts_one_rank_and_the_other_dumps(
+        mingpt):
+    """FAULT_SKIP_AT_STEP=3: the last rank's later all-reduces pair with the others' earlier
+    ones until the log step's first collective, whose size differs; gloo then aborts the rank
+    that receives the wrong size (SIGABRT: no dump of its own) and the other one's collective
+    fails with the connection: its dump and line are there, and the analysis says which rank
+    left none (DEBUGGING.md: rerun with DETAIL, or read NCCL's dumps, to see both)."""
+    proc, _, run_dir = launch(mingpt, "skip", FAULT_SKIP_AT_STEP="3")
+    assert proc.returncode != 0
+    assert "[rank 1] FAULT_SKIP_AT_STEP=3: this rank skips the gradient all-reduce" in proc.stdout
+    assert "terminate called after throwing an instance of 'gloo::EnforceNotMet'" in proc.stderr
+    folder = run_dir / "flight_recorder"
+    dumps = sorted(p.name for p in folder.iterdir() if p.name.startswith("rank"))
+    assert len(dumps) == 1, proc.stderr[-3000:]
+    alive, dead = int(dumps[0][-1]), 1 - int(dumps[0][-1])
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: rank {alive}: a collective failed")
+    out = analyze(folder)
+    assert f"1 Flight Recorder dumps of 2 ranks in {folder}; none from rank(s) [{dead}] " \
+           "(killed before they could write)" in out
