@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from mingpt import config, distributed, errors, snapshot, storage
+from mingpt import config, distributed, errors, forensics, profiling, snapshot, storage
 from mingpt.data import data_module
 from mingpt.errors import fail
 from mingpt.metrics import print0, print_versions
@@ -102,6 +102,7 @@ def train(cfg: DictConfig, device: torch.device) -> str | None:
         model, optimizer, train_set, val_set, data, snapshot_meta, flops = \
             load_train_objs(cfg, device)
         config.save(cfg)  # only now: a run refused for its data or model leaves no folder
+        forensics.arm(cfg.run_dir)  # the run folder exists: a stopped rank dumps its trace
         trainer = Trainer(cfg.trainer_config, model, optimizer, train_set, val_set, device,
                           cfg.run_dir, snapshot_meta, flops)
         # Every rank reads the snapshot, if there is one (only rank 0 ever writes files).
@@ -113,7 +114,8 @@ def train(cfg: DictConfig, device: torch.device) -> str | None:
     except ValueError as e:  # bad data, model config, or an unusable snapshot
         return str(e)  # the text only: the exception's traceback would keep this frame alive
     try:
-        val_loss = trainer.train()
+        with profiling.memory_history(t.memory_snapshot, cfg.run_dir, device):
+            val_loss = trainer.train()
     # A nan loss stops before a snapshot keeps it; a save fails (a full disk, say) in one line.
     except (NonFiniteLoss, snapshot.SaveError) as e:
         return str(e)
@@ -131,7 +133,9 @@ def train(cfg: DictConfig, device: torch.device) -> str | None:
 
 def run(cfg: DictConfig) -> None:
     try:
-        device = distributed.setup(cfg.trainer_config.device, cfg.trainer_config.cpu_offload)
+        t = cfg.trainer_config
+        device = distributed.setup(t.device, t.cpu_offload, t.collective_timeout_s, cfg.run_dir,
+                                   t.flight_recorder_entries)
     except ValueError as e:
         fail(e)
     except (dist.DistNetworkError, dist.DistStoreError) as e:  # no traceback for a busy port
@@ -142,7 +146,8 @@ def run(cfg: DictConfig) -> None:
         except ValueError as e:
             error = str(e)
         else:
-            error = train(cfg, device)
+            # A collective that fails (times out) is one line naming every rank's trace.
+            error = forensics.watch(train, cfg.run_dir, cfg, device)
     finally:
         distributed.release()
     if error is not None:

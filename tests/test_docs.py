@@ -27,7 +27,8 @@ FORKED_HELPERS = {
                                     "CUDA RNG of this rank's GPU); layouts per strategy, "
                                     "keep_last, storage errors as one line",
     "05_mingpt/mingpt/faults.py": "counts optimizer steps rather than epochs, and can also "
-                                  "crash in the middle of a snapshot save (FAULT_AT_SAVE)",
+                                  "crash in the middle of a snapshot save (FAULT_AT_SAVE) "
+                                  "and make one rank stall or skip a collective",
 }
 # Changed lines (added + removed, blank lines not counted) of train.py against the previous
 # step: CONTRIBUTING.md allows about 60 per step, and step 03, whose README splits its diff into two

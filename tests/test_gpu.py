@@ -301,3 +301,47 @@ def test_mingpt_context_parallel_on_gpus_equals_full_attention_and_trains(tmp_pa
     assert "backend nccl" in proc.stdout and "resumed from" in proc.stdout
     start, end = val_losses(first.stdout), val_losses(proc.stdout)
     assert end[10] < start[5] < start[0], (start, end)
+
+
+def test_mingpt_memory_snapshot_profile_and_breakdown_on_the_gpu(tmp_path):
+    """memory_snapshot writes every rank's CUDA allocation history (PyTorch's memory visualizer
+    reads it), profile_steps a trace with CUDA kernels, and the log line a breakdown read from
+    CUDA events (tests/test_mingpt_hang.py checks the same on a CPU)."""
+    import json
+    import pickle
+
+    mingpt = copy_mingpt(tmp_path)
+    proc = run([TORCHRUN, "--standalone", f"--nproc_per_node={GPUS}", "main.py",
+                *tiny("run_name=gpu_debug", "trainer_config.memory_snapshot=true",
+                      "trainer_config.profile_steps=2", "trainer_config.sample_tokens=0")],
+               cwd=mingpt, CUDA_VISIBLE_DEVICES=VISIBLE)
+    lines = re.findall(r"^step \d+/10 \| .* \| step ([0-9.]+) ms: data \d+% forward \d+% "
+                       r"backward \d+% optimizer \d+%$", proc.stdout, re.M)
+    assert len(lines) == 2 and all(float(ms) > 0 for ms in lines), proc.stdout[-2000:]
+    run_dir = mingpt / "runs/gpu_debug"
+    for rank in range(GPUS):
+        with open(run_dir / f"memory/rank{rank}.pickle", "rb") as f:
+            snapshot = pickle.load(f)  # torch's own format, from this test's own run
+        events = [e for trace in snapshot["device_traces"] for e in trace]
+        assert snapshot["segments"] and any(e["action"] == "alloc" for e in events)
+        # The allocations' stacks reach the series' code (the model's forward, say).
+        assert any("mingpt" in frame["filename"] for e in events for frame in e["frames"])
+        trace = json.loads((run_dir / f"profile/rank{rank}.json").read_text())
+        assert any(e.get("cat") == "kernel" for e in trace["traceEvents"])
+
+
+def test_mingpt_out_of_memory_writes_the_memory_snapshot(tmp_path):
+    """An out-of-memory error inside memory_history leaves the snapshot, then goes on as before."""
+    import torch.distributed as dist
+
+    with mingpt_imported("main") as m:
+        device = torch.device("cuda", 0)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            with pytest.raises(torch.OutOfMemoryError):
+                with m["main"].profiling.memory_history(True, str(tmp_path), device):
+                    kept = torch.ones(2**20, device=device)  # noqa: F841  (in the snapshot)
+                    torch.empty(2**50, device=device)  # 1 PiB: more than any GPU has
+        finally:
+            dist.destroy_process_group()
+    assert (tmp_path / "memory/rank0.pickle").stat().st_size > 0

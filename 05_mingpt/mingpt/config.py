@@ -69,6 +69,11 @@ class TrainerConfig:
     data_loader_workers: int = MISSING
     sample_tokens: int = MISSING
     device: str = MISSING
+    # Hangs and profiles (DEBUGGING.md)
+    collective_timeout_s: float = MISSING
+    flight_recorder_entries: int = MISSING
+    profile_steps: int = MISSING
+    memory_snapshot: bool = MISSING
 
 
 @dataclass
@@ -175,6 +180,7 @@ def validate(cfg: DictConfig) -> None:
     require(not t.cpu_offload or t.distributed_method in offloading, "trainer_config.cpu_offload",
             f"False unless distributed_method={' or '.join(offloading)} (it offloads FSDP "
             "shards)", t.cpu_offload)
+    _check_debugging(t)
     require(t.grad_clip >= 0, "trainer_config.grad_clip", ">= 0 (0 turns clipping off)",
            t.grad_clip)
     require(0 <= t.min_lr_ratio <= 1, "trainer_config.min_lr_ratio", "between 0 and 1",
@@ -210,6 +216,18 @@ def validate(cfg: DictConfig) -> None:
         check_tp(sizes.n_head, sizes.n_embd, t.tp_size)
     # Sequences split over cp_size ranks: the method, block_size, dropout (context.py).
     context.check_config(t, sizes.block_size, sizes.dropout, CP_METHODS)
+
+
+def _check_debugging(t: DictConfig) -> None:
+    """The keys of hangs and profiles (DEBUGGING.md)."""
+    require(t.collective_timeout_s > 0, "trainer_config.collective_timeout_s",
+            "> 0 (seconds a collective may wait for the other ranks)", t.collective_timeout_s)
+    for key in ("flight_recorder_entries", "profile_steps"):
+        require(t[key] >= 0, f"trainer_config.{key}", "an integer >= 0 (0: off)", t[key])
+    # torch.cuda.memory records the CUDA caching allocator: a CPU run has nothing to record.
+    require(not t.memory_snapshot or (t.device != "cpu" and torch.cuda.is_available()),
+            "trainer_config.memory_snapshot", "False without a CUDA GPU (it records CUDA "
+            "allocations; on a CPU, profile_steps shows where time goes)", t.memory_snapshot)
 
 
 def load(overrides: list[str]) -> DictConfig:

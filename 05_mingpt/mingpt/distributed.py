@@ -7,16 +7,26 @@
 import gc
 import os
 import re
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from mingpt import forensics
 from mingpt.devices import backend_for, pick_device
 
 
-def setup(requested: str, cpu_offload: bool = False) -> torch.device:
-    """Join the process group: torchrun's when launched by it, else a group of one."""
+def setup(requested: str, cpu_offload: bool = False, collective_timeout_s: float | None = None,
+          run_dir: str | None = None, flight_recorder_entries: int = 0) -> torch.device:
+    """Join the process group: torchrun's when launched by it, else a group of one.
+
+    A collective that waits longer than `collective_timeout_s` (None: torch's default, 30 min
+    for gloo, 10 for NCCL) raises instead of hanging; with `flight_recorder_entries`, torch's
+    Flight Recorder keeps that many collectives per rank for the dumps under `run_dir`."""
+    if run_dir is not None:
+        forensics.configure(run_dir, flight_recorder_entries)  # read as the group is created
+    timeout = timedelta(seconds=collective_timeout_s) if collective_timeout_s else None
     device = pick_device(int(os.environ.get("LOCAL_RANK", 0)), requested)
     if device.type == "cuda":
         # Before init_process_group: NCCL binds each process to the current GPU.
@@ -24,11 +34,12 @@ def setup(requested: str, cpu_offload: bool = False) -> torch.device:
     # CPU offload keeps FSDP's gradients in CPU memory: they need gloo beside NCCL.
     backend = backend_for(device, cpu_tensors_too=cpu_offload)
     if "RANK" in os.environ:  # torchrun set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=timeout)
     else:
         # `python main.py`: a one-process group (an in-memory store, no port), so DDP and
         # FSDP run exactly the code they run under torchrun.
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
     return device
 
 

@@ -1,25 +1,46 @@
-"""Fault injection, to watch torchrun restart a crashed job (a demo and test tool, not for real
-runs). Steps 03 and 04 count epochs; this version counts optimizer steps and can also crash
-in the middle of a snapshot save."""
+"""Fault injection, to watch torchrun restart a crashed job and to watch a hang end (a demo and
+test tool, not for real runs). Steps 03 and 04 count epochs; this version counts optimizer steps,
+can also crash in the middle of a snapshot save, and can make one rank stall or skip a
+collective (DEBUGGING.md shows what the Flight Recorder then says)."""
 import os
 import signal
+import time
+from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def _hang_target(variable: str, step: int) -> bool:
+    """FAULT_STALL_AT_STEP / FAULT_SKIP_AT_STEP: the last rank, at that step, first attempt."""
+    return (os.environ.get(variable) == str(step) and dist.get_rank() == dist.get_world_size() - 1
+            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0")
 
 
 def inject_fault(step: int, during_save: bool = False) -> None:
-    """A worker SIGKILLs itself, on torchrun's first attempt only.
+    """A worker SIGKILLs itself, or stalls, on torchrun's first attempt only.
 
     FAULT_AT_STEP=N: the last rank, before step N. FAULT_AT_SAVE=N: global rank 0 while saving
     the snapshot of step N, after writing it and before the commit that makes it the snapshot.
     TORCHELASTIC_RESTART_COUNT is 0 only on the first attempt, so the restarted workers resume
     from the snapshot and get past step N.
+
+    FAULT_STALL_AT_STEP=N: the last rank stops before step N and never goes on, as a rank stuck
+    in I/O or a deadlock does; the others wait in step N's first collective until
+    trainer_config.collective_timeout_s, then every rank dumps its Flight Recorder trace.
     """
     # The save fault hits rank 0 because rank 0 commits; the step fault hits the last rank, a
     # rank that prints nothing (on several nodes: not rank 0's node), to show that losing any
     # one worker stops the whole group.
     variable, rank = ("FAULT_AT_SAVE", 0) if during_save else ("FAULT_AT_STEP",
                                                               dist.get_world_size() - 1)
+    if not during_save and _hang_target("FAULT_STALL_AT_STEP", step):
+        print(f"[rank {dist.get_rank()}] FAULT_STALL_AT_STEP={step}: this rank stops here",
+              flush=True)
+        while True:  # sleep, not a busy loop: a stalled rank costs the machine nothing
+            time.sleep(1)
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     if first_attempt and dist.get_rank() == rank and os.environ.get(variable) == str(step):
         # flush: SIGKILL gives Python no chance to empty its buffers, the line would be lost.
@@ -29,3 +50,30 @@ def inject_fault(step: int, during_save: bool = False) -> None:
         # next collective until torchrun's agent sees the dead worker, stops them all and, with
         # --max-restarts, starts a new attempt.
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def skip_gradient_sync(model: torch.nn.Module, current_step: Callable[[], int]) -> None:
+    """FAULT_SKIP_AT_STEP=N: the last rank leaves out the gradient all-reduce of step N and goes
+    on, as code that calls a collective on some ranks only does (`if rank != 0: all_reduce`).
+
+    Its later all-reduces then pair with the other ranks' previous ones: silently while their
+    shapes agree, until one does not (DEBUGGING.md: what gloo and the analysis make of it).
+    DDP's gradient all-reduce runs in its reducer, so the skip is a DDP communication hook
+    (torch's own allreduce_hook on every other step: the gradients DDP computes without one)."""
+    if "FAULT_SKIP_AT_STEP" not in os.environ:
+        return
+    if not isinstance(model, DDP):
+        raise ValueError("FAULT_SKIP_AT_STEP skips DDP's gradient all-reduce: it needs "
+                         "trainer_config.distributed_method=ddp and more than one process")
+
+    def hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        if _hang_target("FAULT_SKIP_AT_STEP", current_step()):
+            if bucket.is_last():  # once per step, not per bucket
+                print(f"[rank {dist.get_rank()}] FAULT_SKIP_AT_STEP={current_step()}: this "
+                      "rank skips the gradient all-reduce", flush=True)
+            skipped: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+            skipped.set_result(bucket.buffer())  # this rank's own gradients, unaveraged
+            return skipped
+        return allreduce_hook(None, bucket)  # None: DDP's process group
+
+    model.register_comm_hook(None, hook)

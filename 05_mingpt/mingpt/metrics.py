@@ -22,6 +22,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
+from mingpt.profiling import StepTimer, breakdown
+
 # Dense peak FLOP/s per GPU and precision, from the vendors' datasheets: bf16/fp16 on tensor
 # cores (fp32 accumulation), fp32 without TF32 (torch's default for fp32 matmuls). The pattern
 # must match the whole of torch.cuda.get_device_name(): "NVIDIA L40" is not an L4 and
@@ -169,13 +171,17 @@ class TrainLog:
 
         log = TrainLog(device, devices, run_dir, flops_per_token, precision, dp_size)
         log.add(loss, tokens)              # every micro-step: on the device, no host sync
+        log.timer.mark("forward")          # where the step's time goes (profiling.StepTimer)
         log.train_line(step, max_steps, lr)     # every log_every steps (one all-reduce)
         with log.paused("evaluation"): ...      # not counted in tokens/s
     """
 
     def __init__(self, device: torch.device, devices: list[torch.device], run_dir: str,
-                 flops_per_token: float, precision: str, dp_size: int) -> None:
+                 flops_per_token: float, precision: str, dp_size: int,
+                 profile_steps: int = 0) -> None:
         self.device, self.devices, self.dp_size = device, devices, dp_size
+        # Time per phase of a step (this rank's), and a profile of profile_steps steps.
+        self.timer = StepTimer(device, profile_steps, run_dir)
         self.flops_per_token, self.precision = flops_per_token, precision
         self.world_size = dist.get_world_size()
         # The train loss is summed on the device and synced once per log interval.
@@ -236,7 +242,9 @@ class TrainLog:
             utilisation = mfu(self.flops_per_token, tokens_per_s, peak,
                               self.world_size * len(self.devices))
             line += f" | MFU {100 * utilisation:.1f}%"
-        print0(line + f" | peak memory {max(memory):,.0f} MB")
+        phases = self.timer.report()  # rank 0's own; on a GPU, waits for its events
+        print0(" | ".join(filter(None, [line, f"peak memory {max(memory):,.0f} MB",
+                                        breakdown(phases)])))
         if self.writer:
             self.writer.add_scalar("train/loss", loss, step)
             self.writer.add_scalar("train/lr", lr, step)
@@ -245,6 +253,8 @@ class TrainLog:
                 self.writer.add_scalar("perf/mfu", utilisation, step)
             for r, mb in enumerate(memory):
                 self.writer.add_scalar(f"memory/peak_mb_rank{r}", mb, step)
+            for phase, ms in phases.items():
+                self.writer.add_scalar(f"time/{phase}_ms", ms, step)
         self.loss_sum.zero_()
         self.loss_count, self.tokens = 0, 0
         self.t_log = time.perf_counter()
@@ -257,6 +267,7 @@ class TrainLog:
 
     def summary(self, total: float, step: int) -> None:
         """The time in training and its pauses; every rank's memory, one column each (MB)."""
+        self.timer.close()
         print0(f"{total:.1f} s in training: " + ", ".join(
             f"{name} {seconds:.1f} s ({100 * seconds / total:.1f}%)"
             for name, seconds in self.paused_s.items()))

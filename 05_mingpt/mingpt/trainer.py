@@ -17,8 +17,8 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
-from mingpt import snapshot
-from mingpt.faults import inject_fault
+from mingpt import forensics, snapshot
+from mingpt.faults import inject_fault, skip_gradient_sync
 from mingpt.metrics import TrainLog, print0
 from mingpt.optim import SCHEDULE_KEYS, build_scheduler, resume_scheduler
 from mingpt.parallel.common import clip_grad_norm_, data_parallel, local_devices, set_grad_sync
@@ -59,7 +59,8 @@ class Trainer:
         self.snapshot_meta = snapshot_meta
         # Loss, tokens/s, MFU, memory and TensorBoard: metrics.TrainLog's (rank 0 writes).
         self.log = TrainLog(device, local_devices(model, device), run_dir, flops_per_token,
-                            cfg.precision, self.dp_size)
+                            cfg.precision, self.dp_size, cfg.profile_steps)
+        skip_gradient_sync(model, lambda: self.step)  # FAULT_SKIP_AT_STEP only (faults.py)
         self.scheduler = build_scheduler(optimizer, cfg)
         self.scaler = grad_scaler(device, cfg.precision)
         # An epoch must fill at least one optimizer step, or training would loop forever.
@@ -159,7 +160,9 @@ class Trainer:
                 with autocast(self.device, self.cfg.precision):
                     _, loss = self.model(x, y)
                     loss = loss.mean()  # nn.DataParallel returns one loss per GPU
+                self.log.timer.mark("forward")
                 self.scaler.scale(loss / n).backward()  # mean over the micro-steps
+                self.log.timer.mark("backward")
             self.log.add(loss, x.numel())
             if self.cfg.precision != "fp16":  # fp16: GradScaler skips such a step by design
                 bad = ~torch.isfinite(loss.detach()) & (self.first_bad_step == 0)
@@ -173,6 +176,7 @@ class Trainer:
         self.log.count_state(self.model, self.optimizer)  # before zero_grad frees gradients
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        self.log.timer.end_step()  # the optimizer's part ends the step's breakdown
 
     def _run_epoch(self) -> None:
         """Optimizer steps over the rest of the current epoch, or until max_steps."""
@@ -187,10 +191,13 @@ class Trainer:
             generator=torch.Generator().manual_seed(cfg.seed + self.epoch * 1000 + self.dp_rank))
         batches = iter(loader)
         while self.step < cfg.max_steps:
+            forensics.mark_step(self.step)  # which step a collective belongs to, for a dump
+            self.log.timer.start()  # waiting for data is the step's first phase
             micro_batches = list(islice(batches, cfg.grad_accum_steps))
             if len(micro_batches) < cfg.grad_accum_steps:  # epoch used up
                 self.epoch, self.samples_in_epoch = self.epoch + 1, 0
                 return
+            self.log.timer.mark("data")
             inject_fault(self.step)
             self._run_batch(micro_batches)
             self.step += 1

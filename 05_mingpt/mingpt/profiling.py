@@ -1,0 +1,160 @@
+"""Where a step's time goes: a breakdown in every log line, a torch.profiler trace per rank, and
+CUDA memory snapshots.
+
+    timer = StepTimer(device, profile_steps, run_dir)
+    timer.start()                  # a step begins: next, it waits for its data
+    timer.mark("data")             # ... the batch is here
+    timer.mark("forward"); timer.mark("backward")     # once per micro-step each
+    timer.end_step()               # the optimizer's part; advances the profiler
+    timer.report()                 # {"data": ms per step, ...}: at log steps only (a host sync)
+
+    with memory_history(enabled, run_dir, device): trainer.train()   # snapshots, also on OOM
+
+On a CPU each mark reads perf_counter. On a GPU it records a CUDA event in the current stream:
+no host sync; report() waits for the last one and reads the times between them, which are GPU
+times (a phase the GPU spends waiting for the host, data loading say, shows as the gap it
+left). The phases add up to the step's time. Gradient communication is not a phase of its own:
+DDP and FSDP overlap it with backward, so backward holds the part that did not overlap; the
+profile (profile_steps) shows the all-reduces themselves.
+"""
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+PHASES = ("data", "forward", "backward", "optimizer")
+# Steps left out before a profile starts: the first steps build DDP's buckets (after step 1),
+# compile, autotune and fill the caching allocator; a profile of them shows start-up, not a step.
+PROFILE_AFTER = 5
+# Allocations and frees that a CUDA memory snapshot keeps (the newest): torch's own example uses
+# 100,000, a few MB of host memory.
+MEMORY_EVENTS = 100_000
+
+
+class StepTimer:
+    """Time per phase of a step since the last report; with `profile_steps`, a torch.profiler
+    trace of that many steps (after PROFILE_AFTER) in <run_dir>/profile/rank<N>.json."""
+
+    def __init__(self, device: torch.device, profile_steps: int = 0, run_dir: str = ".") -> None:
+        self.cuda = device.type == "cuda"  # CUDA events, else perf_counter
+        self.seconds = dict.fromkeys(PHASES, 0.0)  # per phase, since the last report
+        self.events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []  # on a GPU
+        self.last: float | torch.cuda.Event | None = None  # the previous mark
+        self.steps = 0  # since the last report
+        self.profiler = self._profiler(profile_steps, run_dir) if profile_steps else None
+
+    def _profiler(self, steps: int, run_dir: str) -> torch.profiler.profile:
+        """A profiler over steps PROFILE_AFTER + 1 .. + steps of this run (one step of its
+        own warm-up before them), writing a Chrome/Perfetto trace per rank (each its own)."""
+        # One file per rank, each rank its own writer (as with sharded snapshots): the ranks'
+        # traces differ, and comparing them is the point (the slowest rank sets the pace).
+        path = os.path.join(run_dir, "profile", f"rank{dist.get_rank()}.json")
+
+        def write(profiler: torch.profiler.profile) -> None:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            profiler.export_chrome_trace(path)
+
+        # CPU ops always; kernels and copies too on a GPU (CUPTI).
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.cuda:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        profiler = torch.profiler.profile(
+            activities=activities, on_trace_ready=write,
+            schedule=torch.profiler.schedule(wait=PROFILE_AFTER, warmup=1, active=steps,
+                                             repeat=1))
+        profiler.start()  # records nothing until the schedule's warm-up step
+        return profiler
+
+    def _now(self) -> float | torch.cuda.Event:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()  # queued behind the work issued so far: no host sync
+            return event
+        return time.perf_counter()
+
+    def start(self) -> None:
+        """A step begins (before its data is fetched); time before it (evaluation, snapshots,
+        logging) belongs to no phase."""
+        self.last = self._now()
+
+    def mark(self, phase: str) -> None:
+        """The time since the previous mark was spent in `phase`."""
+        now = self._now()
+        if self.last is not None:
+            if self.cuda:
+                self.events.append((phase, self.last, now))
+            else:
+                self.seconds[phase] += now - self.last
+        self.last = now
+
+    def end_step(self) -> None:
+        """The optimizer's part ends the step; the profiler moves on by one step."""
+        self.mark("optimizer")
+        self.last = None  # until start(): evaluation and snapshots belong to no phase
+        self.steps += 1
+        if self.profiler is not None:
+            self.profiler.step()
+
+    def report(self) -> dict[str, float]:
+        """Milliseconds per step in each phase since the last report (empty if no step ran).
+        On a GPU this waits for the last step's events: call it where the host syncs anyway."""
+        if self.events:
+            self.events[-1][2].synchronize()
+            for phase, begin, end in self.events:
+                self.seconds[phase] += begin.elapsed_time(end) / 1000  # elapsed_time: ms
+            self.events.clear()
+        steps, self.steps = self.steps, 0
+        # Per step: intervals of different lengths (a resume, the last one) compare.
+        report = {p: 1000 * s / steps for p, s in self.seconds.items()} if steps else {}
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        return report
+
+    def close(self) -> None:
+        """Stop the profiler (it has written its trace if its steps ran)."""
+        if self.profiler is not None:
+            self.profiler.stop()
+            self.profiler = None
+
+
+def breakdown(report: dict[str, float]) -> str:
+    """"step 41.2 ms: data 1% forward 30% backward 55% optimizer 14%", for a log line."""
+    total = sum(report.values())
+    if not total:
+        return ""
+    shares = " ".join(f"{p} {100 * ms / total:.0f}%" for p, ms in report.items())
+    return f"step {total:.1f} ms: {shares}"
+
+
+def memory_snapshot_path(run_dir: str, rank: int) -> str:
+    """Where rank `rank`'s CUDA memory snapshot goes: drag it onto pytorch.org/memory_viz."""
+    return os.path.join(run_dir, "memory", f"rank{rank}.pickle")
+
+
+@contextlib.contextmanager
+def memory_history(enabled: bool, run_dir: str, device: torch.device) -> Iterator[None]:
+    """With `enabled` (a CUDA device): record every allocation's stack while the block runs,
+    then write a snapshot per rank: at the end, or as an out-of-memory error leaves it."""
+    if not enabled or device.type != "cuda":
+        yield
+        return
+    # Private API (torch.cuda.memory's underscore functions) as torch's own memory docs use
+    # it: the only way to record allocation stacks; the visualizer reads its format.
+    torch.cuda.memory._record_memory_history(max_entries=MEMORY_EVENTS)
+    path = memory_snapshot_path(run_dir, dist.get_rank())
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        _dump_memory(path)  # the allocations that filled the GPU, then the error as before
+        raise
+    else:
+        _dump_memory(path)
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)  # stop recording
+
+
+def _dump_memory(path: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    torch.cuda.memory._dump_snapshot(path)
