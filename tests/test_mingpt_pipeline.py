@@ -243,6 +243,9 @@ def test_sizes_that_do_not_fit_are_one_line(spawned):
     (["trainer_config.distributed_method=pp", "trainer_config.pp_schedule=zbv"],
      "trainer_config.pp_schedule must be one of gpipe, 1f1b, interleaved_1f1b, looped_bfs, "
      "interleaved_zb, got 'zbv'"),
+    (["trainer_config.distributed_method=fsdp_tp_pp"],
+     "trainer_config.tp_size must be >= 1 with fsdp_tp_pp (processes per TP group inside each "
+     "stage), got 0"),
     (["trainer_config.distributed_method=pp", "trainer_config.precision=fp16"],
      "trainer_config.precision must be fp32 or bf16 with pipeline parallelism (fp16's loss "
      "scaling would have to run inside the schedule), got 'fp16'"),

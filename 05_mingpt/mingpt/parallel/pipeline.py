@@ -342,6 +342,8 @@ def check_config(t: DictConfig) -> None:
             f"one of {', '.join(SCHEDULES)}", t.pp_schedule)
     require(t.pp_size >= 0, "trainer_config.pp_size", "an integer >= 0 (0: every rank)",
             t.pp_size)
+    require(t.distributed_method != "fsdp_tp_pp" or t.tp_size >= 1, "trainer_config.tp_size",
+            ">= 1 with fsdp_tp_pp (processes per TP group inside each stage)", t.tp_size)
     require(t.microbatches >= 1 and t.batch_size % t.microbatches == 0,
             "trainer_config.microbatches", f"a divisor of batch_size ({t.batch_size}): each "
             "micro-step's batch is cut into that many micro-batches", t.microbatches)
