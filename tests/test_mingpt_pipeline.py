@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 import pipeline_mesh_worker
 from conftest import REPO
-from mingpt_helpers import log_units, mingpt_imported, tiny, train_losses
+from mingpt_helpers import U, log_units, mingpt_imported, tiny, train_losses
 from test_mingpt_strategies import configure, fit, run
 
 CPU = torch.device("cpu")
@@ -61,6 +61,28 @@ def part_weights(m: dict, model: torch.nn.Module) -> dict:
             for k, v in m["common"].unwrap(model).state_dict().items()}
 
 
+NORM_CONFIG = dict(model_type=None, n_layer=4, n_head=2, n_embd=16, vocab_size=11,
+                   block_size=8, dropout=0.0)
+
+
+def norm_batch() -> torch.Tensor:
+    return torch.randint(0, 11, (8, 8), generator=torch.Generator().manual_seed(3))
+
+
+def clip_norm(m: dict) -> float:
+    """The gradient norm clip_grad_norm_ takes over both stages after one round (a max_norm
+    it does not reach: nothing is scaled)."""
+    torch.manual_seed(0)
+    model = m["parallel"].parallelize(m["model"].GPT(m["model"].GPTConfig(**NORM_CONFIG)), CPU,
+                                      "pp", microbatches=4)
+    pipeline, x = model.pipeline, norm_batch()
+    pipeline.start_step(1)
+    pipeline.train_step(x, x)
+    pipeline.finish_step()
+    return m["common"].clip_grad_norm_(model.parameters(), 1e9, pipeline.group,
+                                       pipeline.not_counted).item()
+
+
 def _worker(rank: int, store: str, out: str, text: str) -> None:
     torch.set_num_threads(1)  # two processes share the cores
     dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,
@@ -94,6 +116,7 @@ def _worker(rank: int, store: str, out: str, text: str) -> None:
         fit(m, overrides(out_dir / "fsdp", text, STEPS, "fsdp", batch=4))
         _, model, _ = run(m, overrides(out_dir / "fsdp", text, STEPS))
         torch.save(part_weights(m, model), out_dir / f"fsdp_into_pp{rank}.pt")
+        result["norm"] = clip_norm(m)
         result["errors"] = {}
         for name, args in {"n_layer": ["gpt_config.n_layer=1"],
                            "pp_size": ["trainer_config.pp_size=1"]}.items():
@@ -197,6 +220,21 @@ def test_checkpointing_bf16_and_clipping(spawned):
     # gradients alone would be scaled and the run diverge from this the other way).
     clipped = train_losses(result["clipped"])
     assert fp32[1] == clipped[1] and clipped[STEPS] > fp32[STEPS], (clipped, fp32)
+
+
+def test_the_clip_norm_covers_every_stage_once(spawned):
+    """The norm over both stages (the tied embedding counted once) is the whole model's: the
+    same squares, summed per rank and then over the ranks instead of all at once. Positive
+    terms: the relative error of n additions is at most n U, n ~ 40 tensors here. Counting
+    the tied weight twice or one stage alone would be off by its share, percents."""
+    with mingpt_imported() as m:
+        torch.manual_seed(0)
+        model = m["model"].GPT(m["model"].GPTConfig(**NORM_CONFIG))
+        for chunk in norm_batch().tensor_split(4):
+            (model(chunk, chunk)[1] / 4).backward()
+        expected = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).item()
+    for result in spawned[2]:
+        assert abs(result["norm"] - expected) <= 64 * U * expected, (result["norm"], expected)
 
 
 def test_snapshots_reshard_between_pp_and_fsdp(spawned):
