@@ -252,9 +252,9 @@ class Trainer:
                             sampler=self.val_sampler,
                             generator=torch.Generator().manual_seed(self.cfg.seed))
         totals = torch.zeros(2, device=self.device)  # loss sum over tokens, token count
+        pipeline = getattr(self.model, "pipeline", None)
         for x, y in loader:  # every rank runs the same number of batches (FSDP needs that)
             x, y = x.to(self.device), y.to(self.device)
-            pipeline = getattr(self.model, "pipeline", None)
             if pipeline is not None:  # pp: the stages' forward; the last stage's sums (0 on
                 # the other ranks, so each pipeline counts once)
                 with autocast(self.device, self.cfg.precision):
