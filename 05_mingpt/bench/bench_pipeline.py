@@ -154,9 +154,11 @@ def plot(rows: list[dict], path: str, ranks: int) -> None:
         line, = ax.plot(ms, [r["idle_share"] for r in mine], "o-", label=f"{schedule} (rank 0)")
         ax.plot(ms, [r["ideal_bubble"] for r in mine], "--", color=line.get_color())
         bx.plot(ms, [r["step_s"] for r in mine], "o-", label=schedule)
-    ax.set(xscale="log", xlabel="micro-batches m", ylabel="idle share of a step",
+    ax.set_xscale("log", base=2)
+    bx.set_xscale("log", base=2)
+    ax.set(xlabel="micro-batches m", ylabel="idle share of a step",
            title=f"bubble, {ranks} stages (dashed: ideal)")
-    bx.set(xscale="log", xlabel="micro-batches m", ylabel="seconds per step (median)",
+    bx.set(xlabel="micro-batches m", ylabel="seconds per step (median)",
            title="time per step")
     ax.legend(fontsize=8)
     bx.legend(fontsize=8)
