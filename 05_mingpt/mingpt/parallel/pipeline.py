@@ -2,8 +2,10 @@
 flowing through them by a schedule of torch.distributed.pipelining; alone (pp), with FSDP over
 the data-parallel ranks (fsdp_pp), or with TP inside each stage as well (fsdp_tp_pp).
 
-    model = apply(model, device, settings)          # parallel.STRATEGIES["pp"]
-    losses = model.pipeline.train_step(x, y)        # one round of micro-batches (trainer.py)
+    model = apply(model, device, settings)   # parallel.STRATEGIES["pp"]: this rank's stages
+    model.pipeline.start_step(rounds)         # then per micro-step (trainer._run_pipeline):
+    model.pipeline.train_step(x, y)           # one round of the schedule, backward included
+    losses = model.pipeline.finish_step()     # tied gradients summed; losses on every rank
 
 The mesh is (pp, dp, tp), pp outermost and tp innermost, as torchtitan orders it: rank
 r = (pp_rank * dp + dp_rank) * tp + tp_rank. So a TP group is tp consecutive ranks, inside a
@@ -26,9 +28,8 @@ both copies take the same AdamW step and stay equal. The clip norm counts it onc
 
 Stages per rank. gpipe and 1f1b: one stage per rank (stage s on pp rank s). The looped
 schedules (interleaved_1f1b, looped_bfs, interleaved_zb): `pp_stages_per_rank` stages each,
-stage s on pp rank s % pp. Blocks are
-split over the stages as evenly as possible (earlier stages get the extra ones), or as
-`pp_split` gives them.
+stage s on pp rank s % pp. Blocks are split over the stages as evenly as possible (earlier
+stages get the extra ones), or as `pp_split` gives them.
 
 Micro-batches and gradient accumulation. A step is still grad_accum_steps x batch_size
 sequences per data-parallel rank, as for every strategy (so runs compare with DDP's). Each of
@@ -39,6 +40,14 @@ micro-batches), so raise microbatches, not grad_accum_steps, to shrink it (bench
 Pipeline bubble). Each micro-batch's mean loss is divided by grad_accum_steps x microbatches
 before its backward: the arithmetic of a one-process run with that many micro-steps of
 batch_size / microbatches sequences (tests/test_mingpt_pipeline.py holds them equal).
+
+The rest of training. Evaluation runs the schedule forward only (`eval`), validation batches
+padded to the training shape. Mixed precision: autocast around the rounds (bf16; fp16's loss
+scaling would have to run inside the schedule, so it is refused), FSDP's policy under
+fsdp_pp. Activation checkpointing and compile wrap each kept block, as elsewhere. The ranks
+of one pipeline see the same data: data_parallel() reads the mesh's dp dimension. Sampling
+needs the whole model: main.py reads the final snapshot into one GPT on rank 0. The mesh
+order is checked rank by rank in tests/test_mingpt_pipeline.py (2 x 2 x 2 on 8 processes).
 """
 import functools
 from types import SimpleNamespace
