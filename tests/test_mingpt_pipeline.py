@@ -250,6 +250,17 @@ def test_snapshots_reshard_between_pp_and_fsdp(spawned):
     assert "blocks.0.ln_1.weight" not in parts[1] and "blocks.3.ln_1.weight" not in parts[0]
 
 
+def test_sample_reads_a_pipelines_snapshot_whole(spawned):
+    """sample.py (and main.py's end-of-run sample) read every stage's weights into one GPT."""
+    out = spawned[0]
+    with mingpt_imported() as m:
+        model, meta = m["sample"].load_model(str(out / "1f1b/snapshot"), CPU)
+        text = m["sample"].generate_text(model, meta, "\n", 5, device=CPU)
+    weights = snapshot_weights(out / "1f1b/snapshot")
+    assert all(torch.equal(value, weights[k]) for k, value in model.state_dict().items())
+    assert len(text) == 6, text
+
+
 def test_model_size_predicts_each_ranks_model_state(spawned):
     _, _, results = spawned
     with mingpt_imported("model_size") as m:
