@@ -123,6 +123,7 @@ def mesh_sizes(world: int, pp_size: int, tp_size: int, fsdp: bool) -> tuple[int,
         raise ValueError(f"pp_size={pp} x tp_size={tp} = {pp * tp} must divide the world size "
                          f"{world} (the mesh is pp x dp x tp)")
     dp = world // (pp * tp)
+    # Nothing in pure pp would average gradients across pipelines: that is FSDP's job.
     if dp > 1 and not fsdp:
         raise ValueError(f"distributed_method=pp runs one pipeline, so pp_size must be 0 or the "
                          f"world size ({world}), got {pp_size}; use fsdp_pp for data "
@@ -221,6 +222,7 @@ class Pipeline:
 
     def _chunks(self, x: torch.Tensor, y: torch.Tensor) -> dict:
         """The round's inputs, pre-split into micro-batches for the stages this rank runs."""
+        # Consecutive rows: micro-batch i is what a one-process run's micro-step i would see.
         xs, ys = x.tensor_split(self.microbatches), y.tensor_split(self.microbatches)
         return {"arg_mbs": [(c,) for c in xs] if self.has_first else None,
                 "target_mbs": list(ys) if self.has_last else None}
@@ -246,6 +248,7 @@ class Pipeline:
         losses (on every rank of the pipeline: broadcast from the last stage)."""
         if self.tied_group is not None and self.tied.grad is not None:
             grad = self.tied.grad
+            # In place on the local shard (fsdp_pp: both ranks hold the same dp shard).
             dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad,
                             group=self.tied_group)
         return self._broadcast(self.losses, self.scale)
@@ -315,6 +318,8 @@ def apply(model: nn.Module, device: torch.device, s: Settings, fsdp: bool = Fals
     blocks = split_blocks(model.config.n_layer, n_stages, s.pp_split)
     mine = [i for i in range(n_stages) if rank_of_stage(i, pp) == pp_rank]
     first, last = 0 in mine, n_stages - 1 in mine
+    # Built whole (the same draws as every other strategy), then trimmed: the weights equal
+    # a one-process model's bit for bit; the whole model exists only while being built.
     _trim(model, {b for i in mine for b in blocks[i]}, first, last)
     if tp:  # TP first: its plan names the blocks' own submodules (tensor.py); owned ones only
         owned = [b for b in model.blocks if not isinstance(b, nn.Identity)]
