@@ -79,7 +79,9 @@ def load_train_objs(cfg: DictConfig, device: torch.device) -> tuple:
     model = parallelize(model, device, t.distributed_method, precision=t.precision,
                         cpu_offload=t.cpu_offload, compile=t.compile, tp_size=t.tp_size,
                         cp_size=t.cp_size,
-                        activation_checkpointing=t.activation_checkpointing)
+                        activation_checkpointing=t.activation_checkpointing,
+                        pp_size=t.pp_size, pp_schedule=t.pp_schedule, microbatches=t.microbatches,
+                        pp_stages_per_rank=t.pp_stages_per_rank, pp_split=t.pp_split)
     if init:  # the weights GPT(gpt_config) would have drawn, bit for bit, in shards
         init(model, device, t.cpu_offload)
     # Built after wrapping: FSDP has replaced every parameter with its sharded version.
@@ -89,6 +91,20 @@ def load_train_objs(cfg: DictConfig, device: torch.device) -> tuple:
     # except that one tensor-parallel group's ranks draw the same: they hold the same activations.
     torch.manual_seed(cfg.trainer_config.seed + data_parallel(model)[0])
     return model, optimizer, train_set, val_set, data, snapshot_meta, flops_per_token
+
+
+def sampling_model(cfg: DictConfig, model: torch.nn.Module, device: torch.device
+                   ) -> torch.nn.Module | None:
+    """The model to generate the end-of-run sample with: the trained one, or for a pipeline
+    (whose stages are spread over the ranks) the whole model read back from the final
+    snapshot, on rank 0 only (None on the others): the other ranks need not hold it."""
+    if not STRATEGIES[cfg.trainer_config.distributed_method].pipeline:
+        return unwrap(model)  # FSDP: every rank generates, each forward gathers the shards
+    if dist.get_rank() != 0:
+        return None
+    whole = GPT(unwrap(model).config).to(device)
+    snapshot.load_sharded_weights(cfg.trainer_config.snapshot_path, whole)
+    return whole
 
 
 def train(cfg: DictConfig, device: torch.device) -> str | None:
@@ -125,9 +141,11 @@ def train(cfg: DictConfig, device: torch.device) -> str | None:
         # Every rank generates (FSDP needs all of them for each forward); rank 0 prints.
         # A newline: any BPE encodes it, a char vocabulary may lack it.
         prompt = "\n" if "\n" in meta.get("itos", "\n") else meta["itos"][0]
-        text = generate_text(unwrap(model), meta, prompt, cfg.trainer_config.sample_tokens,
-                             temperature=0.8, top_k=10, device=device)
-        print0(f"sample:\n{text.strip()}")
+        sampler = sampling_model(cfg, model, device)
+        if sampler is not None:
+            text = generate_text(sampler, meta, prompt, cfg.trainer_config.sample_tokens,
+                                 temperature=0.8, top_k=10, device=device)
+            print0(f"sample:\n{text.strip()}")
     return None
 
 

@@ -22,6 +22,7 @@ import torch
 
 from mingpt.model import GPT, PRESETS, GPTConfig
 from mingpt.parallel import STRATEGIES as REGISTRY
+from mingpt.parallel import pipeline
 
 # Bytes per parameter. A training snapshot keeps fp32 weights plus AdamW's two fp32 moments
 # (exp_avg, exp_avg_sq): 3 x 4 bytes. Mixed precision does not change this: the optimizer
@@ -64,6 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="--memory: number of ranks (default: 2)")
     parser.add_argument("--tp_size", type=positive_int, default=2,
                         help="--memory: tensor-parallel group size for tp, fsdp_tp (default: 2)")
+    parser.add_argument("--pp_size", type=positive_int, default=2,
+                        help="--memory: ranks per pipeline for pp, fsdp_pp, fsdp_tp_pp "
+                        "(default: 2; one stage each, 1f1b, microbatches 4)")
     parser.add_argument("--batch_size", type=positive_int, default=4,
                         help="--memory: sequences per rank per micro-step (default: 4)")
     parser.add_argument("--cp_size", type=positive_int, default=2,
@@ -172,6 +176,25 @@ def local_shape(name: str, shape: tuple[int, ...], strategy: str, world_size: in
     return tuple(shape)
 
 
+def pipeline_holds(model: GPT, pp_size: int, pp_rank: int, stages_per_rank: int = 1
+                   ) -> set[str]:
+    """The parameter names pipeline rank `pp_rank` holds (pipeline.py's layout: blocks split
+    as evenly as possible over pp_size x stages_per_rank stages, stage s on rank s % pp_size;
+    the embeddings with the first stage, the final LayerNorm and the tied head with the last)."""
+    n_stages = pp_size * stages_per_rank
+    blocks = pipeline.split_blocks(model.config.n_layer, n_stages)
+    mine = [s for s in range(n_stages) if pipeline.rank_of_stage(s, pp_size) == pp_rank]
+    first, last = 0 in mine, n_stages - 1 in mine
+    owned = {f"blocks.{b}." for s in mine for b in blocks[s]}
+    held = set()
+    for name, _ in model.named_parameters():  # the tied wte/lm_head weight as "wte.weight"
+        if any(name.startswith(prefix) for prefix in owned) or \
+                (name.startswith("wpe.") and first) or (name.startswith("ln_f.") and last) or \
+                (name.startswith("wte.") and (first or last)):
+            held.add(name)
+    return held
+
+
 def zero_partition(model: GPT, world_size: int) -> list[set[str]]:
     """Which parameters' optimizer state each rank keeps under ZeroRedundancyOptimizer.
 
@@ -246,6 +269,8 @@ def buffer_bytes(model: GPT, strategy: str, tp_size: int) -> int:
     # All blocks are the same size: FSDP's units are the blocks, plus the root's leftovers.
     block = sum(p.numel() for p in model.blocks[0].parameters())
     s = MEMORY[strategy]
+    if s.pipeline and s.memory.buffers == "gathers":  # FSDP over the stage's own blocks only
+        return BYTES_FP32 * 3 * block // (tp_size if s.tp else 1)
     if s.memory.buffers == "buckets":
         return BYTES_FP32 * total
     if s.memory.buffers == "gathers":
@@ -255,10 +280,19 @@ def buffer_bytes(model: GPT, strategy: str, tp_size: int) -> int:
 
 
 def memory_row(model: GPT, strategy: str, world_size: int, tp_size: int, batch_size: int,
-               rank: int = 0) -> dict[str, int]:
+               rank: int = 0, pp_size: int = 1, microbatches: int = 4) -> dict[str, int]:
     """Bytes `rank` holds under `strategy`: fp32 parameters and gradients, AdamW's state (two
     moments per element and a 4-byte step per parameter it updates), buffers, activations."""
     named = list(model.named_parameters())  # the tied wte/lm_head weight once
+    pp = pp_size if MEMORY[strategy].pipeline else 1
+    # A (pp, dp, tp) mesh: each pipeline rank holds its stage's parameters, which tp and dp
+    # then split as fsdp_tp does over the ranks of one stage.
+    pp_rank, rank = divmod(rank, world_size // pp)
+    world_size //= pp
+    tp_size = tp_size if MEMORY[strategy].tp else 1  # fsdp_pp: dp is every rank of a stage
+    if pp > 1 or MEMORY[strategy].pipeline:
+        held = pipeline_holds(model, pp, pp_rank)
+        named = [(name, p) for name, p in named if name in held]
     # Gradients have their parameters' shapes (and shards); AdamW's moments too, but ZeRO
     # keeps them only for the parameters this rank owns.
     local = {name: math.prod(local_shape(name, tuple(p.shape), strategy, world_size, tp_size,
@@ -274,6 +308,13 @@ def memory_row(model: GPT, strategy: str, world_size: int, tp_size: int, batch_s
     row["buffers"] = buffer_bytes(model, strategy, tp_size)
     row["activations"] = activation_bytes(model, batch_size,
                                           tp_size if MEMORY[strategy].tp else 1)
+    if MEMORY[strategy].pipeline:
+        # 1F1B: stage r keeps the activations of up to pp - r micro-batches (of batch_size /
+        # microbatches sequences) in flight, for its share of the blocks (rough, as above).
+        in_flight = min(pp - pp_rank, microbatches)
+        share = len({n.split(".")[1] for n in held if n.startswith("blocks.")}) \
+            / model.config.n_layer
+        row["activations"] = int(row["activations"] * share * in_flight / microbatches)
     row["total"] = row["model state"] + row["buffers"] + row["activations"]
     return row
 
@@ -289,7 +330,7 @@ def cp_rows(model: GPT, batch_size: int, cp_size: int) -> list[dict[str, object]
     return rows
 
 
-def memory_rows(model: GPT, world_size: int, tp_size: int, batch_size: int
+def memory_rows(model: GPT, world_size: int, tp_size: int, batch_size: int, pp_size: int = 2
                 ) -> list[dict[str, object]]:
     """One row per strategy: rank 0's bytes (the largest share where shards are uneven)."""
     rows = []
@@ -297,8 +338,15 @@ def memory_rows(model: GPT, world_size: int, tp_size: int, batch_size: int
     for strategy, s in MEMORY.items():
         if s.tp and (model.config.n_head % tp_size or model.config.n_embd % tp_size):
             continue  # TP needs the heads and the width to split evenly
+        pp = pp_size if s.pipeline else 1
+        tp = tp_size if s.tp else 1
+        if world_size % (pp * tp) or (strategy == "pp" and pp != world_size) \
+                or model.config.n_layer < pp:
+            continue  # the mesh does not fit these sizes
         layout = f"tp {tp_size} x dp {world_size // tp_size}" if s.tp else f"{world_size} ranks"
-        sizes = memory_row(model, strategy, world_size, tp_size, batch_size)
+        if s.pipeline:
+            layout = f"pp {pp} x dp {world_size // (pp * tp)} x tp {tp}"
+        sizes = memory_row(model, strategy, world_size, tp_size, batch_size, pp_size=pp)
         # Human-readable sizes for the table; memory_row keeps the exact bytes for tests.
         rows.append({"strategy": strategy, "layout": layout,
                      **{key: human_bytes(value) for key, value in sizes.items()}})
@@ -315,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{preset}: {model.num_params():,} parameters, vocab_size="
                       f"{args.vocab_size}, block_size={args.block_size}, batch_size="
                       f"{args.batch_size} per rank, fp32, AdamW; bytes per rank (rank 0)")
-                print_table(memory_rows(model, args.world_size, args.tp_size, args.batch_size))
+                print_table(memory_rows(model, args.world_size, args.tp_size, args.batch_size,
+                                        args.pp_size))
                 # Context parallelism (cp_size) splits the sequences, not the model state.
                 print("\ncontext parallelism (ddp, zero or fsdp x cp_size; dropout 0): "
                       "activations per rank")

@@ -290,13 +290,16 @@ def test_step04_unreachable_rendezvous_one_line(unreachable_rendezvous):
 
 @pytest.mark.parametrize("args, fragments", [
     (["trainer_config.max_steps=many"], ["trainer_config.max_steps", "Integer"]),
-    (["trainer_config.distributed_method=zero3"], ["one of ddp, fsdp, zero, tp, fsdp_tp, dp",
-                                                   "'zero3'"]),
+    (["trainer_config.distributed_method=zero3"],
+     ["one of ddp, fsdp, zero, tp, fsdp_tp, pp, fsdp_pp, fsdp_tp_pp, dp", "'zero3'"]),
     (["gpt_config.model_type=null", "gpt_config.n_layer=2", "gpt_config.n_head=3",
       "gpt_config.n_embd=32"], ["n_embd (32) must be divisible by n_head (3)"]),
     (["~optimizer_config.lr"], ["optimizer_config.lr has no value (deleted with ~ or set to "
                                 "???); give it one: optimizer_config.lr=VALUE"]),
-], ids=["wrong_type", "invalid_strategy", "n_embd_not_divisible_by_n_head", "deleted_key"])
+    (["trainer_config.distributed_method=pp", "trainer_config.microbatches=3"],
+     ["trainer_config.microbatches must be a divisor of batch_size (16)", "got 3"]),
+], ids=["wrong_type", "invalid_strategy", "n_embd_not_divisible_by_n_head", "deleted_key",
+        "pp_microbatches"])
 def test_mingpt_config(mingpt, main_py, args, fragments):
     with nothing_lost(mingpt):
         proc = main_py(*args, "run_name=config_error")

@@ -345,3 +345,25 @@ def test_mingpt_out_of_memory_writes_the_memory_snapshot(tmp_path):
         finally:
             dist.destroy_process_group()
     assert (tmp_path / "memory/rank0.pickle").stat().st_size > 0
+
+
+@pytest.mark.skipif(GPUS < 2, reason="pipeline parallelism needs 2 GPUs, one stage each")
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_zb"])
+def test_mingpt_pipeline_on_gpus(tmp_path, schedule):
+    """pp over 2 GPUs with NCCL's point-to-point sends, in bf16: it learns, saves the sharded
+    layout, resumes from it, and samples from the whole model the snapshot holds (the CPU
+    test of the same mechanism: tests/test_mingpt_pipeline.py)."""
+    mingpt = copy_mingpt(tmp_path)
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", "main.py", "run_name=pp",
+           "trainer_config.distributed_method=pp", f"trainer_config.pp_schedule={schedule}",
+           "trainer_config.precision=bf16"]
+    four = "gpt_config.n_layer=4"  # interleaved_zb: 2 stages per GPU, a block each
+    proc = run([*cmd, *tiny(four, "trainer_config.max_steps=6", "trainer_config.eval_every=3")],
+               cwd=mingpt, CUDA_VISIBLE_DEVICES=VISIBLE)
+    assert "backend nccl" in proc.stdout
+    losses = val_losses(proc.stdout)
+    assert losses[6] < losses[0], losses
+    assert (mingpt / "runs/pp/snapshot/latest").is_file()  # the sharded (DCP) layout
+    proc = run([*cmd, *tiny(four)], cwd=mingpt, CUDA_VISIBLE_DEVICES=VISIBLE)  # resumes at 6
+    assert "resumed from" in proc.stdout and "step 10/10" in proc.stdout, proc.stdout[-2000:]
+    assert "sample:" in proc.stdout

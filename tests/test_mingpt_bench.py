@@ -1,4 +1,5 @@
-"""05_mingpt/bench/bench.py as a user runs it, on a tiny model: what it measures adds up.
+"""05_mingpt/bench/bench.py (and bench_pipeline.py) as a user runs it, on a tiny model: what
+it measures adds up.
 
 The speed figures themselves are not asserted (a busy 2-core machine makes them noise); the
 README quotes a full run. These tests check the bookkeeping behind them: the rounds, the
@@ -67,3 +68,25 @@ def test_bench_quality_times_main_py_to_every_validation(mingpt):
                         r"snapshots [0-9.]+ s \([0-9.]+%\)", info["paused"])
     assert "val <= 1.88 at never; final val" in proc.stdout
     assert (mingpt / "bench/quality.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_pipeline_measures_the_bubble_and_matches_model_size(mingpt):
+    """bench/bench_pipeline.py on a tiny model: one row per rank, schedule and m; the idle
+    and wait shares are fractions of the step; the ideal is (p - 1) / (m + p - 1) for 1f1b and
+    (p - 1) / (v m + p - 1) for interleaved_1f1b; torch's refusal (1f1b needs m >= p) is a row,
+    not a crash; each rank's model state is model_size's prediction, byte for byte."""
+    run([PYTHON, "bench/bench_pipeline.py", "--schedules", "1f1b", "interleaved_1f1b",
+         "--microbatches", "1", "2", "--steps", "1", "--n_layer", "4", "--n_embd", "16",
+         "--block_size", "8", "--batch_size", "4", "--out", "bench/tiny_pp"], cwd=mingpt)
+    info = json.loads((mingpt / "bench/tiny_pp.json").read_text())
+    assert (mingpt / "bench/tiny_pp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = {(r["schedule"], r["microbatches"], r["rank"]): r for r in info["rows"]}
+    assert sorted(rows) == sorted((s, m, r) for s in ("1f1b", "interleaved_1f1b")
+                                  for m in (1, 2) for r in (0, 1))
+    assert "greater than or equal to the number of stages" in rows["1f1b", 1, 0]["refused"]
+    assert rows["1f1b", 2, 0]["ideal_bubble"] == 1 / 3
+    assert rows["interleaved_1f1b", 2, 0]["ideal_bubble"] == 1 / 5
+    for row in (r for r in info["rows"] if "refused" not in r):
+        assert 0 <= row["idle_share"] <= 1 and 0 <= row["wait_share"] <= 1, row
+        if row["schedule"] == "1f1b":
+            assert row["model_state"] == row["predicted_model_state"], row

@@ -157,7 +157,8 @@ def test_model_size_memory_table_shows_what_each_strategy_saves(m, capsys):
     out = capsys.readouterr().out
     rows = {line.split()[0]: line for line in out.splitlines()
             if line.split() and line.split()[0] in model_size.MEMORY}
-    assert list(rows) == list(model_size.MEMORY), out
+    # Every strategy whose mesh fits 2 ranks (fsdp_tp_pp's pp 2 x tp 2 needs 4).
+    assert list(rows) == [s for s in model_size.MEMORY if s != "fsdp_tp_pp"], out
     gpt = model_size.build_on_meta("gpt2-medium", 65, 256)
     ddp, zero, fsdp = (model_size.memory_row(gpt, s, 2, 2, 4)["model state"]
                        for s in ("ddp", "zero", "fsdp"))

@@ -331,7 +331,8 @@ def test_parity_holds_on_other_cpu_kernels(tmp_path, monkeypatch):
      "tensor parallelism over tp_size=3 ranks needs n_head and n_embd divisible by 3, got "
      "n_head=2, n_embd=32; change the model or trainer_config.tp_size"),
     (["trainer_config.tp_size=2"],
-     "trainer_config.tp_size must be 0 unless distributed_method is tp or fsdp_tp, got 2"),
+     "trainer_config.tp_size must be 0 unless distributed_method is tp or fsdp_tp or "
+     "fsdp_tp_pp, got 2"),
     (["trainer_config.distributed_method=fsdp_tp", "trainer_config.tp_size=-1"],
      "trainer_config.tp_size must be an integer >= 0 (0: every rank), got -1"),
 ])

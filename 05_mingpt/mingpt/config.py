@@ -39,6 +39,7 @@ CONFIG_NAME = "gpt2_train_cfg"
 DISTRIBUTED_METHODS = tuple(STRATEGIES)
 TP_METHODS = tuple(name for name, strategy in STRATEGIES.items() if strategy.tp)
 CP_METHODS = tuple(name for name, strategy in STRATEGIES.items() if strategy.cp)  # cp_size
+PP_METHODS = tuple(name for name, strategy in STRATEGIES.items() if strategy.pipeline)
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -52,6 +53,11 @@ class TrainerConfig:
     distributed_method: str = MISSING
     tp_size: int = MISSING
     cp_size: int = MISSING
+    pp_size: int = MISSING
+    pp_schedule: str = MISSING
+    microbatches: int = MISSING
+    pp_stages_per_rank: int = MISSING
+    pp_split: list[int] | None = MISSING
     precision: str = MISSING
     cpu_offload: bool = MISSING
     activation_checkpointing: bool = MISSING
@@ -167,6 +173,8 @@ def validate(cfg: DictConfig) -> None:
            t.tp_size)
     require(t.tp_size == 0 or t.distributed_method in TP_METHODS, "trainer_config.tp_size",
            f"0 unless distributed_method is {' or '.join(TP_METHODS)}", t.tp_size)
+    require(t.pp_size == 0 or t.distributed_method in PP_METHODS, "trainer_config.pp_size",
+           f"0 unless distributed_method is {' or '.join(PP_METHODS)}", t.pp_size)
     strategy = STRATEGIES[t.distributed_method]
     if strategy.check:  # the strategy's own rules (dp: CUDA GPUs, one process; tp: no fp16)
         strategy.check(t)

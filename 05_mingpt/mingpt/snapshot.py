@@ -311,8 +311,16 @@ def load_sharded(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimi
                             ) from None
     # The optimizer state is keyed by parameter name; set_state_dict puts it back under this
     # optimizer's own parameters.
+    own = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
+    # Pipelines (each rank holds other parameters): a param group's hyper-parameters (lr,
+    # betas, eps, weight_decay; saved as plain values per parameter name) came back on one
+    # rank only (torch 2.14.1), and the lr schedule then failed on a missing "lr". The
+    # config's own values stand in where they are missing (resume_scheduler sets the lr).
+    for group, settings in zip(optimizer.param_groups, own, strict=True):
+        for key, value in settings.items():
+            group.setdefault(key, value)
 
 
 def load_sharded_weights(url: str, model: torch.nn.Module) -> None:

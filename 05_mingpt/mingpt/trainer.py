@@ -152,7 +152,10 @@ class Trainer:
     def _run_batch(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """One optimizer step over `grad_accum_steps` micro-batches."""
         n = len(micro_batches)
-        for i, (x, y) in enumerate(micro_batches):
+        pipeline = getattr(self.model, "pipeline", None)  # pp: a schedule runs each micro-step
+        if pipeline is not None:
+            self._run_pipeline(pipeline, micro_batches)
+        for i, (x, y) in enumerate([] if pipeline else micro_batches):  # pp: done above
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             # Gradients are all-reduced only in the last micro-step's backward; the others
             # just accumulate locally.
@@ -169,14 +172,30 @@ class Trainer:
                 self.first_bad_step = torch.where(bad, self.step + 1, self.first_bad_step)
         if self.cfg.grad_clip > 0:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not scaled ones
-            # Works on FSDP's sharded (DTensor) gradients too: the norm covers all shards.
-            clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+            # Works on FSDP's sharded (DTensor) gradients too: the norm covers all shards, and
+            # under pp all stages (their squares summed over the pipeline's ranks).
+            clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip,
+                            *((pipeline.group, pipeline.not_counted) if pipeline else ()))
         self.scaler.step(self.optimizer)  # fp16: skipped if gradients overflowed
         self.scaler.update()
         self.log.count_state(self.model, self.optimizer)  # before zero_grad frees gradients
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.log.timer.end_step()  # the optimizer's part ends the step's breakdown
+
+    def _run_pipeline(self, pipeline, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]
+                      ) -> None:
+        """pp's forward and backward: each micro-step one round of the schedule over its
+        `microbatches` micro-batches (pipeline.py); every rank then logs the step's losses."""
+        pipeline.start_step(len(micro_batches))
+        for x, y in micro_batches:
+            with autocast(self.device, self.cfg.precision):
+                pipeline.train_step(x.to(self.device), y.to(self.device))
+        tokens = micro_batches[0][0].numel() // pipeline.microbatches
+        for loss in pipeline.finish_step():  # from the last stage, on every rank
+            self.log.add(loss, tokens)
+            bad = ~torch.isfinite(loss) & (self.first_bad_step == 0)
+            self.first_bad_step = torch.where(bad, self.step + 1, self.first_bad_step)
 
     def _run_epoch(self) -> None:
         """Optimizer steps over the rest of the current epoch, or until max_steps."""
@@ -240,8 +259,14 @@ class Trainer:
                             sampler=self.val_sampler,
                             generator=torch.Generator().manual_seed(self.cfg.seed))
         totals = torch.zeros(2, device=self.device)  # loss sum over tokens, token count
+        pipeline = getattr(self.model, "pipeline", None)
         for x, y in loader:  # every rank runs the same number of batches (FSDP needs that)
             x, y = x.to(self.device), y.to(self.device)
+            if pipeline is not None:  # pp: the stages' forward; the last stage's sums (0 on
+                # the other ranks, so each pipeline counts once)
+                with autocast(self.device, self.cfg.precision):
+                    totals += torch.stack(pipeline.evaluate(x, y, self.cfg.batch_size))
+                continue
             with autocast(self.device, self.cfg.precision):
                 _, loss = self.model(x, y)
                 loss = loss.mean()  # nn.DataParallel: one loss per GPU
@@ -265,7 +290,7 @@ class Trainer:
                f"(batch_size {cfg.batch_size} x grad_accum_steps {cfg.grad_accum_steps} x "
                + (f"world size {self.world_size}" if self.dp_size == self.world_size else
                   f"data-parallel size {self.dp_size}; {self.world_size // self.dp_size} "
-                  "processes per tensor-parallel group")
+                  "processes per model replica (tensor- or pipeline-parallel)")
                + f"), {len(self.train_set):,} training samples")
         started = time.perf_counter()
         if self.last_val is None or self.last_val[0] != self.step:

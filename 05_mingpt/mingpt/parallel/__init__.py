@@ -4,13 +4,13 @@
     optimizer = optim.build_optimizer(model, "fsdp", lr=3e-3)  # after: FSDP replaces parameters
 
 Each strategy is a module with `apply(model, device, settings)` (ddp.py, fsdp.py, tensor.py,
-fsdp_tp.py, dp.py; zero.py brings an optimizer), and one entry in STRATEGIES below, which the
-config check, the snapshots, model_size.py and the docs read. Context parallelism (context.py,
-trainer_config.cp_size) is no strategy of its own: it splits the sequences before ddp, zero
-or fsdp wraps the model (their `cp` flag). Order inside every `apply`:
-TP's plan first (it names the blocks' own submodules), then activation checkpointing and
-torch.compile per block (ddp and zero compile the whole model instead), then the wrapper
-(DDP, FSDP, DataParallel). Adding a strategy: README, "Extending".
+fsdp_tp.py, dp.py, pipeline.py; zero.py brings an optimizer), and one entry in STRATEGIES
+below, which the config check, the snapshots, model_size.py and the docs read. Context
+parallelism (context.py, trainer_config.cp_size) is no strategy of its own: it splits the
+sequences before ddp, zero or fsdp wraps the model (their `cp` flag). Order inside every
+`apply`: TP's plan first (it names the blocks' own submodules), then activation
+checkpointing and torch.compile per block (ddp and zero compile the whole model instead),
+then the wrapper (DDP, FSDP, DataParallel). Adding a strategy: README, "Extending".
 """
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,7 +19,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from mingpt.parallel import context, ddp, dp, fsdp, fsdp_tp, tensor, zero
+from mingpt.parallel import context, ddp, dp, fsdp, fsdp_tp, pipeline, tensor, zero
 from mingpt.parallel.settings import Settings
 
 
@@ -54,6 +54,9 @@ class Strategy:
     cpu_offload: bool = False  # trainer_config.cpu_offload applies
     memory: Memory | None = None  # None: model_size.py does not predict it (dp: one process)
     cp: bool = False  # composes with context parallelism (trainer_config.cp_size, context.py)
+    # Splits the blocks into stages over a (pp, dp, tp) mesh (pipeline.py): the pp_* keys
+    # and microbatches apply, and the trainer's step runs the pipeline's schedule.
+    pipeline: bool = False
 
 
 STRATEGIES = {
@@ -71,6 +74,18 @@ STRATEGIES = {
     "fsdp_tp": Strategy(fsdp_tp.apply, "fsdp",
                         "TP inside groups of tp_size ranks, FSDP across the groups", tp=True,
                         memory=Memory(shards_over="dp", buffers="gathers")),
+    # Pipelines: mesh (pp, dp, tp), pp outermost, tp innermost (pipeline.py).
+    "pp": Strategy(pipeline.apply, "fsdp", "the blocks split into stages over all ranks, "
+                   "micro-batches pipelined", check=pipeline.check_config, pipeline=True,
+                   memory=Memory()),
+    "fsdp_pp": Strategy(pipeline.apply_fsdp, "fsdp",
+                        "pipelines of pp_size ranks, FSDP across the pipelines",
+                        check=pipeline.check_config, pipeline=True,
+                        memory=Memory(shards_over="dp", buffers="gathers")),
+    "fsdp_tp_pp": Strategy(pipeline.apply_fsdp_tp, "fsdp",
+                           "TP inside each stage, pipelines of pp_size stages, FSDP across",
+                           tp=True, check=pipeline.check_config, pipeline=True,
+                           memory=Memory(shards_over="dp", buffers="gathers")),
     "dp": Strategy(dp.apply, "ddp", "nn.DataParallel: one process drives every GPU",
                    check=dp.check_config),
 }

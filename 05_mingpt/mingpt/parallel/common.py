@@ -67,32 +67,42 @@ def local_devices(model: nn.Module, device: torch.device) -> list[torch.device]:
     return [device]
 
 
-def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """torch's clip_grad_norm_, also for gradients that live on different meshes (TP).
+def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float,
+                    stages: dist.ProcessGroup | None = None, not_counted: set[int] = frozenset()
+                    ) -> torch.Tensor:
+    """torch's clip_grad_norm_, also for gradients that live on different meshes (TP), and
+    over a pipeline's `stages` (each rank holds some of the parameters: the squared norms are
+    summed over that group; `not_counted`: ids of parameters another stage counts, the tied
+    embedding that the first and the last stage both hold).
 
     Under TP some gradients are DTensors (sharded over the TP or the 2-D mesh), others plain
     replicated tensors (LayerNorms, embeddings), and torch's version refuses to mix them. So
     the norm is taken per kind, each made global (`full_tensor()` sums a sharded norm over its
     mesh), and the squares added up."""
     params = [p for p in parameters if p.grad is not None]
-    kinds: dict = {}  # mesh (None: plain tensors) -> its gradients, in parameter order
+    kinds: dict = {}  # mesh (None: plain tensors) -> its parameters, in parameter order
     for p in params:
         kinds.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None,
-                         []).append(p.grad)
-    if len(kinds) <= 1:  # DDP, FSDP: one kind, torch's own (fused) version
+                         []).append(p)
+    if len(kinds) <= 1 and stages is None:  # DDP, FSDP: one kind, torch's own (fused) version
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
     norms = []
-    for grads in kinds.values():  # the same order on every rank: the collectives match
-        norm = torch.nn.utils.get_total_norm(grads)
+    for same_mesh in kinds.values():  # the same order on every rank: the collectives match
+        norm = torch.nn.utils.get_total_norm([p.grad for p in same_mesh
+                                              if id(p) not in not_counted])
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     total = torch.linalg.vector_norm(torch.stack(norms))
+    if stages is not None:  # the other stages' squares: sqrt(sum of squares), over the group
+        square = total.square()
+        dist.all_reduce(square, group=stages)
+        total = square.sqrt()
     # As torch computes it, and as a tensor: reading it on the host would sync a GPU per step.
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for mesh, grads in kinds.items():
+    for mesh, same_mesh in kinds.items():
         # DTensor gradients take the factor as a DTensor replicated over their own mesh.
         factor = coef if mesh is None else DTensor.from_local(
             coef, mesh, [Replicate()] * mesh.ndim, run_check=False)
-        torch._foreach_mul_(grads, factor)
+        torch._foreach_mul_([p.grad for p in same_mesh], factor)
     return total
 
 

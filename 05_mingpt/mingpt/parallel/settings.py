@@ -9,3 +9,9 @@ class Settings(NamedTuple):
     compile: bool = False  # torch.compile: per block, or the whole model (ddp, zero)
     tp_size: int = 0  # ranks per tensor-parallel group (0: every rank)
     cp_size: int = 0  # ranks per context-parallel group (0, 1: off; context.py)
+    # Pipeline parallelism (pipeline.py): stages, schedule, micro-batches per round.
+    pp_size: int = 0  # ranks per pipeline (0: every rank, or every rank of a TP group)
+    pp_schedule: str = "1f1b"  # gpipe, 1f1b, interleaved_1f1b, looped_bfs, interleaved_zb, ...
+    microbatches: int = 1  # micro-batches each micro-step's batch is cut into
+    pp_stages_per_rank: int = 2  # the looped schedules' stages per rank
+    pp_split: list[int] | None = None  # blocks per stage; None: as even as possible

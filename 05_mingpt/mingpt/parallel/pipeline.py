@@ -1,0 +1,371 @@
+"""Pipeline parallelism (PP): the blocks split into stages on different ranks, micro-batches
+flowing through them by a schedule of torch.distributed.pipelining; alone (pp), with FSDP over
+the data-parallel ranks (fsdp_pp), or with TP inside each stage as well (fsdp_tp_pp).
+
+    model = apply(model, device, settings)   # parallel.STRATEGIES["pp"]: this rank's stages
+    model.pipeline.start_step(rounds)         # then per micro-step (trainer._run_pipeline):
+    model.pipeline.train_step(x, y)           # one round of the schedule, backward included
+    losses = model.pipeline.finish_step()     # tied gradients summed; losses on every rank
+
+The mesh is (pp, dp, tp), pp outermost and tp innermost, as torchtitan orders it: rank
+r = (pp_rank * dp + dp_rank) * tp + tp_rank. So a TP group is tp consecutive ranks, inside a
+node when tp divides the GPUs per node (TP all-reduces every block's activations: it wants the
+fast links); a pipeline's stages are dp * tp ranks apart, so PP crosses nodes, which suits it:
+a stage sends one activation per micro-batch to the next, point to point, nothing else.
+
+What each rank holds. Each rank keeps the GPT that model.py builds, with every part owned by
+another rank replaced by an nn.Identity (no parameters): its own blocks, the embeddings where
+it runs the first stage, the final LayerNorm and the head where it runs the last. The names
+of what it keeps are unchanged (`blocks.3.attn.c_attn.weight`), so the DCP snapshot of a
+pipeline is the fsdp layout: fsdp, tp, fsdp_tp and any other pp split resume it, and it
+resumes theirs (DCP reshards by name). The forward of a stage is `Stage.forward` below, the
+GPT's own forward cut into pieces (model.py stays free of any of this).
+
+The tied embedding. wte and lm_head share one weight. The first and the last stage both use
+it, often on different ranks: both ranks hold it (under both names, as the whole model does),
+and after backward its two gradients are summed over those two ranks (Megatron-LM's way), so
+both copies take the same AdamW step and stay equal. The clip norm counts it once.
+
+Stages per rank. gpipe and 1f1b: one stage per rank (stage s on pp rank s). The looped
+schedules (interleaved_1f1b, looped_bfs, interleaved_zb): `pp_stages_per_rank` stages each,
+stage s on pp rank s % pp. Blocks are split over the stages as evenly as possible (earlier
+stages get the extra ones), or as `pp_split` gives them.
+
+Micro-batches and gradient accumulation. A step is still grad_accum_steps x batch_size
+sequences per data-parallel rank, as for every strategy (so runs compare with DDP's). Each of
+the trainer's micro-steps is one round of the schedule: its batch_size sequences cut into
+`microbatches` micro-batches that fill and drain the pipeline once. Every round pays the
+bubble, (p - 1) / (m + p - 1) of each rank's time for 1f1b and gpipe (p stages, m
+micro-batches), so raise microbatches, not grad_accum_steps, to shrink it (bench/README.md:
+Pipeline bubble). Each micro-batch's mean loss is divided by grad_accum_steps x microbatches
+before its backward: the arithmetic of a one-process run with that many micro-steps of
+batch_size / microbatches sequences (tests/test_mingpt_pipeline.py holds them equal).
+
+The rest of training. Evaluation runs the schedule forward only (`eval`), validation batches
+padded to the training shape. Mixed precision: autocast around the rounds (bf16; fp16's loss
+scaling would have to run inside the schedule, so it is refused), FSDP's policy under
+fsdp_pp. Activation checkpointing and compile wrap each kept block, as elsewhere. The ranks
+of one pipeline see the same data: data_parallel() reads the mesh's dp dimension. Sampling
+needs the whole model: main.py reads the final snapshot into one GPT on rank 0. The mesh
+order is checked rank by rank in tests/test_mingpt_pipeline.py (2 x 2 x 2 on 8 processes).
+"""
+import functools
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from omegaconf import DictConfig
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+)
+from torch.distributed.tensor import DTensor
+
+from mingpt.errors import require
+from mingpt.parallel import tensor
+from mingpt.parallel.common import wrap_blocks
+from mingpt.parallel.settings import Settings
+from mingpt.precision import fsdp_policy
+
+# pp_schedule -> torch's class. Single: one stage per rank; looped: several, stage s on rank
+# s % pp. Left out: the V schedules (ScheduleZBVZeroBubble, ScheduleDualPipeV). They train
+# here, but their forward-only eval() fails in torch 2.14.1 ("can't steal_bwd_input if this
+# stage doesn't have backward"), and the trainer evaluates through the schedule.
+SINGLE = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+LOOPED = {"interleaved_1f1b": ScheduleInterleaved1F1B, "looped_bfs": ScheduleLoopedBFS,
+          "interleaved_zb": ScheduleInterleavedZeroBubble}
+SCHEDULES = {**SINGLE, **LOOPED}
+
+
+# --- the layout: pure functions (model_size.py predicts memory from them) --------------------
+
+def stages_per_rank(schedule: str, per_rank: int) -> int:
+    """Stages each rank runs: 1 (gpipe, 1f1b), `per_rank` (the looped ones)."""
+    return 1 if schedule in SINGLE else per_rank
+
+
+def rank_of_stage(stage: int, pp: int) -> int:
+    """The pp rank that runs `stage`: stage s on rank s, looping (s % pp) with more stages."""
+    return stage % pp
+
+
+def split_blocks(n_layer: int, n_stages: int, split: list[int] | None = None) -> list[range]:
+    """The blocks of each stage: `split` (block counts), or as even as possible, the earlier
+    stages taking the extra ones (the last also runs the head: the largest matmul with a real
+    vocabulary). ValueError (one line) where they do not fit."""
+    if split is None:
+        if n_layer < n_stages:
+            raise ValueError(f"pipeline parallelism over {n_stages} stages needs at least "
+                             f"{n_stages} blocks (one per stage), got n_layer={n_layer}; use "
+                             "fewer stages (pp_size, pp_stages_per_rank) or more layers")
+        base, extra = divmod(n_layer, n_stages)
+        split = [base + (s < extra) for s in range(n_stages)]
+    elif len(split) != n_stages or sum(split) != n_layer or min(split) < 1:
+        raise ValueError(f"trainer_config.pp_split={list(split)} must give {n_stages} stages "
+                         f"at least one block each, {n_layer} blocks in all (n_layer)")
+    starts = [sum(split[:s]) for s in range(n_stages)]
+    return [range(start, start + count) for start, count in zip(starts, split, strict=True)]
+
+
+def mesh_sizes(world: int, pp_size: int, tp_size: int, fsdp: bool) -> tuple[int, int, int]:
+    """(pp, dp, tp) for `world` ranks; ValueError (one line) where they do not fit."""
+    tp = tp_size or 1
+    pp = pp_size or world // tp  # 0: every rank (of each TP group) a stage
+    if world % (pp * tp):
+        raise ValueError(f"pp_size={pp} x tp_size={tp} = {pp * tp} must divide the world size "
+                         f"{world} (the mesh is pp x dp x tp)")
+    dp = world // (pp * tp)
+    # Nothing in pure pp would average gradients across pipelines: that is FSDP's job.
+    if dp > 1 and not fsdp:
+        raise ValueError(f"distributed_method=pp runs one pipeline, so pp_size must be 0 or the "
+                         f"world size ({world}), got {pp_size}; use fsdp_pp for data "
+                         "parallelism across pipelines")
+    return pp, dp, tp
+
+
+# --- one stage's forward: the GPT's own, cut into pieces ---------------------------------------
+
+class Stage(nn.Module):
+    """The part of the GPT one stage runs: the embeddings (first stage), some blocks, the final
+    LayerNorm and the head (last stage). It registers the GPT's own modules (shared, not
+    copied), so the optimizer, the snapshot and this see the same parameters."""
+
+    def __init__(self, gpt: nn.Module, blocks: range, first: bool, last: bool) -> None:
+        super().__init__()
+        self.first, self.last = first, last
+        if first or last:
+            # Both halves of the tied weight, on either end: FSDP then shards the one tensor
+            # once and sets it on both modules (a module it does not manage would keep the
+            # unsharded tensor, and the snapshot a stale copy).
+            self.wte, self.lm_head = gpt.wte, gpt.lm_head
+        if first:
+            self.wpe, self.drop = gpt.wpe, gpt.drop
+        self.blocks = nn.ModuleList(gpt.blocks[i] for i in blocks)
+        if last:
+            self.ln_f = gpt.ln_f
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """First stage: token ids (B, T); others: the residual stream (B, T, C). Returns the
+        residual stream (B, T, C), or the last stage's logits (B, T, vocab_size)."""
+        if self.first:  # as GPT.forward, without a KV cache
+            pos = torch.arange(x.size(1), dtype=torch.long, device=x.device)  # (T,)
+            x = self.drop(self.wte(x) + self.wpe(pos))  # (B, T, C)
+        for block in self.blocks:
+            x = block(x)  # (B, T, C)
+        if self.last:
+            x = self.lm_head(self.ln_f(x))  # (B, T, vocab_size)
+        return x
+
+
+def _trim(gpt: nn.Module, owned: set[int], first: bool, last: bool) -> None:
+    """Replace whatever other ranks run with nn.Identity: no parameters, the names kept."""
+    for i in range(len(gpt.blocks)):
+        if i not in owned:
+            gpt.blocks[i] = nn.Identity()
+    if not first:
+        gpt.wpe = nn.Identity()
+    if not last:
+        gpt.ln_f = nn.Identity()
+    if not (first or last):
+        gpt.wte, gpt.lm_head = nn.Identity(), nn.Identity()
+
+
+# --- the schedule, and what the trainer calls ----------------------------------------------------
+
+class Pipeline:
+    """This rank's stages and their schedule; the trainer's entry points for pp.
+
+    train_step runs one round (backward included); the gradients then need finish() (the
+    tied weight's sum) before clipping. Losses come back on every rank of the pipeline
+    (broadcast from the last stage), so each rank logs and checks the same numbers."""
+
+    def __init__(self, stages: list[PipelineStage], schedule: str, microbatches: int,
+                 mesh: DeviceMesh, last_rank: int, tied: torch.nn.Parameter | None,
+                 tied_group: dist.ProcessGroup | None, tied_counted: bool) -> None:
+        self.stages, self.microbatches, self.mesh = stages, microbatches, mesh
+        self.group = mesh["pp"].get_group()
+        self.last_rank = last_rank  # the pp rank of the last stage
+        self.has_first = any(s.is_first for s in stages)
+        self.has_last = any(s.is_last for s in stages)
+        self.tied, self.tied_group = tied, tied_group
+        # The tied weight's gradient lives on two ranks: the clip norm counts one of them.
+        self.not_counted = set() if tied_counted or tied is None else {id(tied)}
+        self.scale = 1  # micro-batches per optimizer step: each loss is divided by it
+        self.evaluating = False
+        self.losses: list[torch.Tensor] = []  # this step's per-micro-batch means (last stage)
+        cls = SCHEDULES[schedule]
+        # scale_grads=False: _loss divides by the micro-batches itself, as the trainer's
+        # gradient accumulation does (loss / n), so the arithmetic is the same.
+        self.schedule = (cls(stages[0], microbatches, loss_fn=self._loss, scale_grads=False)
+                         if schedule in SINGLE else
+                         cls(stages, microbatches, loss_fn=self._loss, scale_grads=False))
+
+    def _loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss on the last stage: the mean cross-entropy of one micro-batch
+        (as GPT.forward), divided by the step's micro-batches; in evaluation the sum."""
+        flat = logits.view(-1, logits.size(-1)), y.view(-1)
+        if self.evaluating:  # padded rows (-1) add nothing; the caller divides by the tokens
+            loss = F.cross_entropy(*flat, ignore_index=-1, reduction="sum")
+            self.losses.append(loss.detach().float())
+            return loss
+        loss = F.cross_entropy(*flat, ignore_index=-1)
+        self.losses.append(loss.detach())
+        return loss / self.scale
+
+    def _chunks(self, x: torch.Tensor, y: torch.Tensor) -> dict:
+        """The round's inputs, pre-split into micro-batches for the stages this rank runs."""
+        # Consecutive rows: micro-batch i is what a one-process run's micro-step i would see.
+        xs, ys = x.tensor_split(self.microbatches), y.tensor_split(self.microbatches)
+        return {"arg_mbs": [(c,) for c in xs] if self.has_first else None,
+                "target_mbs": list(ys) if self.has_last else None}
+
+    def start_step(self, rounds: int) -> None:
+        """Before a step of `rounds` rounds (the trainer's grad_accum_steps)."""
+        self.scale, self.losses = rounds * self.microbatches, []
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """One round: forward and backward of `microbatches` micro-batches of (x, y)."""
+        self._keep_last_losses(self.schedule.step, **self._chunks(x, y), return_outputs=False)
+
+    def _keep_last_losses(self, run, **kwargs) -> None:
+        """run(**kwargs), keeping the losses of its last `microbatches` calls of the loss: a
+        stage's first round calls it once more, to infer the shapes of what it sends."""
+        before = len(self.losses)
+        run(**kwargs)
+        if self.has_last:
+            self.losses[before:] = self.losses[-self.microbatches:]
+
+    def finish_step(self) -> torch.Tensor:
+        """After the last round: the tied weight's gradients summed; the step's micro-batch
+        losses (on every rank of the pipeline: broadcast from the last stage)."""
+        if self.tied_group is not None and self.tied.grad is not None:
+            grad = self.tied.grad
+            # In place on the local shard (fsdp_pp: both ranks hold the same dp shard).
+            dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad,
+                            group=self.tied_group)
+        return self._broadcast(self.losses, self.scale)
+
+    def _broadcast(self, values: list[torch.Tensor], n: int) -> torch.Tensor:
+        device = self.stages[0].device
+        out = torch.stack(values).float() if self.has_last else torch.zeros(n, device=device)
+        dist.broadcast(out, group=self.group, group_src=self.last_rank)
+        return out
+
+    @torch.no_grad()
+    def evaluate(self, x: torch.Tensor, y: torch.Tensor, rows: int) -> tuple[torch.Tensor,
+                                                                                torch.Tensor]:
+        """(summed loss, tokens) of one validation batch on the last stage's rank, zeros on
+        the others (so an all-reduce over every rank counts each pipeline once).
+
+        The stages' buffers have the training micro-batch's shape: a shorter last batch is
+        padded to `rows` sequences with targets -1, which cross_entropy ignores."""
+        pad = rows - x.size(0)
+        if pad:
+            x = torch.cat([x, x.new_zeros(pad, x.size(1))])
+            y = torch.cat([y, y.new_full((pad, y.size(1)), -1)])
+        self.evaluating, self.losses = True, []
+        try:
+            self._keep_last_losses(self.schedule.eval, **self._chunks(x, y))
+        finally:
+            self.evaluating = False
+        if not self.has_last:
+            zero = torch.zeros((), device=x.device)
+            return zero, zero
+        return torch.stack(self.losses).sum(), (y != -1).sum().float()
+
+
+# --- apply: the registry's entry points ------------------------------------------------------
+
+def _mesh(device: torch.device, s: Settings, fsdp: bool) -> DeviceMesh:
+    sizes = mesh_sizes(dist.get_world_size(), s.pp_size, s.tp_size, fsdp)
+    return init_device_mesh(device.type, sizes, mesh_dim_names=("pp", "dp", "tp"))
+
+
+def _tied_group(mesh: DeviceMesh, first_rank: int, last_rank: int) -> dist.ProcessGroup | None:
+    """The group of the two ranks that hold the tied weight (first and last stage) at this
+    rank's (dp, tp) place; None where one rank holds both. Every rank creates every group
+    (new_group is collective), in the same order."""
+    if first_rank == last_rank:
+        return None
+    ranks = mesh.mesh  # (pp, dp, tp) global ranks
+    mine = None
+    for d in range(ranks.size(1)):
+        for t in range(ranks.size(2)):
+            pair = [int(ranks[first_rank, d, t]), int(ranks[last_rank, d, t])]
+            group = dist.new_group(pair)
+            if dist.get_rank() in pair:
+                mine = group
+    return mine
+
+
+def apply(model: nn.Module, device: torch.device, s: Settings, fsdp: bool = False,
+          tp: bool = False) -> nn.Module:
+    """pp (fsdp, tp False), fsdp_pp (fsdp) or fsdp_tp_pp (both): `model` trimmed to this
+    rank's stages, with `model.pipeline` (a Pipeline) and `model.dp_tp_mesh` (data_parallel
+    reads its dp dimension)."""
+    mesh = _mesh(device, s, fsdp)
+    pp, pp_rank = mesh["pp"].size(), mesh["pp"].get_local_rank()
+    per_rank = stages_per_rank(s.pp_schedule, s.pp_stages_per_rank)
+    n_stages = pp * per_rank
+    blocks = split_blocks(model.config.n_layer, n_stages, s.pp_split)
+    mine = [i for i in range(n_stages) if rank_of_stage(i, pp) == pp_rank]
+    first, last = 0 in mine, n_stages - 1 in mine
+    # Built whole (the same draws as every other strategy), then trimmed: the weights equal
+    # a one-process model's bit for bit; the whole model exists only while being built.
+    _trim(model, {b for i in mine for b in blocks[i]}, first, last)
+    if tp:  # TP first: its plan names the blocks' own submodules (tensor.py); owned ones only
+        owned = [b for b in model.blocks if not isinstance(b, nn.Identity)]
+        tensor.apply_tp(SimpleNamespace(config=model.config, blocks=owned), mesh["tp"])
+    wrap_blocks(model, s.activation_checkpointing, s.compile)  # an Identity: never called
+    stages = [Stage(model, blocks[i], i == 0, i == n_stages - 1) for i in mine]
+    if fsdp:
+        kwargs = {"mesh": mesh["dp"]}
+        if s.precision != "fp32":
+            kwargs["mp_policy"] = fsdp_policy(s.precision)
+        for stage in stages:  # each stage is an FSDP root: PipelineStage drives its syncs
+            for block in stage.blocks:
+                if not isinstance(block, nn.Identity):
+                    fully_shard(block, **kwargs)
+            fully_shard(stage, **kwargs)
+    pipeline_stages = [PipelineStage(stage, i, n_stages, device, group=mesh["pp"].get_group())
+                       for stage, i in zip(stages, mine, strict=True)]
+    last_rank = rank_of_stage(n_stages - 1, pp)
+    tied_group = _tied_group(mesh, 0, last_rank)
+    model.pipeline = Pipeline(pipeline_stages, s.pp_schedule, s.microbatches, mesh, last_rank,
+                              model.wte.weight if (first or last) else None, tied_group,
+                              tied_counted=first)
+    model.dp_tp_mesh = mesh  # data_parallel() reads its dp dimension
+    return model
+
+
+apply_fsdp = functools.partial(apply, fsdp=True)
+apply_fsdp_tp = functools.partial(apply, fsdp=True, tp=True)
+
+
+def check_config(t: DictConfig) -> None:
+    """The pipeline's own rules, one line each (config.validate calls it for pp methods)."""
+    require(t.pp_schedule in SCHEDULES, "trainer_config.pp_schedule",
+            f"one of {', '.join(SCHEDULES)}", t.pp_schedule)
+    require(t.pp_size >= 0, "trainer_config.pp_size", "an integer >= 0 (0: every rank)",
+            t.pp_size)
+    require(t.distributed_method != "fsdp_tp_pp" or t.tp_size >= 1, "trainer_config.tp_size",
+            ">= 1 with fsdp_tp_pp (processes per TP group inside each stage)", t.tp_size)
+    require(t.microbatches >= 1 and t.batch_size % t.microbatches == 0,
+            "trainer_config.microbatches", f"a divisor of batch_size ({t.batch_size}): each "
+            "micro-step's batch is cut into that many micro-batches", t.microbatches)
+    require(t.pp_stages_per_rank >= 2 or t.pp_schedule not in LOOPED,
+            "trainer_config.pp_stages_per_rank", f">= 2 with pp_schedule={t.pp_schedule}",
+            t.pp_stages_per_rank)
+    # fp16's GradScaler scales the loss the trainer backpropagates; here the schedule runs
+    # backward from inside, on the last stage only.
+    require(t.precision != "fp16", "trainer_config.precision",
+            "fp32 or bf16 with pipeline parallelism (fp16's loss scaling would have to run "
+            "inside the schedule)", t.precision)
