@@ -58,7 +58,7 @@ def build_local(cfg: DictConfig, device: torch.device) -> tuple:
         model = model.to(device)
     if init_from and not snapshot.committed(t.snapshot_path):
         # Into the plain model, before wrapping: every rank reads the whole checkpoint (on the
-        # CPU) and copies it in; FSDP then keeps each rank's shards (README: FSDP and memory).
+        # CPU) and copies it in; FSDP then keeps each rank's shards (README: GPT-2 weights).
         # Not on a resume: the snapshot replaces every weight, and reading GPT-2's (on every
         # rank: 6 GB for gpt2-xl, and transformers' model code) would only delay the restart.
         from mingpt import pretrained  # transformers is imported only for GPT-2's weights

@@ -83,8 +83,11 @@ def test_readme_stays_short():
 
 
 def test_the_strategies_are_the_registrys(m):
-    named = bold_items(section("Strategies"))
+    """The map's rows (`| **name** | ...`) are the registry's strategies, each once, and
+    context parallelism's key, which composes with them."""
+    named = re.findall(r"^\| \*\*([\w-]+)\*\* \|", section("Strategies"), re.M)
     assert sorted(named) == sorted(m["parallel"].STRATEGIES), named
+    assert re.search(r"^\| \*\*`cp_size`\*\* \|", section("Strategies"), re.M)
 
 
 def test_the_data_kinds_are_the_registrys(m):

@@ -36,7 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ranks", type=int, default=2, help="processes (torchrun)")
     parser.add_argument("--tp_size", type=int, default=2, help="tp group size for fsdp_tp")
     parser.add_argument("--strategies", nargs="+",
-                        default=["ddp", "zero", "fsdp", "tp", "fsdp_tp"])
+                        default=["ddp", "zero", "fsdp", "tp", "fsdp_tp", "pp"])
     parser.add_argument("--out", default="bench/memory", help="writes OUT.json and OUT.png")
     parser.add_argument("--replot", metavar="JSON", help="redraw the PNG of a saved JSON")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -52,6 +52,9 @@ def overrides(args: argparse.Namespace, strategy: str) -> list[str]:
             f"trainer_config.batch_size={args.batch_size}",
             f"trainer_config.max_steps={args.steps}", "trainer_config.warmup_steps=1",
             f"trainer_config.tp_size={tp_size if strategy in ('tp', 'fsdp_tp') else 0}",
+            # pp: one pipeline over all ranks, each sequence its own micro-batch (they must
+            # divide batch_size); the other strategies ignore the key.
+            f"trainer_config.microbatches={args.batch_size}",
             "trainer_config.sample_tokens=0", "run_name=bench_memory"]
 
 
@@ -133,7 +136,9 @@ def predict(args: argparse.Namespace, strategy: str) -> dict[str, int]:
     with torch.device("meta"):
         gpt = GPT(GPTConfig(model_type=args.preset, vocab_size=65, block_size=args.block_size))
     tp_size = args.ranks if strategy == "tp" else args.tp_size
-    return model_size.memory_row(gpt, strategy, args.ranks, tp_size, args.batch_size)
+    # pp: one pipeline of all ranks, micro-batches of one sequence (as overrides() sets).
+    return model_size.memory_row(gpt, strategy, args.ranks, tp_size, args.batch_size,
+                                 pp_size=args.ranks, microbatches=args.batch_size)
 
 
 def launch(args: argparse.Namespace, strategy: str) -> dict | None:

@@ -58,11 +58,19 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor.experimental._context_parallel import _attention as torch_cp
 
 from mingpt.model import causal_attention
 
 aten = torch.ops.aten
+
+
+def torch_cp():
+    """torch's context-parallel module (private: its path moves between releases), imported on
+    first use, so that importing this file (config.py does, for check_config) needs none of it:
+    xla_main.py imports the config under torch_xla's older torch, which keeps it elsewhere."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention
+
+    return _attention
 
 
 def check_config(t: DictConfig, block_size: int, dropout: float, methods: tuple[str, ...]
@@ -124,9 +132,9 @@ def _ring_options() -> Iterator[None]:
     run; set here around each call and restored after, so nothing else sees them. ALL_TO_ALL
     is the ring proper: each rank holds two K/V blocks at a time (torch's default, ALL_GATHER,
     gathers all of them at once: fewer launches on a GPU, cp times the memory)."""
-    options = torch_cp._cp_options
+    options = torch_cp()._cp_options
     saved = (options.enable_load_balance, options.rotate_method)
-    options.enable_load_balance, options.rotate_method = True, torch_cp._RotateMethod.ALL_TO_ALL
+    options.enable_load_balance, options.rotate_method = True, torch_cp()._RotateMethod.ALL_TO_ALL
     try:
         yield
     finally:
@@ -146,7 +154,7 @@ class RingAttention(torch.autograd.Function):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         # seq_dim 2 of (B, nh, T, hs); torch's ring merges the blocks by log-sum-exp in fp32.
         with _ring_options():
-            out, lse = torch_cp._templated_ring_attention(
+            out, lse = torch_cp()._templated_ring_attention(
                 group, 2, aten._scaled_dot_product_flash_attention_for_cpu, q, k, v,
                 is_causal=True, dropout_p=0.0, scale=None)[:2]
         # What flash attention keeps for backward, as without cp: inputs, output, log-sum-exp.
@@ -161,7 +169,7 @@ class RingAttention(torch.autograd.Function):
         # log-sum-exp (so a block's softmax is normalised over all keys); dK and dV travel
         # on round the ring with their block until they reach the rank that owns it.
         with _ring_options():
-            dq, dk, dv = torch_cp._templated_ring_attention_backward(
+            dq, dk, dv = torch_cp()._templated_ring_attention_backward(
                 ctx.group, 2, aten._scaled_dot_product_flash_attention_for_cpu_backward,
                 grad_out.contiguous(), "grad_out", q, k, v, out, lse, True,
                 dropout_p=0.0, scale=None)[:3]
@@ -184,12 +192,12 @@ class ContextParallelAttention:
         self.torch_ring: nn.Module | None = None
         if cp_mesh.device_type == "cuda":  # PyTorch's own context parallelism
             from torch.distributed.tensor.parallel import parallelize_module
-            self.torch_ring = parallelize_module(_SDPA(), cp_mesh, torch_cp._ContextParallel(
-                seq_dim=2, attention_type=torch_cp._ContextParallel.AttentionType.SDPA))
+            self.torch_ring = parallelize_module(_SDPA(), cp_mesh, torch_cp()._ContextParallel(
+                seq_dim=2, attention_type=torch_cp()._ContextParallel.AttentionType.SDPA))
             # Let DTensor's scaled_dot_product_attention run as a ring (a global switch, for
             # DTensor inputs only), with the zig-zag layout of our inputs.
-            torch_cp._enable_context_parallel_dispatcher()
-            torch_cp._cp_options.enable_load_balance = True
+            torch_cp()._enable_context_parallel_dispatcher()
+            torch_cp()._cp_options.enable_load_balance = True
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float
                  ) -> torch.Tensor:
