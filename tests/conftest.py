@@ -70,6 +70,9 @@ SLOW_FILES = (
     # them waiting out the collective timeout (most of the file's time is that waiting)
     "test_mingpt_hang.py",
     "test_mingpt_train.py",  # 82
+    "test_mingpt_context.py",  # 60: eleven 2- and 4-rank launches
+    # 85 with pip's cache cold, 24 warm, 1 once its venv exists (aws-parallelcluster's schema)
+    "test_cluster.py",
     "test_notebooks.py",  # 75
     "test_steps.py",  # 70
     "test_teardown.py",  # 48
@@ -79,6 +82,8 @@ SLOW_FILES = (
     "test_mingpt_strategies.py",  # 34
     "test_mingpt_s3.py",  # 31
     "test_mingpt_bench.py",  # 22
+    "test_torchrun_logs.py",  # 25: the README's launch, at 3 processes, with a kill and a restart
+    "test_vscode.py",  # 25: torchrun under debugpy, attached as VS Code attaches
     "test_elastic.py",  # 20
     "test_slurm.py",  # 29, most of it waiting for the daemons and the job
     "test_mingpt_parallel.py",  # 15
