@@ -9,8 +9,6 @@ of 4 (attention at cp 4 and on a (2, 2) mesh; ddp against ddp and fsdp over dp 2
 one pair (cp over 2 ranks with ddp and fsdp, resumes, activation memory). Each writes its
 findings for the tests to assert on.
 """
-import contextlib
-import io
 import json
 from datetime import timedelta
 from pathlib import Path
@@ -32,6 +30,7 @@ from mingpt_helpers import (
     train_losses,
     val_losses,
 )
+from test_mingpt_strategies import train_here
 
 CPU = torch.device("cpu")
 STEPS, HALF = 4, 2
@@ -135,23 +134,13 @@ def overrides(run_dir: Path, text: Path, method: str, cp: int, batch: int, steps
 
 def fit(m: dict, args: list[str]) -> tuple[str, dict]:
     """main.train's build, resume and train in this process: (rank 0's log, full weights)."""
-    cfg = m["config"].load(args)
-    t = cfg.trainer_config
-    model, optimizer, train_set, val_set, data, meta, flops = \
-        m["main"].load_train_objs(cfg, CPU)
-    trainer = m["trainer"].Trainer(t, model, optimizer, train_set, val_set, CPU, cfg.run_dir,
-                                   meta, flops)
-    state = m["snapshot"].load(t.snapshot_path, t.distributed_method, model, optimizer, meta,
-                               data.MATCH_KEYS)
-    log = io.StringIO()
-    with contextlib.redirect_stdout(log):
-        if state is not None:
-            trainer.load_state_dict(state)
-        trainer.train()
+    # Composed afresh each time (not test_mingpt_strategies.configure's cached base): the
+    # runs here differ in which keys they set.
+    log, model, _ = train_here(m, m["config"].load(args))
     weights = {}
     for key, value in m["common"].unwrap(model).state_dict().items():  # fsdp: collective
         weights[key] = (value.full_tensor() if hasattr(value, "full_tensor") else value).clone()
-    return log.getvalue(), weights
+    return log, weights
 
 
 def weights_report(weights: dict, reference: dict) -> dict:

@@ -121,7 +121,11 @@ def full(m: dict, t: torch.Tensor) -> torch.Tensor:
 def run(m: dict, args: list[str]) -> tuple[str, torch.nn.Module, torch.optim.Optimizer]:
     """main.train's steps in this process: build, resume, train; (rank 0's log, the model,
     the optimizer)."""
-    cfg = configure(m, args)
+    return train_here(m, configure(m, args))
+
+
+def train_here(m: dict, cfg: DictConfig) -> tuple[str, torch.nn.Module, torch.optim.Optimizer]:
+    """run() for a config composed by the caller."""
     t = cfg.trainer_config
     model, optimizer, train_set, val_set, data, meta, flops = \
         m["main"].load_train_objs(cfg, CPU)
