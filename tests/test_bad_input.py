@@ -65,6 +65,15 @@ REUSED = [
     ("python xla_main.py trainer_config.precision=fp16", "error: trainer_config.precision must be "
      "fp32 or bf16 with xla_main.py, got 'fp16'",
      "test_xla.py::test_xla_refuses_what_only_main_py_has"),
+    ("python main.py trainer_config.collective_timeout_s=0", "error: "
+     "trainer_config.collective_timeout_s must be > 0 (seconds a collective may wait for the "
+     "other ranks), got 0.0", "test_mingpt_hang.py::test_debugging_keys_are_checked"),
+    ("python main.py trainer_config.profile_steps=-1", "error: trainer_config.profile_steps must "
+     "be an integer >= 0 (0: off), got -1", "test_mingpt_hang.py::test_debugging_keys_are_checked"),
+    ("python main.py trainer_config.memory_snapshot=true (no GPU)", "error: "
+     "trainer_config.memory_snapshot must be False without a CUDA GPU (it records CUDA "
+     "allocations; on a CPU, profile_steps shows where time goes), got True",
+     "test_mingpt_hang.py::test_debugging_keys_are_checked"),
 ]
 
 
