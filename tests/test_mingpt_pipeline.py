@@ -101,6 +101,12 @@ def _worker(rank: int, store: str, out: str, text: str) -> None:
         # Stopped halfway, then resumed: the snapshot at HALF goes on to STEPS.
         run(m, overrides(out_dir / "half", text, HALF))
         result["resumed"], *_ = run(m, overrides(out_dir / "half", text, STEPS))
+        # Resumed with another weight decay: the snapshot's hyper-parameters win on every
+        # stage, as with ddp and fsdp (each rank's groups hold other parameters).
+        run(m, overrides(out_dir / "decay", text, HALF))
+        *_, optimizer = run(m, overrides(out_dir / "decay", text, HALF + 1, "pp", "1f1b", 8, 1,
+                                         "optimizer_config.weight_decay=0.3"))
+        result["weight_decay"] = [group["weight_decay"] for group in optimizer.param_groups]
         # Checkpointing recomputes the same operations: the same numbers.
         result["checkpointed"], *_ = run(m, overrides(out_dir / "ckpt", text, STEPS, "pp",
                                                       "1f1b", 8, 1, "trainer_config."
@@ -203,6 +209,14 @@ def test_resume_is_bit_for_bit(spawned):
     assert all(resumed[s] == whole[s] for s in resumed), (resumed, whole)
     a, b = snapshot_weights(out / "1f1b/snapshot"), snapshot_weights(out / "half/snapshot")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_resume_keeps_the_snapshots_hyper_parameters_on_every_stage(spawned):
+    """DCP saves each param group's list of parameter names once (rank 0's), though every
+    pipeline rank holds other parameters: a rank that took it over matched none of its own, and
+    its groups came back without the saved weight decay, betas, eps."""
+    ranks = [result["weight_decay"] for result in spawned[2]]
+    assert ranks == [[0.1, 0.0], [0.1, 0.0]], ranks
 
 
 def test_checkpointing_bf16_and_clipping(spawned):

@@ -301,6 +301,11 @@ def load_sharded(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimi
     # they need), so a rank that stayed away would leave the others waiting.
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
+    # Each param group names its parameters, a plain list that DCP saves once under one key
+    # (optim.param_groups.N.params), from one rank. Under a pipeline each rank holds other
+    # parameters, so the list loaded is another rank's; this rank's own names go back after
+    # the load, beside the saved hyper-parameters (lr, betas, eps, weight_decay).
+    own_names = [list(group["params"]) for group in optim_sd["param_groups"]]
     try:
         # Into each rank's own rows of TP's q/k/v too: views of the DTensors in `state`.
         dcp.load(checkpointable(state), storage_reader=storage.reader(checkpoint))
@@ -309,18 +314,12 @@ def load_sharded(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimi
         raise SnapshotError(f"cannot load sharded snapshot {checkpoint} ({storage.reason(e)}): "
                             "it is corrupt; move it away or set trainer_config.snapshot_path"
                             ) from None
+    for group, names in zip(state["optim"]["param_groups"], own_names, strict=True):
+        group["params"] = names
     # The optimizer state is keyed by parameter name; set_state_dict puts it back under this
     # optimizer's own parameters.
-    own = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
-    # Pipelines (each rank holds other parameters): a param group's hyper-parameters (lr,
-    # betas, eps, weight_decay; saved as plain values per parameter name) came back on one
-    # rank only (torch 2.14.1), and the lr schedule then failed on a missing "lr". The
-    # config's own values stand in where they are missing (resume_scheduler sets the lr).
-    for group, settings in zip(optimizer.param_groups, own, strict=True):
-        for key, value in settings.items():
-            group.setdefault(key, value)
 
 
 def load_sharded_weights(url: str, model: torch.nn.Module) -> None:
