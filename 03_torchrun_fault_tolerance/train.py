@@ -9,6 +9,7 @@
 import argparse
 import os
 import sys
+import traceback
 
 import torch
 import torch.distributed.nn  # noqa: F401  before init_process_group, or it keeps the group alive
@@ -144,9 +145,16 @@ def main(args: argparse.Namespace) -> None:
     dataset, model, optimizer = load_train_objs()
     train_data = prepare_dataloader(dataset, args.batch_size)
     trainer = Trainer(model, train_data, optimizer, device, args.save_every, args.snapshot_path)
-    trainer.train(args.total_epochs)
+    try:
+        trainer.train(args.total_epochs)
+        failed = False
+    except Exception:  # a crash, e.g. a peer killed mid-collective: torchrun restarts us all
+        traceback.print_exc()  # now: once out of this block, its frames (holding DDP) are gone
+        failed = True
     del trainer  # DDP holds the group too: release it, so that destroy_process_group frees it ...
     destroy_process_group()  # ... and joins gloo's threads: none may still run as Python exits
+    if failed:
+        sys.exit(1)
 
 
 def positive_int(text: str) -> int:

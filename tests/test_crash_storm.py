@@ -7,15 +7,16 @@ measured figures are in tests/README.md, section "Crash storms".
 """
 import re
 import signal
+import subprocess
 import sys
 import time
 
 import pytest
 import torch
 
-from conftest import REPO, TORCHRUN, run
+from conftest import PYTHON, REPO, TEARDOWN_ABORT, TEARDOWN_PROBE, TORCHRUN, child_env, run
 from crash_storm import account, final_tensors, run_storm, write_in_progress
-from step_helpers import probe
+from step_helpers import node_envs, probe
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="finds torchrun's workers in /proc (Linux)")
@@ -59,6 +60,27 @@ def test_step03_killed_worker_resumes_bitwise_exact_once_and_in_a_storm(tmp_path
     # finished epoch (03 saves every epoch: one whose save the kill cut off).
     assert all(r["latency_s"] is not None for r in summary["records"]), summary["records"]
     assert all(0 <= lost <= 1 for lost in summary["lost_per_kill"]), summary["records"]
+
+
+@pytest.mark.parametrize("step", ["03_torchrun_fault_tolerance", "04_multinode"])
+def test_the_rank_whose_peer_died_leaves_no_gloo_thread_behind(tmp_path, step):
+    """The other side of a kill: the surviving rank's collective fails ("Connection reset by
+    peer") and it exits with Python's traceback and status 1, having destroyed its process
+    group. A group left alive keeps gloo's threads running as Python shuts down, which can
+    abort the process ("terminate called without an active exception"; seen in the run above
+    on a busy machine, when rank 0 saw the reset before torchrun stopped it). No torchrun here,
+    so nothing stops rank 0 before it handles the error: the probe counts gloo's threads at
+    exit every time."""
+    cmd = [PYTHON, TEARDOWN_PROBE, str(REPO / step / "train.py"), "3", "1",
+           "--snapshot_path", "s.pt"]
+    procs = [subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=child_env(**env, FAULT_AT_EPOCH="1"))
+             for env in node_envs(2)]
+    (out0, err0), (_, err1) = (proc.communicate(timeout=120) for proc in procs)
+    assert procs[1].returncode == -signal.SIGKILL, err1[-2000:]  # rank 1 killed itself
+    assert procs[0].returncode == 1 and "RuntimeError" in err0, err0[-2000:]
+    assert "[rank 0] gloo threads at exit: 0" in out0 and TEARDOWN_ABORT not in err0, \
+        (out0[-500:], err0[-2000:])
 
 
 def test_a_kill_before_the_first_snapshot_is_timed_on_its_own_restart():
