@@ -42,26 +42,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def saved_bytes(model, x, y) -> int:
-    """Bytes autograd keeps for backward in one forward (each storage once, no parameters)."""
-    import torch
-
-    # Linear layers save their weight for backward: model state, counted elsewhere.
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    kept: dict[int, int] = {}  # storage address -> bytes: views of one storage count once
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            kept[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    # Every tensor autograd saves passes through pack, including the ring's own saved ones.
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(x, y)
-    return sum(kept.values())
-
-
 def ring_bytes_predicted(cfg, batch_size: int, cp: int) -> int:
     """Bytes one rank sends per step in the ring: forward passes its K and V on cp - 1 times;
     backward passes them on cp - 1 times again and their gradients (fp32) cp times."""
@@ -80,7 +60,7 @@ def worker(rank: int, cp: int, store: str, args: argparse.Namespace, out: str) -
 
     import model_size
     from mingpt import distributed
-    from mingpt.metrics import peak_memory_mb, reset_peak_memory
+    from mingpt.metrics import peak_memory_mb, reset_peak_memory, saved_activation_bytes
     from mingpt.model import GPT, GPTConfig
     from mingpt.optim import build_optimizer
     from mingpt.parallel import parallelize
@@ -104,7 +84,7 @@ def worker(rank: int, cp: int, store: str, args: argparse.Namespace, out: str) -
     # Random tokens: the memory and the bytes do not depend on the text, only on the shapes.
     x = torch.randint(0, 65, (args.batch_size, args.block_size))  # the same on every rank
     y = torch.randint(0, 65, (args.batch_size, args.block_size))
-    activations = saved_bytes(inner, x, y)
+    activations = saved_activation_bytes(inner, x, y)
     # RSS before the steps (the model, the process group): the peak is read above it.
     rss_before = peak_memory_mb(torch.device("cpu"))[0]
     reset_peak_memory(torch.device("cpu"))

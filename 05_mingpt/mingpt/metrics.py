@@ -134,6 +134,25 @@ def local_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def saved_activation_bytes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
+    """The bytes autograd keeps for backward in one forward of (x, y), counted from the tensors
+    it saves: every storage once (views share one), parameters left out (Linear layers save
+    their weight: model state, not activations). model_size.py predicts these."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept: dict[int, int] = {}  # storage address -> bytes
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    # Every tensor autograd saves passes through pack, including a custom Function's own.
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x, y)
+    return sum(kept.values())
+
+
 def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer
                       ) -> dict[str, int]:
     """This rank's bytes of parameters, gradients and optimizer state, counted from the
