@@ -30,7 +30,7 @@ from mingpt_helpers import (
     train_losses,
     val_losses,
 )
-from test_mingpt_strategies import train_here
+from test_mingpt_strategies import full_weights, train_here
 
 CPU = torch.device("cpu")
 STEPS, HALF = 4, 2
@@ -137,10 +137,7 @@ def fit(m: dict, args: list[str]) -> tuple[str, dict]:
     # Composed afresh each time (not test_mingpt_strategies.configure's cached base): the
     # runs here differ in which keys they set.
     log, model, _ = train_here(m, m["config"].load(args))
-    weights = {}
-    for key, value in m["common"].unwrap(model).state_dict().items():  # fsdp: collective
-        weights[key] = (value.full_tensor() if hasattr(value, "full_tensor") else value).clone()
-    return log, weights
+    return log, full_weights(m, model)
 
 
 def weights_report(weights: dict, reference: dict) -> dict:
@@ -170,32 +167,15 @@ def _four_worker(rank: int, store: str, out: str, text: str) -> None:
     m["distributed"].release()  # every reference dropped first: gloo's threads are joined
 
 
-def saved_bytes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
-    """The bytes autograd keeps for backward in one forward: every saved tensor's storage,
-    once, leaving out the parameters (model state, not activations)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    kept: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            kept[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(x, y)
-    return sum(kept.values())
-
-
 def activation_memory(m: dict) -> dict:
     """Saved bytes of one forward without and with cp 2, and model_size.py's predictions."""
     torch.manual_seed(0)
     gpt = m["model"].GPT(m["model"].GPTConfig(model_type=None, n_layer=2, n_head=2, n_embd=32,
                                               vocab_size=65, block_size=64, dropout=0.0))
     x, y = torch.randint(0, 65, (4, 64)), torch.randint(0, 65, (4, 64))
-    measured = [saved_bytes(gpt, x, y)]
+    measured = [m["metrics"].saved_activation_bytes(gpt, x, y)]
     m["parallel"].context.apply(gpt, CPU, 2)
-    measured.append(saved_bytes(gpt, x, y))
+    measured.append(m["metrics"].saved_activation_bytes(gpt, x, y))
     predict = m["model_size"].flash_activation_bytes
     return {"measured": measured, "predicted": [predict(gpt, 4), predict(gpt, 4, 2)]}
 

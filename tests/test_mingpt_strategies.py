@@ -144,10 +144,13 @@ def train_here(m: dict, cfg: DictConfig) -> tuple[str, torch.nn.Module, torch.op
 def fit(m: dict, args: list[str]) -> tuple[str, dict]:
     """run(), then (rank 0's log, the full weights)."""
     log, model, _ = run(m, args)
-    # Collective for DTensors (tp, fsdp): every rank gathers each whole tensor in turn.
-    weights = {k: full(m, v).clone()
-               for k, v in m["common"].unwrap(model).state_dict().items()}
-    return log, weights
+    return log, full_weights(m, model)
+
+
+def full_weights(m: dict, model: torch.nn.Module) -> dict:
+    """The model's whole weights, on every rank: collective for DTensors (tp, fsdp), every rank
+    gathers each whole tensor in turn."""
+    return {k: full(m, v).clone() for k, v in m["common"].unwrap(model).state_dict().items()}
 
 
 def _worker(rank: int, store: str, out: str, text: str) -> None:
