@@ -176,13 +176,8 @@ def main(argv: list[str]) -> None:
     if any(arg in ("-h", "--help") for arg in argv):
         print(USAGE)
         return
-    show = argv[:2] == ["--cfg", "job"]
-    overrides = argv[2:] if show else argv
-    options = [arg for arg in overrides if arg.startswith("-")]
     try:
-        if options:
-            raise ValueError(f"unknown option {options[0]}; main.py takes key=value overrides, "
-                             "--cfg job or --help")
+        show, overrides = config.command_line(argv, "main.py")
         cfg = config.load(overrides)  # composed and checked once, before anything is created
     except ValueError as e:
         fail(e)

@@ -421,13 +421,8 @@ def main(argv: list[str]) -> None:
     if any(arg in ("-h", "--help") for arg in argv):
         print(USAGE)
         return
-    show = argv[:2] == ["--cfg", "job"]
-    overrides = argv[2:] if show else argv
     try:
-        options = [arg for arg in overrides if arg.startswith("-")]
-        if options:
-            raise ValueError(f"unknown option {options[0]}; xla_main.py takes key=value "
-                             "overrides, --cfg job or --help")
+        show, overrides = config.command_line(argv, "xla_main.py")
         cfg = load_config(overrides)
         if show:
             print(OmegaConf.to_yaml(cfg).rstrip())

@@ -238,6 +238,19 @@ def _check_debugging(t: DictConfig) -> None:
             "allocations; on a CPU, profile_steps shows where time goes)", t.memory_snapshot)
 
 
+def command_line(argv: list[str], script: str) -> tuple[bool, list[str]]:
+    """(whether `--cfg job` leads, the key=value overrides) of a training script's arguments
+    (main.py, xla_main.py; each prints its own --help); ValueError (one line) for any other
+    option."""
+    show = argv[:2] == ["--cfg", "job"]
+    overrides = argv[2:] if show else argv
+    options = [arg for arg in overrides if arg.startswith("-")]
+    if options:
+        raise ValueError(f"unknown option {options[0]}; {script} takes key=value overrides, "
+                         "--cfg job or --help")
+    return show, overrides
+
+
 def load(overrides: list[str]) -> DictConfig:
     """The run's config from the command-line overrides, checked and with every value resolved.
 
