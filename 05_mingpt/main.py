@@ -1,4 +1,4 @@
-"""Train a GPT on one CPU, one GPU, or many nodes, with any strategy of mingpt.parallel.
+"""Train a GPT on one CPU, one GPU, or many nodes, with any layout of mingpt.parallel.
 
     python main.py                                          # one process (CPU or one GPU)
     torchrun --standalone --nproc_per_node=4 main.py        # 4 processes: 4 GPUs, or 4 on a CPU
@@ -24,7 +24,7 @@ from mingpt.errors import fail
 from mingpt.metrics import print0, print_versions
 from mingpt.model import GPT
 from mingpt.optim import build_optimizer
-from mingpt.parallel import STRATEGIES, parallelize
+from mingpt.parallel import fsdp, parallelize
 from mingpt.parallel.common import data_parallel, unwrap
 from mingpt.trainer import NonFiniteLoss, Trainer
 from sample import generate_text
@@ -47,8 +47,8 @@ def build_local(cfg: DictConfig, device: torch.device) -> tuple:
     # then give each rank storage for its shards only and draw the weights into them
     # (init_sharded), so no rank ever holds the whole model. The pretrained weights are
     # copied into a whole model first (pretrained.load_pretrained), so init_from does not.
-    strategy = STRATEGIES[t.distributed_method]
-    on_meta = strategy.init_on_meta is not None and not init_from
+    on_meta = t.distributed_method == "fsdp" and t.tp_size <= 1 and t.pp_size <= 1 \
+        and not init_from
     # The same seed on every rank: FSDP shards each rank's own copy of the initial weights,
     # so all copies must be equal (DDP would broadcast rank 0's, FSDP does not).
     torch.manual_seed(t.seed)
@@ -64,7 +64,7 @@ def build_local(cfg: DictConfig, device: torch.device) -> tuple:
         from mingpt import pretrained  # transformers is imported only for GPT-2's weights
         pretrained.load_pretrained(model, init_from)
         print0(f"weights from {init_from}")
-    return data, train_set, val_set, meta, model, strategy.init_on_meta if on_meta else None
+    return data, train_set, val_set, meta, model, fsdp.init_sharded if on_meta else None
 
 
 def load_train_objs(cfg: DictConfig, device: torch.device) -> tuple:
@@ -98,7 +98,7 @@ def sampling_model(cfg: DictConfig, model: torch.nn.Module, device: torch.device
     """The model to generate the end-of-run sample with: the trained one, or for a pipeline
     (whose stages are spread over the ranks) the whole model read back from the final
     snapshot, on rank 0 only (None on the others): the other ranks need not hold it."""
-    if not STRATEGIES[cfg.trainer_config.distributed_method].pipeline:
+    if getattr(unwrap(model), "pipeline", None) is None:
         return unwrap(model)  # FSDP: every rank generates, each forward gathers the shards
     if dist.get_rank() != 0:
         return None

@@ -29,17 +29,14 @@ from mingpt import ROOT
 from mingpt.data import KINDS, data_module
 from mingpt.errors import require
 from mingpt.model import GPTConfig, resolve_config
-from mingpt.parallel import STRATEGIES, context
+from mingpt.parallel import STRATEGIES, context, dp, layout, pipeline, tensor
 from mingpt.parallel.tensor import check_tp
 from mingpt.precision import PRECISIONS
 
 HERE = ROOT  # 05_mingpt/: paths in the config are relative to it
 CONFIG_NAME = "gpt2_train_cfg"
-# The strategies and the ones that split each block's matmuls (tp_size): parallel.STRATEGIES.
+# The flavours and the shorthands for degrees (parallel/layout.py).
 DISTRIBUTED_METHODS = tuple(STRATEGIES)
-TP_METHODS = tuple(name for name, strategy in STRATEGIES.items() if strategy.tp)
-CP_METHODS = tuple(name for name, strategy in STRATEGIES.items() if strategy.cp)  # cp_size
-PP_METHODS = tuple(name for name, strategy in STRATEGIES.items() if strategy.pipeline)
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -169,24 +166,17 @@ def validate(cfg: DictConfig) -> None:
         require(t[key] >= 0, f"trainer_config.{key}", "an integer >= 0", t[key])
     require(t.distributed_method in DISTRIBUTED_METHODS, "trainer_config.distributed_method",
            f"one of {', '.join(DISTRIBUTED_METHODS)}", t.distributed_method)
-    require(t.tp_size >= 0, "trainer_config.tp_size", "an integer >= 0 (0: every rank)",
-           t.tp_size)
-    require(t.tp_size == 0 or t.distributed_method in TP_METHODS, "trainer_config.tp_size",
-           f"0 unless distributed_method is {' or '.join(TP_METHODS)}", t.tp_size)
-    require(t.pp_size == 0 or t.distributed_method in PP_METHODS, "trainer_config.pp_size",
-           f"0 unless distributed_method is {' or '.join(PP_METHODS)}", t.pp_size)
-    strategy = STRATEGIES[t.distributed_method]
-    if strategy.check:  # the strategy's own rules (dp: CUDA GPUs, one process; tp: no fp16)
-        strategy.check(t)
+    _check_layout(t)
     require(t.precision in PRECISIONS, "trainer_config.precision",
            f"one of {', '.join(PRECISIONS)}", t.precision)
     require(t.device in DEVICES, "trainer_config.device", f"one of {', '.join(DEVICES)}", t.device)
     # Here rather than when the device is picked: before any process group or file exists.
     require(t.device != "cuda" or torch.cuda.is_available(), "trainer_config.device",
            "auto or cpu on a machine without a CUDA GPU", t.device)
-    offloading = [name for name, strategy in STRATEGIES.items() if strategy.cpu_offload]
-    require(not t.cpu_offload or t.distributed_method in offloading, "trainer_config.cpu_offload",
-            f"False unless distributed_method={' or '.join(offloading)} (it offloads FSDP "
+    # FSDP's offload, of the shards that every rank would otherwise hold whole.
+    require(not t.cpu_offload or (t.distributed_method == "fsdp" and t.tp_size <= 1
+                                  and t.pp_size <= 1), "trainer_config.cpu_offload",
+            "False unless distributed_method=fsdp without tp_size or pp_size (it offloads FSDP "
             "shards)", t.cpu_offload)
     _check_debugging(t)
     require(t.grad_clip >= 0, "trainer_config.grad_clip", ">= 0 (0 turns clipping off)",
@@ -223,7 +213,26 @@ def validate(cfg: DictConfig) -> None:
         # Every TP rank computes n_head / tp_size heads and n_embd / tp_size MLP columns.
         check_tp(sizes.n_head, sizes.n_embd, t.tp_size)
     # Sequences split over cp_size ranks: the method, block_size, dropout (context.py).
-    context.check_config(t, sizes.block_size, sizes.dropout, CP_METHODS)
+    context.check_config(t, sizes.block_size, sizes.dropout)
+
+
+def _check_layout(t: DictConfig) -> None:
+    """The layout: a flavour plus degrees (parallel/layout.py), each axis's own rules, and,
+    where torchrun has set WORLD_SIZE, the degrees against the world size: all before any
+    process group exists (parallelize checks the world size again, with the same lines)."""
+    for key in ("tp_size", "pp_size"):
+        require(t[key] >= 0, f"trainer_config.{key}", "an integer >= 0 (0: every rank)", t[key])
+    method = t.distributed_method
+    layout.check_axes(method, t.tp_size, t.pp_size, t.cp_size)
+    flavour, on = layout.SHORTHANDS.get(method, (method, ()))
+    if flavour == "dp":  # CUDA GPUs, one process
+        dp.check_config(t)
+    if (t.tp_size > 1 or "tp" in on) and flavour != "fsdp":  # fp16 and TP's mixed gradients
+        tensor.check_config(t)
+    if t.pp_size > 1 or "pp" in on:  # schedules, micro-batches, no fp16
+        pipeline.check_config(t)
+    if "WORLD_SIZE" in os.environ and t.cp_size >= 0:
+        layout.resolve(method, int(os.environ["WORLD_SIZE"]), t.tp_size, t.pp_size, t.cp_size)
 
 
 def _check_debugging(t: DictConfig) -> None:

@@ -16,8 +16,9 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
-from mingpt.parallel import STRATEGIES
+from mingpt.parallel import zero
 from mingpt.parallel.common import unwrap
+from mingpt.parallel.layout import grad_mesh
 
 # The settings that shape the lr schedule besides the base lr (LambdaLR saves none of them).
 SCHEDULE_KEYS = ("max_steps", "warmup_steps", "min_lr_ratio")
@@ -32,8 +33,11 @@ def build_optimizer(model: nn.Module, method: str, lr: float, betas: Iterable[fl
     # for gpt-micro on a CPU, where foreach still loops per op. It takes plain tensors or
     # DTensors of one mesh (FSDP), not a mix of them (TP), and only on CPUs and CUDA GPUs.
     fused = can_fuse([p for g in groups for p in g["params"]])
-    make = STRATEGIES[method].optimizer or torch.optim.AdamW  # zero: its sharded AdamW
-    return make(groups, lr=lr, betas=tuple(betas), fused=fused)
+    if method == "zero":  # each data-parallel rank keeps the state of the parameters it owns
+        mesh = getattr(unwrap(model), "mesh", None)
+        group = grad_mesh(mesh).get_group() if mesh is not None else None
+        return zero.optimizer(groups, group, lr=lr, betas=tuple(betas), fused=fused)
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), fused=fused)
 
 
 def can_fuse(params: list[torch.Tensor]) -> bool:

@@ -4,12 +4,14 @@
     state = snapshot.load(path, "fsdp", model, optimizer, meta, match_keys)  # None: none yet
 
 This module owns every layout; the trainer only gives and takes its own state dict. Two
-layouts, chosen by the distributed method (its `layout` in parallel.STRATEGIES):
-- ddp (also zero, dp): every rank holds the whole model, so global rank 0 writes ONE file at
+layouts, chosen by whether a rank holds the whole model (parallel.snapshot_layout):
+- ddp (ddp, zero and dp with no tp_size or pp_size): every rank holds the whole model, so
+  global rank 0 writes ONE file at
   `snapshot_path` (model, optimizer, schedule, scaler, step, data position, every rank's RNG,
   configs). ZeRO's optimizer state is spread over the ranks: it is gathered to rank 0 first
   (consolidate_state_dict), so the file is the same as DDP's and either method resumes it.
-- fsdp (also tp, fsdp_tp): no rank holds the whole model. `torch.distributed.checkpoint`
+- fsdp (fsdp, and any flavour with tp_size or pp_size): no rank holds the whole model.
+  `torch.distributed.checkpoint`
   (DCP) has every rank write its own shards in parallel into `snapshot_path/step_XXXXXXXX/`;
   rank 0 adds `train_state.pt` (everything but model and optimizer) and then
   `snapshot_path/latest`, which names the newest complete step directory. DCP reshards on
@@ -41,7 +43,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from mingpt import storage
 from mingpt.optim import keep_own_optimizer_settings
-from mingpt.parallel import STRATEGIES
+from mingpt.parallel import snapshot_layout
 from mingpt.parallel.common import unwrap
 from mingpt.parallel.tensor import checkpointable
 
@@ -302,9 +304,9 @@ def load_sharded(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimi
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     # Each param group names its parameters, a plain list that DCP saves once under one key
-    # (optim.param_groups.N.params), from one rank. Under a pipeline each rank holds other
-    # parameters, so the list loaded is another rank's; this rank's own names go back after
-    # the load, beside the saved hyper-parameters (lr, betas, eps, weight_decay).
+    # (optim.param_groups.N.params), from one rank. Where ranks hold different parameters (a
+    # pipeline's stages), the list loaded is another rank's; this rank's own names go back
+    # after the load, beside the saved hyper-parameters (lr, betas, eps, weight_decay).
     own_names = [list(group["params"]) for group in optim_sd["param_groups"]]
     try:
         # Into each rank's own rows of TP's q/k/v too: views of the DTensors in `state`.
@@ -417,7 +419,7 @@ def _save(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.
          state: dict, before_commit: Callable[[], None] | None = None,
          keep_last: int = 1) -> None:
     """save() itself: the layout's writes, then the commit."""
-    if STRATEGIES[method].layout == "fsdp":
+    if snapshot_layout(model, method) == "fsdp":
         save_sharded(url, state["step"], model, optimizer, state, before_commit, keep_last)
         return
     if isinstance(optimizer, ZeroRedundancyOptimizer):
@@ -438,7 +440,7 @@ def load(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.O
     kind = agreed_kind(url)
     if kind is None:
         return None
-    if kind != STRATEGIES[method].layout:
+    if kind != snapshot_layout(model, method):
         raise SnapshotError(f"{url} holds a {kind} snapshot, but distributed_method={method}; "
                             f"use {kind} or another snapshot_path")
     state = load_train_state(url, kind)  # on the CPU

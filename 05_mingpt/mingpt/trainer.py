@@ -21,8 +21,9 @@ from mingpt import forensics, snapshot
 from mingpt.faults import inject_fault, skip_gradient_sync
 from mingpt.metrics import TrainLog, print0
 from mingpt.optim import SCHEDULE_KEYS, build_scheduler, resume_scheduler
-from mingpt.parallel.common import clip_grad_norm_, data_parallel, local_devices, set_grad_sync
-from mingpt.precision import autocast, grad_scaler
+from mingpt.parallel import describe, runner
+from mingpt.parallel.common import data_parallel, local_devices
+from mingpt.precision import grad_scaler
 
 
 def rank_indices(n: int, epoch: int, seed: int, start: int, rank: int, world_size: int
@@ -52,6 +53,9 @@ class Trainer:
         self.cfg, self.device = cfg, device
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.model, self.optimizer = model, optimizer
+        # The layout's step: forward and backward of the micro-batches, the clip norm and
+        # evaluation; a pipeline's schedule or the plain loop (parallel.runner), one loop here.
+        self.runner = runner(model, device, cfg.precision)
         # The ranks that see different data: all of them, except under tensor parallelism,
         # where the ranks of one TP group share each batch (samplers, seeds, tokens/s use these).
         self.dp_rank, self.dp_size = data_parallel(model)
@@ -151,51 +155,23 @@ class Trainer:
 
     def _run_batch(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """One optimizer step over `grad_accum_steps` micro-batches."""
-        n = len(micro_batches)
-        pipeline = getattr(self.model, "pipeline", None)  # pp: a schedule runs each micro-step
-        if pipeline is not None:
-            self._run_pipeline(pipeline, micro_batches)
-        for i, (x, y) in enumerate([] if pipeline else micro_batches):  # pp: done above
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            # Gradients are all-reduced only in the last micro-step's backward; the others
-            # just accumulate locally.
-            with set_grad_sync(self.model, sync=i == n - 1):
-                with autocast(self.device, self.cfg.precision):
-                    _, loss = self.model(x, y)
-                    loss = loss.mean()  # nn.DataParallel returns one loss per GPU
-                self.log.timer.mark("forward")
-                self.scaler.scale(loss / n).backward()  # mean over the micro-steps
-                self.log.timer.mark("backward")
-            self.log.add(loss, x.numel())
+        for loss, tokens in self.runner.forward_backward(micro_batches, self.scaler,
+                                                         self.log.timer.mark):
+            self.log.add(loss, tokens)
             if self.cfg.precision != "fp16":  # fp16: GradScaler skips such a step by design
-                bad = ~torch.isfinite(loss.detach()) & (self.first_bad_step == 0)
+                bad = ~torch.isfinite(loss) & (self.first_bad_step == 0)
                 self.first_bad_step = torch.where(bad, self.step + 1, self.first_bad_step)
         if self.cfg.grad_clip > 0:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not scaled ones
-            # Works on FSDP's sharded (DTensor) gradients too: the norm covers all shards, and
-            # under pp all stages (their squares summed over the pipeline's ranks).
-            clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip,
-                            *((pipeline.group, pipeline.not_counted) if pipeline else ()))
+            # Over every gradient, wherever its shards live (FSDP's, TP's, a pipeline's
+            # other stages).
+            self.runner.clip_grad_norm(self.cfg.grad_clip)
         self.scaler.step(self.optimizer)  # fp16: skipped if gradients overflowed
         self.scaler.update()
         self.log.count_state(self.model, self.optimizer)  # before zero_grad frees gradients
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.log.timer.end_step()  # the optimizer's part ends the step's breakdown
-
-    def _run_pipeline(self, pipeline, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]
-                      ) -> None:
-        """pp's forward and backward: each micro-step one round of the schedule over its
-        `microbatches` micro-batches (pipeline.py); every rank then logs the step's losses."""
-        pipeline.start_step(len(micro_batches))
-        for x, y in micro_batches:
-            with autocast(self.device, self.cfg.precision):
-                pipeline.train_step(x.to(self.device), y.to(self.device))
-        tokens = micro_batches[0][0].numel() // pipeline.microbatches
-        for loss in pipeline.finish_step():  # from the last stage, on every rank
-            self.log.add(loss, tokens)
-            bad = ~torch.isfinite(loss) & (self.first_bad_step == 0)
-            self.first_bad_step = torch.where(bad, self.step + 1, self.first_bad_step)
 
     def _run_epoch(self) -> None:
         """Optimizer steps over the rest of the current epoch, or until max_steps."""
@@ -259,19 +235,11 @@ class Trainer:
                             sampler=self.val_sampler,
                             generator=torch.Generator().manual_seed(self.cfg.seed))
         totals = torch.zeros(2, device=self.device)  # loss sum over tokens, token count
-        pipeline = getattr(self.model, "pipeline", None)
         for x, y in loader:  # every rank runs the same number of batches (FSDP needs that)
-            x, y = x.to(self.device), y.to(self.device)
-            if pipeline is not None:  # pp: the stages' forward; the last stage's sums (0 on
-                # the other ranks, so each pipeline counts once)
-                with autocast(self.device, self.cfg.precision):
-                    totals += torch.stack(pipeline.evaluate(x, y, self.cfg.batch_size))
-                continue
-            with autocast(self.device, self.cfg.precision):
-                _, loss = self.model(x, y)
-                loss = loss.mean()  # nn.DataParallel: one loss per GPU
-            totals += torch.stack([loss.float() * y.numel(), torch.tensor(y.numel(),
-                                                                          device=self.device)])
+            # A pipeline's last stage holds the sums, its other ranks zeros: each pipeline
+            # counts once in the all-reduce below.
+            totals += torch.stack(self.runner.evaluate(x.to(self.device), y.to(self.device),
+                                                       self.cfg.batch_size))
         dist.all_reduce(totals)  # sums over ranks: the mean over every evaluated token
         self.model.train()
         return (totals[0] / totals[1]).item()
@@ -290,7 +258,7 @@ class Trainer:
                f"(batch_size {cfg.batch_size} x grad_accum_steps {cfg.grad_accum_steps} x "
                + (f"world size {self.world_size}" if self.dp_size == self.world_size else
                   f"data-parallel size {self.dp_size}; {self.world_size // self.dp_size} "
-                  "processes per model replica (tensor- or pipeline-parallel)")
+                  f"processes per model replica: {describe(self.model)}")
                + f"), {len(self.train_set):,} training samples")
         started = time.perf_counter()
         if self.last_val is None or self.last_val[0] != self.step:

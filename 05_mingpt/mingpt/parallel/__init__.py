@@ -1,32 +1,42 @@
-"""The strategies, one module each, and the one registry that names them.
+"""The axes of parallelism, one module each, and the one function that composes them.
 
-    model = parallelize(GPT(config).to(device), device, "fsdp", precision="bf16")
+    model = parallelize(GPT(config).to(device), device, "fsdp", tp_size=2, pp_size=2)
     optimizer = optim.build_optimizer(model, "fsdp", lr=3e-3)  # after: FSDP replaces parameters
 
-Each strategy is a module with `apply(model, device, settings)` (ddp.py, fsdp.py, tensor.py,
-fsdp_tp.py, dp.py, pipeline.py; zero.py brings an optimizer), and one entry in STRATEGIES
-below, which the config check, the snapshots, model_size.py and the docs read. Context
-parallelism (context.py, trainer_config.cp_size) is no strategy of its own: it splits the
-sequences before ddp, zero or fsdp wraps the model (their `cp` flag). Order inside every
-`apply`: TP's plan first (it names the blocks' own submodules), then activation
-checkpointing and torch.compile per block (ddp and zero compile the whole model instead),
-then the wrapper (DDP, FSDP, DataParallel). Adding a strategy: README, "Extending".
+A layout is a data-parallel flavour plus degrees (layout.py): `distributed_method` names the
+flavour (ddp, zero, fsdp, dp) or a shorthand for degrees (tp, pp, fsdp_tp, fsdp_pp,
+fsdp_tp_pp); tp_size, pp_size and cp_size turn the other axes on. `parallelize` builds the
+mesh and applies each axis in one order, as torchtitan does:
+
+1. pipeline.split: the blocks into stages; this rank keeps its own (pp_size).
+2. then on each part (the whole GPT, or each of this rank's stages):
+   tensor.apply (each block's matmuls over the tp ranks), context.apply (the sequences over
+   the cp ranks), and the flavour's apply (ddp.py, fsdp.py, dp.py; zero is ddp plus
+   zero.py's optimizer), which also takes activation checkpointing and compile per block.
+3. pipeline.schedule: the stages and their schedule (the trainer's step under pp).
+
+TP comes first because its plan names the blocks' own submodules (attn.c_attn, ...), which
+the checkpoint wrapper would hide one level down; the flavour last because it wraps whatever
+the others left. Every rank's model then carries `mesh` and `layout`; the trainer asks
+`runner(model)` for the step of its layout. Adding an axis: README, "Extending".
 """
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from omegaconf import DictConfig
+import torch.distributed as dist
 from torch import nn
 
-from mingpt.parallel import context, ddp, dp, fsdp, fsdp_tp, pipeline, tensor, zero
+from mingpt.parallel import context, ddp, dp, fsdp, layout, pipeline, tensor
+from mingpt.parallel.common import unwrap, wrap_blocks
+from mingpt.parallel.layout import FLAVOURS, METHODS, SHORTHANDS, Layout, resolve
+from mingpt.parallel.runner import Runner
 from mingpt.parallel.settings import Settings
 
 
 @dataclass(frozen=True)
 class Memory:
-    """How a strategy splits what a rank holds: model_size.py predicts bytes per rank from it
-    (tests/test_mingpt_memory.py checks the predictions against real shards)."""
+    """How a named layout splits what a rank holds: model_size.py predicts bytes per rank
+    from it (tests/test_mingpt_memory.py checks the predictions against real shards)."""
 
     shards_over: str | None = None  # dim 0 of every parameter over "world" or the "dp" ranks
     sharded_optimizer: bool = False  # each rank keeps AdamW's state for the parameters it owns
@@ -37,68 +47,105 @@ class Memory:
 
 @dataclass(frozen=True)
 class Strategy:
-    """How a strategy wraps the model, how its snapshots are laid out, what else it needs."""
+    """A name of distributed_method: a flavour, or a shorthand for degrees (layout.py)."""
 
-    apply: Callable[[nn.Module, torch.device, Settings], nn.Module]
-    # "ddp": every rank holds the whole model, rank 0 writes one file. "fsdp": no rank does,
-    # every rank writes its shards (DCP). Strategies of one layout resume each other's.
-    layout: str
+    layout: str  # the snapshot layout with no other axis on: "ddp" (one file) or "fsdp"
     summary: str  # one line for the docs and --help
-    tp: bool = False  # splits each block's matmuls over a (dp, tp) mesh: tp_size applies
-    optimizer: Callable[..., torch.optim.Optimizer] | None = None  # None: AdamW
-    # Its own config rules, one-line ValueErrors (config.validate calls it).
-    check: Callable[[DictConfig], None] | None = None
-    # Built on the meta device, then given storage and weights by this, shard by shard
-    # (main.build_local), so no rank ever holds the whole model.
-    init_on_meta: Callable[[nn.Module, torch.device, bool], None] | None = None
-    cpu_offload: bool = False  # trainer_config.cpu_offload applies
+    tp: bool = False  # tp_size is this name's own (0: every rank)
+    pipeline: bool = False  # pp_size is this name's own (0: every rank)
     memory: Memory | None = None  # None: model_size.py does not predict it (dp: one process)
-    cp: bool = False  # composes with context parallelism (trainer_config.cp_size, context.py)
-    # Splits the blocks into stages over a (pp, dp, tp) mesh (pipeline.py): the pp_* keys
-    # and microbatches apply, and the trainer's step runs the pipeline's schedule.
-    pipeline: bool = False
 
 
 STRATEGIES = {
-    "ddp": Strategy(ddp.apply, "ddp", "a whole replica per rank, gradients all-reduced",
-                    memory=Memory(buffers="buckets"), cp=True),
-    "fsdp": Strategy(fsdp.apply, "fsdp",
-                     "parameters, gradients and optimizer state sharded over all ranks",
-                     init_on_meta=fsdp.init_sharded, cpu_offload=True,
-                     memory=Memory(shards_over="world", buffers="gathers"), cp=True),
-    "zero": Strategy(ddp.apply, "ddp", "ddp, with AdamW's state sharded over the ranks",
-                     optimizer=zero.optimizer,
-                     memory=Memory(sharded_optimizer=True, buffers="buckets"), cp=True),
-    "tp": Strategy(tensor.apply, "fsdp", "every block's matmuls split over all ranks",
-                   tp=True, check=tensor.check_config, memory=Memory()),
-    "fsdp_tp": Strategy(fsdp_tp.apply, "fsdp",
-                        "TP inside groups of tp_size ranks, FSDP across the groups", tp=True,
-                        memory=Memory(shards_over="dp", buffers="gathers")),
-    # Pipelines: mesh (pp, dp, tp), pp outermost, tp innermost (pipeline.py).
-    "pp": Strategy(pipeline.apply, "fsdp", "the blocks split into stages over all ranks, "
-                   "micro-batches pipelined", check=pipeline.check_config, pipeline=True,
+    "ddp": Strategy("ddp", "a whole replica per rank, gradients all-reduced",
+                    memory=Memory(buffers="buckets")),
+    "fsdp": Strategy("fsdp", "parameters, gradients and optimizer state sharded over all ranks",
+                     memory=Memory(shards_over="world", buffers="gathers")),
+    "zero": Strategy("ddp", "ddp, with AdamW's state sharded over the ranks",
+                     memory=Memory(sharded_optimizer=True, buffers="buckets")),
+    "tp": Strategy("fsdp", "every block's matmuls split over all ranks", tp=True,
                    memory=Memory()),
-    "fsdp_pp": Strategy(pipeline.apply_fsdp, "fsdp",
-                        "pipelines of pp_size ranks, FSDP across the pipelines",
-                        check=pipeline.check_config, pipeline=True,
-                        memory=Memory(shards_over="dp", buffers="gathers")),
-    "fsdp_tp_pp": Strategy(pipeline.apply_fsdp_tp, "fsdp",
-                           "TP inside each stage, pipelines of pp_size stages, FSDP across",
-                           tp=True, check=pipeline.check_config, pipeline=True,
+    "fsdp_tp": Strategy("fsdp", "TP inside groups of tp_size ranks, FSDP across the groups",
+                        tp=True, memory=Memory(shards_over="dp", buffers="gathers")),
+    "pp": Strategy("fsdp", "the blocks split into stages over all ranks, micro-batches "
+                   "pipelined", pipeline=True, memory=Memory()),
+    "fsdp_pp": Strategy("fsdp", "pipelines of pp_size ranks, FSDP across the pipelines",
+                        pipeline=True, memory=Memory(shards_over="dp", buffers="gathers")),
+    "fsdp_tp_pp": Strategy("fsdp", "TP inside each stage, pipelines of pp_size stages, FSDP "
+                           "across", tp=True, pipeline=True,
                            memory=Memory(shards_over="dp", buffers="gathers")),
-    "dp": Strategy(dp.apply, "ddp", "nn.DataParallel: one process drives every GPU",
-                   check=dp.check_config),
+    "dp": Strategy("ddp", "nn.DataParallel: one process drives every GPU"),
 }
+assert set(STRATEGIES) == set(METHODS), "every name of layout.py has an entry here"
 
 
 def parallelize(model: nn.Module, device: torch.device, method: str = "ddp",
                 **settings) -> nn.Module:
-    """`model` wrapped by `method`; its `blocks` (a ModuleList) are the units of wrapping.
+    """`model` laid out by `method` and the degrees in `settings` (Settings: tp_size, pp_size,
+    cp_size, precision, ...); its `blocks` (a ModuleList) are the units of every axis.
 
-    ValueError (one line) where the world size or the model does not fit the method."""
-    if method not in STRATEGIES:
-        raise ValueError(f"unknown distributed_method {method!r}")
+    ValueError (one line) where the world size or the model does not fit the layout."""
     s = Settings(**settings)
-    if s.cp_size > 1:  # before the wrapper: it swaps each block's attention (context.py)
-        context.apply(model, device, s.cp_size)
-    return STRATEGIES[method].apply(model, device, s)
+    lay = resolve(method, dist.get_world_size(), s.tp_size, s.pp_size, s.cp_size)
+    if lay.tp > 1:  # before any process group is split: heads and width per TP rank
+        tensor.check_tp(model.config.n_head, model.config.n_embd, lay.tp)
+    mesh = layout.build_mesh(lay, device)
+    parts = pipeline.split(model, mesh, s) if lay.pp > 1 else [model]
+    wrapped = [_apply_axes(part, device, s, lay, mesh) for part in parts]
+    if lay.pp > 1:
+        model.pipeline = pipeline.schedule(model, wrapped, mesh, s, device)
+    else:
+        model = wrapped[0]
+    unwrap(model).mesh, unwrap(model).layout = mesh, lay  # the trainer and snapshots read them
+    return model
+
+
+def _apply_axes(part: nn.Module, device: torch.device, s: Settings, lay: Layout,
+                mesh) -> nn.Module:
+    """TP, CP, then the flavour (with checkpointing and compile), on one part of the model."""
+    if lay.tp > 1:
+        tensor.apply(part, mesh["tp"])
+    if lay.cp > 1:
+        context.apply(part, mesh["cp"])
+    grads = layout.grad_mesh(mesh)  # the ranks that average gradients: dp (x cp)
+    if lay.flavour in ("ddp", "zero"):
+        return ddp.apply(part, device, s, grads, pipeline=lay.pp > 1)
+    if lay.flavour == "fsdp":
+        # Under a pipeline every micro-batch runs each stage's forward and backward: resharding
+        # after forward would gather the weights again for its backward (torchtitan turns it
+        # off with PP too); the stage's weights stay gathered until the round's last backward.
+        return fsdp.apply(part, device, s, grads, reshard_after_forward=lay.pp == 1)
+    if lay.flavour == "dp":
+        return dp.apply(part, device, s)
+    wrap_blocks(part, s.activation_checkpointing, s.compile)  # tp, pp: no data-parallel axis
+    return part
+
+
+def runner(model: nn.Module, device: torch.device, precision: str):
+    """The step of `model`'s layout: its pipeline's schedule, or a forward and a backward per
+    micro-batch (runner.Runner). Both have forward_backward, evaluate and clip_grad_norm."""
+    return getattr(unwrap(model), "pipeline", None) or Runner(model, device, precision)
+
+
+AXIS_NAMES = {"pp": "pipeline-parallel", "cp": "context-parallel", "tp": "tensor-parallel"}
+
+
+def describe(model: nn.Module) -> str:
+    """The axes that split each model replica, for the log: "pipeline-parallel 2 x
+    tensor-parallel 2"."""
+    lay = getattr(unwrap(model), "layout", None)
+    if not isinstance(lay, Layout):
+        return "none"
+    return " x ".join(f"{AXIS_NAMES[axis]} {size}" for axis, size in lay.sizes().items()
+                      if axis != "dp") or "none"
+
+
+def snapshot_layout(model: nn.Module, method: str) -> str:
+    """"ddp" (one file) or "fsdp" (DCP shards) for a model that parallelize() laid out; for
+    any other model (a test's own), what `method` alone would give."""
+    lay = getattr(unwrap(model), "layout", None)
+    return lay.snapshot if isinstance(lay, Layout) else STRATEGIES[method].layout
+
+
+__all__ = ["FLAVOURS", "METHODS", "SHORTHANDS", "STRATEGIES", "Layout", "Runner", "describe",
+           "parallelize", "resolve", "runner", "snapshot_layout"]

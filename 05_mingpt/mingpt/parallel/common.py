@@ -45,15 +45,15 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def data_parallel(model: nn.Module) -> tuple[int, int]:
-    """(rank, size) among the ranks that see different data: the dp dimension of a TP or a
-    CP mesh.
+    """(rank, size) among the ranks that see different data: the dp dimension of the mesh
+    parallelize() built (layout.py).
 
     Every rank of one TP group computes on the same batch (each with its slice of the weights),
-    and so does every rank of one CP group (each with its slice of the sequences), so samplers,
-    seeds and tokens/s count data-parallel ranks, not processes."""
-    inner = unwrap(model)
-    mesh = getattr(inner, "dp_tp_mesh", None) or getattr(inner, "dp_cp_mesh", None)
-    if mesh is None:
+    and so does every rank of one CP group (each with its slice of the sequences) and of one
+    pipeline (each with its stages), so samplers, seeds and tokens/s count data-parallel
+    ranks, not processes."""
+    mesh = getattr(unwrap(model), "mesh", None)
+    if mesh is None:  # a model parallelize() did not lay out (a test's own DDP, say)
         return dist.get_rank(), dist.get_world_size()
     return mesh["dp"].get_local_rank(), mesh["dp"].size()
 

@@ -2,8 +2,8 @@
 a ring over the group, composed with a data-parallel strategy (ddp, zero, fsdp) over a
 (dp, cp) mesh.
 
-    python main.py trainer_config.cp_size=2 ...         # inside parallelize(): apply() first
-    mesh = apply(model, device, cp_size=2)               # then ddp.apply / fsdp.apply as usual
+    python main.py trainer_config.cp_size=2 ...      # parallelize(): after TP, before the flavour
+    apply(model, mesh["cp"])                          # then ddp.apply / fsdp.apply as usual
 
 What each rank holds. The batch is the same on the cp ranks of one group (data_parallel() deals
 data out over the `dp` dimension only); each rank keeps 1/cp of every sequence's tokens, so
@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from mingpt.model import causal_attention
 
@@ -73,9 +73,9 @@ def torch_cp():
     return _attention
 
 
-def check_config(t: DictConfig, block_size: int, dropout: float, methods: tuple[str, ...]
-                 ) -> None:
-    """ValueError (one line) unless trainer_config.cp_size fits the method and the model."""
+def check_config(t: DictConfig, block_size: int, dropout: float) -> None:
+    """ValueError (one line) unless trainer_config.cp_size fits the model (the other axes:
+    layout.check_axes)."""
     cp = t.cp_size
     # Checked before any process exists; the world size (a multiple of cp_size) only in apply.
     if cp < 0:
@@ -83,9 +83,6 @@ def check_config(t: DictConfig, block_size: int, dropout: float, methods: tuple[
                          f"got {cp}")
     if cp <= 1:  # a group of one rank keeps whole sequences: nothing to split
         return
-    if t.distributed_method not in methods:
-        raise ValueError(f"trainer_config.cp_size={cp} needs distributed_method "
-                         f"{' or '.join(methods)}, got {t.distributed_method}")
     # Zig-zag: 2 x cp equal chunks, so both the length and the causal work split evenly.
     if block_size % (2 * cp):
         raise ValueError(f"gpt_config.block_size={block_size} must divide by 2 x cp_size = "
@@ -226,21 +223,16 @@ def _shard_sequences(switch: _Switch, cp_rank: int, cp_size: int, model: nn.Modu
     return (idx[:, pos], targets[:, pos]), {**kwargs, "positions": pos}
 
 
-def apply(model: nn.Module, device: torch.device, cp_size: int) -> DeviceMesh:
-    """Split every sequence of `model` (a GPT, not yet wrapped) over groups of cp_size ranks.
+def apply(model: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
+    """Split every sequence of `model` (a GPT, not yet wrapped) over the ranks of `cp_mesh`.
 
-    A (dp, cp) mesh: consecutive ranks form a cp group, so the ring (which sends K and V at
-    every layer) stays inside a node and the data-parallel reduction crosses nodes. Returns
-    the mesh, also kept as `model.dp_cp_mesh` (data_parallel() reads it)."""
-    world = dist.get_world_size()
-    if world % cp_size:
-        raise ValueError(f"trainer_config.cp_size={cp_size} must divide the world size "
-                         f"{world}")
-    mesh = init_device_mesh(device.type, (world // cp_size, cp_size),
-                            mesh_dim_names=("dp", "cp"))
+    parallelize() builds the mesh (layout.py): consecutive ranks form a cp group (inside TP's
+    groups, if any), so the ring (which sends K and V at every layer) stays inside a node and
+    the data-parallel reduction crosses nodes."""
     # One switch and one attention object for all blocks: every block runs the same way.
-    switch, cp_rank = _Switch(), mesh["cp"].get_local_rank()
-    attend = ContextParallelAttention(mesh["cp"], switch)
+    switch = _Switch()
+    cp_rank, cp_size = cp_mesh.get_local_rank(), cp_mesh.size()
+    attend = ContextParallelAttention(cp_mesh, switch)
     for block in model.blocks:
         block.attn.attend = attend
     # Before any wrapper: DDP calls the GPT itself, FSDP2 keeps the GPT's hooks.
@@ -248,5 +240,4 @@ def apply(model: nn.Module, device: torch.device, cp_size: int) -> DeviceMesh:
         lambda module, args, kwargs: _shard_sequences(switch, cp_rank, cp_size, module, args,
                                                       kwargs),
         with_kwargs=True)
-    model.dp_cp_mesh = mesh  # the trainer deals data out over its dp dimension only
-    return mesh
+    return model

@@ -1,7 +1,7 @@
 """FSDP2 (`fully_shard`): parameters, gradients and optimizer state sharded over all ranks;
 each block's parameters are all-gathered just before it runs and freed after.
 
-    model = apply(model, device, settings)   # parallel.STRATEGIES["fsdp"]
+    model = apply(model, device, settings, mesh["dp"])   # parallel.parallelize, flavour fsdp
     init_sharded(model, device)              # built on the meta device: draw the weights
 
 Built on the meta device (main.build_local), no rank ever holds the whole model: init_sharded
@@ -23,22 +23,24 @@ from mingpt.precision import fsdp_policy
 
 
 def apply(model: nn.Module, device: torch.device, s: Settings,
-          mesh: DeviceMesh | None = None) -> nn.Module:
-    """FSDP2: every block sharded on its own, then the root (embeddings, final LayerNorm)."""
+          mesh: DeviceMesh | None = None, reshard_after_forward: bool = True) -> nn.Module:
+    """FSDP2 over `mesh` (the data-parallel ranks; None: every rank): every block sharded on
+    its own, then the root (embeddings, final LayerNorm)."""
     wrap_blocks(model, s.activation_checkpointing, s.compile)  # per block, before sharding
-    return shard(model, device, s.precision, s.cpu_offload, mesh)
+    return shard(model, device, s.precision, s.cpu_offload, mesh, reshard_after_forward)
 
 
 def shard(model: nn.Module, device: torch.device, precision: str = "fp32",
-               cpu_offload: bool = False, mesh: DeviceMesh | None = None) -> nn.Module:
+          cpu_offload: bool = False, mesh: DeviceMesh | None = None,
+          reshard_after_forward: bool = True) -> nn.Module:
     """FSDP2: every block sharded on its own, then the root (embeddings, final LayerNorm)."""
     # Each block's parameters are all-gathered just before it runs and freed right after, so
     # only one block is ever whole in memory. Compute in `precision`, reduce gradients in fp32.
     # By default a 1-D mesh over all ranks, on this process's device type: pure data-parallel
-    # sharding; fsdp_tp passes the mesh's dp dimension instead.
+    # sharding; with other axes, parallelize passes the mesh's data-parallel dimension.
     if mesh is None:
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    kwargs: dict = {"mesh": mesh}
+    kwargs: dict = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if precision != "fp32":
         kwargs["mp_policy"] = fsdp_policy(precision)
     if cpu_offload:
@@ -46,7 +48,8 @@ def shard(model: nn.Module, device: torch.device, precision: str = "fp32",
         # use. Pinned memory speeds up those copies but needs an accelerator to exist.
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     for block in model.blocks:
-        fully_shard(block, **kwargs)
+        if not isinstance(block, nn.Identity):  # a pipeline stage's place for another's block
+            fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return model
 

@@ -49,16 +49,14 @@ of one pipeline see the same data: data_parallel() reads the mesh's dp dimension
 needs the whole model: main.py reads the final snapshot into one GPT on rank 0. The mesh
 order is checked rank by rank in tests/test_mingpt_pipeline.py (2 x 2 x 2 on 8 processes).
 """
-import functools
-from types import SimpleNamespace
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -70,10 +68,9 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor
 
 from mingpt.errors import require
-from mingpt.parallel import tensor
-from mingpt.parallel.common import wrap_blocks
+from mingpt.parallel.common import clip_grad_norm_
 from mingpt.parallel.settings import Settings
-from mingpt.precision import fsdp_policy
+from mingpt.precision import autocast
 
 # pp_schedule -> torch's class. Single: one stage per rank; looped: several, stage s on rank
 # s % pp. Left out: the V schedules (ScheduleZBVZeroBubble, ScheduleDualPipeV). They train
@@ -115,22 +112,6 @@ def split_blocks(n_layer: int, n_stages: int, split: list[int] | None = None) ->
     return [range(start, start + count) for start, count in zip(starts, split, strict=True)]
 
 
-def mesh_sizes(world: int, pp_size: int, tp_size: int, fsdp: bool) -> tuple[int, int, int]:
-    """(pp, dp, tp) for `world` ranks; ValueError (one line) where they do not fit."""
-    tp = tp_size or 1
-    pp = pp_size or world // tp  # 0: every rank (of each TP group) a stage
-    if world % (pp * tp):
-        raise ValueError(f"pp_size={pp} x tp_size={tp} = {pp * tp} must divide the world size "
-                         f"{world} (the mesh is pp x dp x tp)")
-    dp = world // (pp * tp)
-    # Nothing in pure pp would average gradients across pipelines: that is FSDP's job.
-    if dp > 1 and not fsdp:
-        raise ValueError(f"distributed_method=pp runs one pipeline, so pp_size must be 0 or the "
-                         f"world size ({world}), got {pp_size}; use fsdp_pp for data "
-                         "parallelism across pipelines")
-    return pp, dp, tp
-
-
 # --- one stage's forward: the GPT's own, cut into pieces ---------------------------------------
 
 class Stage(nn.Module):
@@ -141,6 +122,7 @@ class Stage(nn.Module):
     def __init__(self, gpt: nn.Module, blocks: range, first: bool, last: bool) -> None:
         super().__init__()
         self.first, self.last = first, last
+        self.config = gpt.config  # tensor.apply checks its heads and width per TP rank
         if first or last:
             # Both halves of the tied weight, on either end: FSDP then shards the one tensor
             # once and sets it on both modules (a module it does not manage would keep the
@@ -189,8 +171,10 @@ class Pipeline:
 
     def __init__(self, stages: list[PipelineStage], schedule: str, microbatches: int,
                  mesh: DeviceMesh, last_rank: int, tied: torch.nn.Parameter | None,
-                 tied_group: dist.ProcessGroup | None, tied_counted: bool) -> None:
+                 tied_group: dist.ProcessGroup | None, tied_counted: bool,
+                 params: list[torch.nn.Parameter], precision: str = "fp32") -> None:
         self.stages, self.microbatches, self.mesh = stages, microbatches, mesh
+        self.params, self.precision = params, precision  # this rank's, in the GPT's order
         self.group = mesh["pp"].get_group()
         self.last_rank = last_rank  # the pp rank of the last stage
         self.has_first = any(s.is_first for s in stages)
@@ -201,12 +185,66 @@ class Pipeline:
         self.scale = 1  # micro-batches per optimizer step: each loss is divided by it
         self.evaluating = False
         self.losses: list[torch.Tensor] = []  # this step's per-micro-batch means (last stage)
+        self.mark: Callable[[str], None] | None = None  # the step timer's, while training
+        self.last_phase = "forward"
+        for stage in stages:
+            self._time(stage)
         cls = SCHEDULES[schedule]
         # scale_grads=False: _loss divides by the micro-batches itself, as the trainer's
         # gradient accumulation does (loss / n), so the arithmetic is the same.
         self.schedule = (cls(stages[0], microbatches, loss_fn=self._loss, scale_grads=False)
                          if schedule in SINGLE else
                          cls(stages, microbatches, loss_fn=self._loss, scale_grads=False))
+
+    # --- the runner interface (runner.Runner's three methods), which the trainer calls ---------
+
+    def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+                         scaler: torch.amp.GradScaler, mark: Callable[[str], None]
+                         ) -> list[tuple[torch.Tensor, int]]:
+        """Each micro-step one round of the schedule over its `microbatches` micro-batches;
+        every micro-batch's (loss, tokens), on every rank of the pipeline. (`scaler`: unused,
+        config.py refuses fp16 under a pipeline.)"""
+        self.mark, self.last_phase = mark, "forward"
+        try:
+            self.start_step(len(micro_batches))
+            device = self.stages[0].device
+            for x, y in micro_batches:
+                with autocast(device, self.precision):
+                    self.train_step(x.to(device), y.to(device))
+            losses = self.finish_step()  # from the last stage, on every rank
+            mark("backward")  # the tied sum and the broadcast close the backward part
+        finally:
+            self.mark = None
+        tokens = micro_batches[0][0].numel() // self.microbatches
+        return [(loss, tokens) for loss in losses]
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """The norm over every stage's gradients (squares summed over the pipeline's ranks),
+        the tied embedding counted once."""
+        return clip_grad_norm_(self.params, max_norm, self.group, self.not_counted)
+
+    def _time(self, stage: PipelineStage) -> None:
+        """Mark the step timer's forward and backward around each chunk the schedule runs.
+
+        A schedule interleaves the forward and backward of its micro-batches and waits for
+        its neighbours in between: the time up to a chunk counts with the chunk before it
+        (its sends and the wait for the next input), the time inside it as its own phase."""
+        for name, phase in (("forward_one_chunk", "forward"), ("backward_one_chunk", "backward"),
+                            ("backward_weight_one_chunk", "backward")):
+            method = getattr(stage, name, None)
+            if method is None:
+                continue
+
+            def timed(*args, _method=method, _phase=phase, **kwargs):
+                if self.mark is not None:
+                    self.mark(self.last_phase)
+                out = _method(*args, **kwargs)
+                if self.mark is not None:
+                    self.mark(_phase)
+                    self.last_phase = _phase
+                return out
+
+            setattr(stage, name, timed)  # the schedules call it on the stage object
 
     def _loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The schedule's loss on the last stage: the mean cross-entropy of one micro-batch
@@ -273,7 +311,8 @@ class Pipeline:
             y = torch.cat([y, y.new_full((pad, y.size(1)), -1)])
         self.evaluating, self.losses = True, []
         try:
-            self._keep_last_losses(self.schedule.eval, **self._chunks(x, y))
+            with autocast(x.device, self.precision):
+                self._keep_last_losses(self.schedule.eval, **self._chunks(x, y))
         finally:
             self.evaluating = False
         if not self.has_last:
@@ -282,72 +321,58 @@ class Pipeline:
         return torch.stack(self.losses).sum(), (y != -1).sum().float()
 
 
-# --- apply: the registry's entry points ------------------------------------------------------
-
-def _mesh(device: torch.device, s: Settings, fsdp: bool) -> DeviceMesh:
-    sizes = mesh_sizes(dist.get_world_size(), s.pp_size, s.tp_size, fsdp)
-    return init_device_mesh(device.type, sizes, mesh_dim_names=("pp", "dp", "tp"))
-
+# --- split and schedule: parallelize's two calls ------------------------------------------------
 
 def _tied_group(mesh: DeviceMesh, first_rank: int, last_rank: int) -> dist.ProcessGroup | None:
     """The group of the two ranks that hold the tied weight (first and last stage) at this
-    rank's (dp, tp) place; None where one rank holds both. Every rank creates every group
-    (new_group is collective), in the same order."""
+    rank's place on the other axes; None where one rank holds both. Every rank creates every
+    group (new_group is collective), in the same order."""
     if first_rank == last_rank:
         return None
-    ranks = mesh.mesh  # (pp, dp, tp) global ranks
+    ranks = mesh.mesh.reshape(mesh["pp"].size(), -1)  # (pp, every other axis) global ranks
     mine = None
-    for d in range(ranks.size(1)):
-        for t in range(ranks.size(2)):
-            pair = [int(ranks[first_rank, d, t]), int(ranks[last_rank, d, t])]
-            group = dist.new_group(pair)
-            if dist.get_rank() in pair:
-                mine = group
+    for place in range(ranks.size(1)):
+        pair = [int(ranks[first_rank, place]), int(ranks[last_rank, place])]
+        group = dist.new_group(pair)
+        if dist.get_rank() in pair:
+            mine = group
     return mine
 
 
-def apply(model: nn.Module, device: torch.device, s: Settings, fsdp: bool = False,
-          tp: bool = False) -> nn.Module:
-    """pp (fsdp, tp False), fsdp_pp (fsdp) or fsdp_tp_pp (both): `model` trimmed to this
-    rank's stages, with `model.pipeline` (a Pipeline) and `model.dp_tp_mesh` (data_parallel
-    reads its dp dimension)."""
-    mesh = _mesh(device, s, fsdp)
+def _plan(model: nn.Module, mesh: DeviceMesh, s: Settings) -> tuple[list[range], list[int]]:
+    """(blocks of every stage, the stages this rank runs)."""
     pp, pp_rank = mesh["pp"].size(), mesh["pp"].get_local_rank()
-    per_rank = stages_per_rank(s.pp_schedule, s.pp_stages_per_rank)
-    n_stages = pp * per_rank
+    n_stages = pp * stages_per_rank(s.pp_schedule, s.pp_stages_per_rank)
     blocks = split_blocks(model.config.n_layer, n_stages, s.pp_split)
-    mine = [i for i in range(n_stages) if rank_of_stage(i, pp) == pp_rank]
+    return blocks, [i for i in range(n_stages) if rank_of_stage(i, pp) == pp_rank]
+
+
+def split(model: nn.Module, mesh: DeviceMesh, s: Settings) -> list[Stage]:
+    """`model` trimmed to this rank's stages, and those stages (each one part for the other
+    axes: parallelize applies TP and the data-parallel flavour to each)."""
+    blocks, mine = _plan(model, mesh, s)
+    n_stages = len(blocks)
     first, last = 0 in mine, n_stages - 1 in mine
-    # Built whole (the same draws as every other strategy), then trimmed: the weights equal
+    # Built whole (the same draws as every other layout), then trimmed: the weights equal
     # a one-process model's bit for bit; the whole model exists only while being built.
     _trim(model, {b for i in mine for b in blocks[i]}, first, last)
-    if tp:  # TP first: its plan names the blocks' own submodules (tensor.py); owned ones only
-        owned = [b for b in model.blocks if not isinstance(b, nn.Identity)]
-        tensor.apply_tp(SimpleNamespace(config=model.config, blocks=owned), mesh["tp"])
-    wrap_blocks(model, s.activation_checkpointing, s.compile)  # an Identity: never called
-    stages = [Stage(model, blocks[i], i == 0, i == n_stages - 1) for i in mine]
-    if fsdp:
-        kwargs = {"mesh": mesh["dp"]}
-        if s.precision != "fp32":
-            kwargs["mp_policy"] = fsdp_policy(s.precision)
-        for stage in stages:  # each stage is an FSDP root: PipelineStage drives its syncs
-            for block in stage.blocks:
-                if not isinstance(block, nn.Identity):
-                    fully_shard(block, **kwargs)
-            fully_shard(stage, **kwargs)
+    return [Stage(model, blocks[i], i == 0, i == n_stages - 1) for i in mine]
+
+
+def schedule(model: nn.Module, stages: list[nn.Module], mesh: DeviceMesh, s: Settings,
+             device: torch.device) -> Pipeline:
+    """This rank's `stages` (as the other axes left them: FSDP roots, DDP) in torch's
+    PipelineStage and their schedule: the Pipeline the trainer runs (parallel.runner)."""
+    blocks, mine = _plan(model, mesh, s)
+    n_stages, pp = len(blocks), mesh["pp"].size()
+    first, last = 0 in mine, n_stages - 1 in mine
     pipeline_stages = [PipelineStage(stage, i, n_stages, device, group=mesh["pp"].get_group())
                        for stage, i in zip(stages, mine, strict=True)]
     last_rank = rank_of_stage(n_stages - 1, pp)
     tied_group = _tied_group(mesh, 0, last_rank)
-    model.pipeline = Pipeline(pipeline_stages, s.pp_schedule, s.microbatches, mesh, last_rank,
-                              model.wte.weight if (first or last) else None, tied_group,
-                              tied_counted=first)
-    model.dp_tp_mesh = mesh  # data_parallel() reads its dp dimension
-    return model
-
-
-apply_fsdp = functools.partial(apply, fsdp=True)
-apply_fsdp_tp = functools.partial(apply, fsdp=True, tp=True)
+    return Pipeline(pipeline_stages, s.pp_schedule, s.microbatches, mesh, last_rank,
+                    model.wte.weight if (first or last) else None, tied_group,
+                    tied_counted=first, params=list(model.parameters()), precision=s.precision)
 
 
 def check_config(t: DictConfig) -> None:

@@ -1,7 +1,6 @@
 """Tensor parallelism (TP) for the GPT blocks, with DTensor's `parallelize_module`.
 
-    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-    apply_tp(model, mesh["tp"])  # then, for fsdp_tp, fully_shard over mesh["dp"]
+    apply(model, mesh["tp"])   # parallelize: then CP, then the flavour (FSDP over mesh["dp"])
 
 Each block's matmuls are split across the `tp` ranks of a group (Megatron-LM's layout):
 - attention: q, k and v column-wise, so every rank computes its own n_head / tp heads; the
@@ -18,10 +17,9 @@ model.py knows nothing of this: its attention derives the local head count from 
 the q/k/v projection it gets (n_embd / tp under TP, n_embd otherwise).
 """
 import torch
-import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -31,8 +29,6 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from mingpt.errors import require
-from mingpt.parallel.common import wrap_blocks
-from mingpt.parallel.settings import Settings
 
 
 class QKVColwiseParallel(ColwiseParallel):
@@ -97,10 +93,11 @@ def _is_qkv(value: object) -> bool:
 
 
 def _meshes(value: DTensor) -> tuple[DeviceMesh | None, DeviceMesh]:
-    """(dp mesh or None, tp mesh) of a q/k/v tensor: 1-D under tp, (dp, tp) under fsdp_tp."""
+    """(dp mesh or None, tp mesh) of a q/k/v tensor: 1-D under tp, (dp, tp) under fsdp_tp
+    (sharded over dp) or ddp's replicate (whole on every dp rank: no dp mesh to gather over)."""
     mesh = value.device_mesh
-    if mesh.ndim == 1:  # tp: the TP mesh alone
-        return None, mesh
+    if mesh.ndim == 1 or value.placements[0].is_replicate():  # tp alone, or replicated
+        return None, mesh[mesh.mesh_dim_names[-1]] if mesh.ndim > 1 else mesh
     dp, tp = mesh.mesh_dim_names
     return mesh[dp], mesh[tp]
 
@@ -159,11 +156,13 @@ def _checkpointable(value: DTensor) -> torch.Tensor:
     where its row runs lie in the global tensor (DCP's CheckpointableTensor protocol)."""
     mesh = value.device_mesh
     coordinate = mesh.get_coordinate()  # (tp,) under tp, (dp, tp) under fsdp_tp
-    dp_rank, dp_size = (coordinate[0], mesh.size(0)) if mesh.ndim == 2 else (0, 1)
+    sharded = mesh.ndim == 2 and not value.placements[0].is_replicate()  # not ddp's replicate
+    dp_rank, dp_size = (coordinate[0], mesh.size(0)) if sharded else (0, 1)
     runs = qkv_rows(value.shape[0], coordinate[-1], mesh.size(-1), dp_rank, dp_size)
     local = value.to_local().detach()  # a new tensor object: the attributes stay off the param
     if sum(length for *_, length in runs) != local.shape[0]:  # FSDP cut it some other way
-        raise RuntimeError(f"a q/k/v shard of {local.shape[0]} rows where {runs} was expected")
+        raise RuntimeError(f"a q/k/v shard of {local.shape[0]} rows where {runs} was expected"
+                           f" ({mesh}, {value.placements})")
     rest = tuple(value.shape[1:])  # the bias has no second dimension
     zeros = (0,) * len(rest)
     local.global_shape = tuple(value.shape)
@@ -194,41 +193,22 @@ def checkpointable(tree: object) -> object:
     return _checkpointable(tree) if _is_qkv(tree) else tree
 
 
-def tp_mesh(device: torch.device, tp_size: int) -> DeviceMesh:
-    """A (dp, tp) mesh: consecutive ranks form a TP group (on one node, the fast links)."""
-    world = dist.get_world_size()
-    tp = tp_size or world  # 0: every rank in one TP group
-    if world % tp:
-        raise ValueError(f"trainer_config.tp_size={tp} must divide the world size {world} "
-                         "(the ranks form world_size / tp_size tensor-parallel groups)")
-    mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
-    # A flat view over both dimensions (its own process group): a value partial over both,
-    # such as the gradient norm, is then summed by one all-reduce, not one per dimension
-    # (DTensor warns otherwise). Private API, as torchtitan uses it.
-    mesh["dp", "tp"]._flatten("dp_tp")
-    return mesh
-
-
-def apply(model: nn.Module, device: torch.device, s: Settings) -> nn.Module:
-    """tp: every rank in one TP group, each block's matmuls split over all of them."""
-    mesh = tp_mesh(device, s.tp_size)
-    if mesh["dp"].size() > 1:
-        # Pure TP has nothing that would average gradients across TP groups.
-        raise ValueError(f"distributed_method=tp puts every rank in one tensor-parallel group, "
-                         f"so tp_size must be 0 or the world size ({dist.get_world_size()}), "
-                         f"got {s.tp_size}; use fsdp_tp for data parallelism across TP groups")
-    apply_tp(model, mesh["tp"])
-    # Only now: the TP plan names each block's own submodules (attn.c_attn, ...), which the
-    # checkpoint wrapper would hide one level down.
-    wrap_blocks(model, s.activation_checkpointing, s.compile)
-    model.dp_tp_mesh = mesh  # data_parallel() reads it: the trainer deals data out over dp
-    return model
+def apply(part: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
+    """Every block of `part` (the GPT, or a pipeline stage) split over the ranks of `tp_mesh`,
+    in place. The ranks of one TP group see the same batch: the trainer deals data out over
+    the mesh's dp dimension only (data_parallel())."""
+    check_tp(part.config.n_head, part.config.n_embd, tp_mesh.size())
+    apply_tp(part, tp_mesh)
+    return part
 
 
 def check_config(t: DictConfig) -> None:
-    """tp's own rule: fp16's loss scaler unscales all gradients in one foreach pass, and under
-    tp some are DTensors and some plain tensors (LayerNorms, embeddings): torch refuses the
-    mix. (Under fsdp_tp FSDP makes every parameter a DTensor, and fp16 works.)"""
+    """TP's own rule without FSDP: fp16's loss scaler unscales all gradients in one foreach
+    pass, and under tp some are DTensors and some plain tensors (LayerNorms, embeddings), or
+    DTensors of two meshes (ddp): torch refuses the mix. (FSDP makes every parameter a
+    DTensor of one mesh, and fp16 works.)"""
+    method = t.distributed_method if t.distributed_method == "tp" else \
+        f"{t.distributed_method} and tp_size"
     require(t.precision != "fp16", "trainer_config.precision",
-            "fp32 or bf16 with distributed_method=tp (fp16's GradScaler cannot unscale its "
-            "sharded and plain gradients together; fsdp_tp takes fp16)", t.precision)
+            f"fp32 or bf16 with distributed_method={method} (fp16's GradScaler cannot unscale "
+            "its sharded and plain gradients together; fsdp_tp takes fp16)", t.precision)

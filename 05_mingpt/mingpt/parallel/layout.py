@@ -1,0 +1,155 @@
+"""A layout: a data-parallel flavour plus the degree of every other axis, and the mesh they make.
+
+    layout = resolve("fsdp", world=8, tp_size=2, pp_size=2)  # ValueError (one line) if it can't
+    layout.dp, layout.snapshot                              # 2, "fsdp" (sharded)
+    mesh = build_mesh(layout, device)                       # dims pp, dp, cp, tp (sizes > 1)
+
+The flavour (trainer_config.distributed_method) says how the data-parallel ranks share the
+model: ddp (a whole replica each, gradients all-reduced), zero (ddp with AdamW's state
+sharded), fsdp (parameters, gradients and optimizer state sharded) or dp (nn.DataParallel: one
+process, every GPU; it combines with nothing). The degrees say how many ranks split each model
+replica, axis by axis: tp_size (each block's matmuls), pp_size (the blocks, into stages),
+cp_size (each sequence); 0 or 1 is off. The data-parallel degree is what the world size leaves:
+dp = world / (pp x cp x tp).
+
+The older names stay shorthands for degrees: tp and pp are one tensor-parallel group or one
+pipeline over every rank (no data-parallel axis; tp_size or pp_size 0 means every rank),
+fsdp_tp, fsdp_pp and fsdp_tp_pp are fsdp with those axes on (tp_size 0: every rank).
+
+Mesh order, outermost first: pp, dp, cp, tp (torchtitan's). Rank r sits at
+((pp_rank x dp + dp_rank) x cp + cp_rank) x tp + tp_rank: a TP group is tp consecutive ranks
+(inside a node, where the fast links carry its per-block all-reduces), a CP ring the next
+level (its K/V exchanges every layer), data parallelism across those, and pipeline stages
+farthest apart (one activation per micro-batch, point to point). Only the axes that are on
+become mesh dimensions (dp always), so a plain ddp run keeps the one default process group.
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+# Flavours: how the data-parallel ranks hold the model. (None: no data-parallel axis; the
+# tp and pp shorthands.)
+FLAVOURS = ("ddp", "zero", "fsdp", "dp")
+# Shorthand -> (flavour, axes that are on, 0 meaning every rank).
+SHORTHANDS = {
+    "tp": (None, ("tp",)),
+    "fsdp_tp": ("fsdp", ("tp",)),
+    "pp": (None, ("pp",)),
+    "fsdp_pp": ("fsdp", ("pp",)),
+    "fsdp_tp_pp": ("fsdp", ("tp", "pp")),
+}
+METHODS = (*FLAVOURS, *SHORTHANDS)
+AXES = ("pp", "dp", "cp", "tp")  # mesh order, outermost first
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A resolved layout: the flavour and every degree (1: off), for `world` ranks."""
+
+    method: str  # as the config names it (a flavour or a shorthand), for messages
+    flavour: str | None
+    world: int
+    pp: int = 1
+    cp: int = 1
+    tp: int = 1
+
+    @property
+    def dp(self) -> int:
+        """Ranks that see different data: what the world size leaves."""
+        return self.world // (self.pp * self.cp * self.tp)
+
+    @property
+    def snapshot(self) -> str:
+        """The snapshot layout: "ddp" (one file, global rank 0 writes it) where every rank
+        holds the whole model, else "fsdp" (DCP shards, every rank writes its own)."""
+        whole = self.flavour in ("ddp", "zero", "dp") and self.tp == self.pp == 1
+        return "ddp" if whole else "fsdp"
+
+    def sizes(self) -> dict[str, int]:
+        """The mesh's dimensions, outermost first: dp always, the other axes where on."""
+        every = {"pp": self.pp, "dp": self.dp, "cp": self.cp, "tp": self.tp}
+        return {axis: size for axis, size in every.items() if axis == "dp" or size > 1}
+
+    def describe(self) -> str:
+        """One line for the log: `fsdp: pp 2 x dp 2 x tp 2` (8 ranks)."""
+        return f"{self.flavour or self.method}: " + " x ".join(
+            f"{axis} {size}" for axis, size in self.sizes().items())
+
+
+def resolve(method: str, world: int, tp_size: int = 0, pp_size: int = 0, cp_size: int = 0
+            ) -> Layout:
+    """The layout `method` names with these degrees on `world` ranks; ValueError (one line)
+    where they do not fit. main.py calls it with torchrun's WORLD_SIZE before any process
+    group exists, parallelize() again with the group's size: the same checks, the same line."""
+    check_axes(method, tp_size, pp_size, cp_size)
+    flavour, on = SHORTHANDS.get(method, (method, ()))
+    cp = max(cp_size, 1)
+    tp = (tp_size or world) if "tp" in on else max(tp_size, 1)
+    if world % tp:
+        raise ValueError(f"trainer_config.tp_size={tp} must divide the world size {world} "
+                         "(the ranks form world_size / tp_size tensor-parallel groups)")
+    if method == "tp" and tp != world:
+        # Pure TP has nothing that would average gradients across TP groups.
+        raise ValueError(f"distributed_method=tp puts every rank in one tensor-parallel group, "
+                         f"so tp_size must be 0 or the world size ({world}), got {tp_size}; "
+                         "use fsdp_tp for data parallelism across TP groups")
+    pp = (pp_size or world // tp) if "pp" in on else max(pp_size, 1)
+    if world % (pp * tp):
+        raise ValueError(f"pp_size={pp} x tp_size={tp} = {pp * tp} must divide the world size "
+                         f"{world} (the mesh is pp x dp x tp)")
+    if method == "pp" and pp * tp != world:
+        # Nothing in pure pp would average gradients across pipelines.
+        raise ValueError(f"distributed_method=pp runs one pipeline, so pp_size must be 0 or the "
+                         f"world size ({world}), got {pp_size}; use fsdp_pp for data "
+                         "parallelism across pipelines")
+    if world % (pp * cp * tp):
+        what = " x ".join(f"{k}_size={v}" for k, v in (("pp", pp), ("cp", cp), ("tp", tp))
+                          if v > 1)
+        raise ValueError(f"trainer_config.cp_size={cp} must divide the world size {world}"
+                         if what == f"cp_size={cp}" else
+                         f"{what} = {pp * cp * tp} must divide the world size {world} (each "
+                         "model replica takes that many ranks)")
+    return Layout(method, flavour, world, pp=pp, cp=cp, tp=tp)
+
+
+def check_axes(method: str, tp_size: int = 0, pp_size: int = 0, cp_size: int = 0) -> None:
+    """The pairs of a flavour and an axis, or of two axes, that cannot work: ValueError, one
+    line saying which and why. Needs no world size: config.py calls it for every run."""
+    if method not in METHODS:
+        raise ValueError(f"unknown distributed_method {method!r}")
+    flavour, on = SHORTHANDS.get(method, (method, ()))
+    sizes = {"pp": pp_size, "cp": cp_size, "tp": tp_size}
+    axes = [f"{axis}_size={size}" for axis, size in sizes.items() if size > 1 or axis in on]
+    if flavour == "dp" and axes:
+        raise ValueError(f"distributed_method=dp (nn.DataParallel, one process) combines with "
+                         f"no other axis, got {axes[0]}; use ddp or fsdp with it")
+    if flavour == "zero" and (tp_size > 1 or pp_size > 1):
+        axis = f"tp_size={tp_size}" if tp_size > 1 else f"pp_size={pp_size}"
+        raise ValueError(f"distributed_method=zero cannot take {axis}: its "
+                         "ZeroRedundancyOptimizer broadcasts plain tensors, and with tp_size or "
+                         "pp_size the weights are DTensors (ddp's replicas there are FSDP2's "
+                         "replicate); use fsdp, which shards the optimizer state too")
+    if (pp_size > 1 or "pp" in on) and cp_size > 1:
+        raise ValueError(f"cp_size={cp_size} with a pipeline (pp_size={pp_size}): the stages "
+                         "pass whole sequences between them, and splitting them inside the "
+                         "schedule is not built; use one of the two")
+
+
+def build_mesh(layout: Layout, device: torch.device) -> DeviceMesh:
+    """The DeviceMesh of `layout` over this process group, its dimensions named after the
+    axes; a flattened `dp_cp` where cp is on (the ranks that share gradients: data-parallel
+    replicas, and the cp ranks, whose tokens differ)."""
+    sizes = layout.sizes()
+    if layout.world != dist.get_world_size():
+        raise RuntimeError(f"a layout for {layout.world} ranks on {dist.get_world_size()}")
+    mesh = init_device_mesh(device.type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
+    if layout.cp > 1:
+        mesh["dp", "cp"]._flatten("dp_cp")  # private API, as torchtitan uses it
+    return mesh
+
+
+def grad_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The ranks whose gradients are averaged: dp, and cp's ranks where cp is on."""
+    return mesh["dp_cp"] if "cp" in (mesh.mesh_dim_names or ()) else mesh["dp"]
