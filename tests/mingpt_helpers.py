@@ -146,7 +146,8 @@ MINGPT_MODULES = {
     "metrics": "mingpt.metrics", "model": "mingpt.model", "optim": "mingpt.optim",
     "parallel": "mingpt.parallel", "common": "mingpt.parallel.common",
     "ddp": "mingpt.parallel.ddp", "dp": "mingpt.parallel.dp", "fsdp": "mingpt.parallel.fsdp",
-    "tensor": "mingpt.parallel.tensor", "precision": "mingpt.precision",
+    "tensor": "mingpt.parallel.tensor", "layout": "mingpt.parallel.layout",
+    "pipeline": "mingpt.parallel.pipeline", "precision": "mingpt.precision",
     "snapshot": "mingpt.snapshot", "storage": "mingpt.storage", "trainer": "mingpt.trainer",
     "sample": "sample"}
 EXTRA_MODULES = {"bpe_dataset": "mingpt.data.bpe", "image_dataset": "mingpt.data.image",

@@ -39,7 +39,7 @@ def main(rank: int, out: str, world: int, method: str) -> None:
                                  pp_size=2, tp_size=2 if method == "fsdp_tp_pp" else 0,
                                  microbatches=MICROBATCHES)
     optimizer = optim.build_optimizer(model, method, lr=LR, weight_decay=0.0)
-    pipeline, mesh = model.pipeline, model.dp_tp_mesh
+    pipeline, mesh = model.pipeline, model.mesh
     dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
     losses = []
     for x, y in batches():  # each dp rank takes its share of the global batch
@@ -53,7 +53,9 @@ def main(rank: int, out: str, world: int, method: str) -> None:
     # Whole tensors, collectively (FSDP's shards over dp, TP's over tp): every rank gathers.
     weights = {k: v.full_tensor() if hasattr(v, "full_tensor") else v.clone()
                for k, v in tensor.whole_strided(model.state_dict()).items()}
-    coordinate = list(mesh.get_coordinate())  # (pp, dp, tp)
+    # (pp, dp, tp): the mesh has a dimension for each axis that is on (layout.py).
+    place = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate(), strict=True))
+    coordinate = [place.get(axis, 0) for axis in ("pp", "dp", "tp")]
     if coordinate[1:] == [0, 0]:
         torch.save(weights, f"{out}/stage{coordinate[0]}.pt")
     Path(out, f"rank{rank}.json").write_text(json.dumps({"losses": losses,

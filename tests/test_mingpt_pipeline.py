@@ -297,9 +297,10 @@ def test_sizes_that_do_not_fit_are_one_line(spawned):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["trainer_config.pp_size=2"],
-     "trainer_config.pp_size must be 0 unless distributed_method is pp or fsdp_pp or "
-     "fsdp_tp_pp, got 2"),
+    # pp_size is a degree of any flavour but dp (one process drives every GPU).
+    (["trainer_config.distributed_method=dp", "trainer_config.pp_size=2"],
+     "distributed_method=dp (nn.DataParallel, one process) combines with no other axis, got "
+     "pp_size=2; use ddp or fsdp with it"),
     (["trainer_config.distributed_method=pp", "trainer_config.microbatches=3"],
      "trainer_config.microbatches must be a divisor of batch_size (8): each micro-step's batch "
      "is cut into that many micro-batches, got 3"),
@@ -330,7 +331,8 @@ def test_split_and_mesh_layout():
             pipeline.split_blocks(4, 2, [4, 0])
         assert [pipeline.rank_of_stage(s, 2) for s in range(4)] == [0, 1, 0, 1]
         # pp outermost, tp innermost: 8 ranks as (pp 2, dp 2, tp 2).
-        assert pipeline.mesh_sizes(8, 2, 2, fsdp=True) == (2, 2, 2)
+        layout = m["layout"].resolve("fsdp_tp_pp", 8, tp_size=2, pp_size=2)
+        assert layout.sizes() == {"pp": 2, "dp": 2, "tp": 2}
         assert m["parallel"].STRATEGIES["fsdp_tp_pp"].pipeline
 
 

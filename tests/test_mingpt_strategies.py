@@ -337,9 +337,11 @@ def test_parity_holds_on_other_cpu_kernels(tmp_path, monkeypatch):
     (["trainer_config.distributed_method=tp", "trainer_config.tp_size=3"],
      "tensor parallelism over tp_size=3 ranks needs n_head and n_embd divisible by 3, got "
      "n_head=2, n_embd=32; change the model or trainer_config.tp_size"),
-    (["trainer_config.tp_size=2"],
-     "trainer_config.tp_size must be 0 unless distributed_method is tp or fsdp_tp or "
-     "fsdp_tp_pp, got 2"),
+    # tp_size is a degree of any flavour but zero (ddp with tp_size: replicas of TP groups).
+    (["trainer_config.distributed_method=zero", "trainer_config.tp_size=2"],
+     "distributed_method=zero cannot take tp_size=2: its ZeroRedundancyOptimizer broadcasts "
+     "plain tensors, and with tp_size or pp_size the weights are DTensors (ddp's replicas "
+     "there are FSDP2's replicate); use fsdp, which shards the optimizer state too"),
     (["trainer_config.distributed_method=fsdp_tp", "trainer_config.tp_size=-1"],
      "trainer_config.tp_size must be an integer >= 0 (0: every rank), got -1"),
 ])

@@ -289,6 +289,24 @@ def test_fsdp_kill_resume_and_world_size_change_slowest(mingpt, ddp_reference, m
     assert "(fsdp, step 12, " in s.stderr
 
 
+def test_changed_adamw_settings_on_resume_are_followed_and_said(main_py, mingpt):
+    """A snapshot's param groups hold the saving run's betas and weight decay; a resume with
+    other values once kept those silently while config.yaml recorded the new ones."""
+    args = tiny("run_name=adamw", "trainer_config.sample_tokens=0", "trainer_config.eval_every=0")
+    first = [a.replace("max_steps=10", "max_steps=4") for a in args]
+    assert main_py(*first).returncode == 0
+    proc = main_py(*args, "optimizer_config.weight_decay=0.05", "optimizer_config.betas=[0.8,0.9]")
+    assert proc.returncode == 0, proc.stderr
+    assert ("resuming with trainer_config.max_steps 4 -> 10, "
+            "optimizer_config.betas [0.9, 0.95] -> [0.8, 0.9], "
+            "optimizer_config.weight_decay 0.1 -> 0.05: the lr schedule and AdamW follow the new "
+            "values from step 4 on") in proc.stdout
+    # In effect: the final snapshot's param groups (decayed Linear weights; the rest none).
+    groups = load_ddp_snapshot(mingpt / "runs/adamw/snapshot")["optimizer"]["param_groups"]
+    assert [(g["weight_decay"], list(g["betas"])) for g in groups] == [(0.05, [0.8, 0.9]),
+                                                                      (0.0, [0.8, 0.9])]
+
+
 def test_changed_schedule_on_resume_is_followed_and_said(main_py):
     args = tiny("run_name=sched", "trainer_config.sample_tokens=0", "trainer_config.eval_every=0")
     first = [a.replace("max_steps=10", "max_steps=4") for a in args]

@@ -66,6 +66,38 @@ def keep_own_optimizer_settings(optimizer: torch.optim.Optimizer) -> None:
             state["step"] = step.to(param.device)  # what AdamW's own load does when fused
 
 
+# AdamW's settings besides the lr (which the schedule owns) that a resume takes from this run.
+HYPER_KEYS = ("betas", "weight_decay")
+
+
+def own_settings(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """This run's betas and weight decay per param group, before a snapshot's load replaces
+    them with the saved ones (restore_settings puts them back)."""
+    return [{key: group[key] for key in HYPER_KEYS} for group in optimizer.param_groups]
+
+
+def restore_settings(optimizer: torch.optim.Optimizer, own: list[dict]) -> list[str]:
+    """After `optimizer.load_state_dict`: this run's betas and weight decay again, as
+    config.yaml records them; the changes from the snapshot's, for the log ("KEY old -> new").
+
+    load_state_dict restores the saved param groups whole: a resume with another
+    optimizer_config.weight_decay or betas kept the snapshot's silently while config.yaml
+    claimed the new ones."""
+    local = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    changes: list[str] = []
+    for group, mine in zip(optimizer.param_groups, own, strict=True):
+        for key, value in mine.items():
+            saved = tuple(group[key]) if key == "betas" else group[key]
+            if saved != value:
+                shown = (list(saved), list(value)) if key == "betas" else (saved, value)
+                change = f"optimizer_config.{key} {shown[0]} -> {shown[1]}"
+                changes += [change] if change not in changes else []
+            group[key] = value
+    for group, mine in zip(local.param_groups, own, strict=False):  # ZeRO's local copy
+        group.update(mine)
+    return changes
+
+
 def lr_factor(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
     """Multiplier of the base lr at `step`: linear warmup, then cosine decay to min_lr_ratio."""
     if step < warmup_steps:

@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from mingpt import storage
-from mingpt.optim import keep_own_optimizer_settings
+from mingpt.optim import keep_own_optimizer_settings, own_settings, restore_settings
 from mingpt.parallel import snapshot_layout
 from mingpt.parallel.common import unwrap
 from mingpt.parallel.tensor import checkpointable
@@ -454,6 +454,7 @@ def load(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.O
     # an object store they are the process's own: nothing to copy.)
     mapped = {t.untyped_storage().data_ptr() for t in _tensors(state)} if storage.is_local(url) \
         else set()
+    own = own_settings(optimizer)  # this run's betas and weight decay, before the load
     if kind == "ddp":  # load_state_dict copies each tensor to where its parameter lives
         # pop: the state returned to the trainer must not keep a second copy of the weights.
         unwrap(model).load_state_dict(state.pop("model"))
@@ -464,6 +465,8 @@ def load(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.O
     # The saved param groups came back with the saving run's kernel choice (fused or not) and
     # ZeRO put AdamW's step counts on the CPU: this run's own choices and devices again.
     keep_own_optimizer_settings(optimizer)
+    # And this run's betas and weight decay: the trainer says which differ from the saved.
+    state["optimizer_changes"] = restore_settings(optimizer, own)
     _unmap_optimizer(optimizer, mapped)
     # Nothing returned is a view of the file either (RNG states: small), so the file is
     # unmapped once the loaded dicts are gone, when this returns.

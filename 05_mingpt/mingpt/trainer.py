@@ -137,12 +137,15 @@ class Trainer:
         print0(f"resumed from {self.cfg.snapshot_path} at step {self.step} (epoch {self.epoch})")
 
     def _load_schedule(self, state: dict) -> None:
-        """The lr schedule at the saved step; where the config changed it (max_steps, lr),
-        it follows the new values from there on, and says so."""
+        """The lr schedule at the saved step; where the config changed it (max_steps, lr), or
+        AdamW's betas or weight decay, training follows the new values from there on, and
+        says so."""
         self.scheduler, changes = resume_scheduler(self.optimizer, self.cfg, state)
-        if changes:
-            print0(f"resuming with {', '.join(changes)}: the lr schedule follows the new values "
-                   f"from step {self.scheduler.last_epoch} on (lr "
+        adamw = state.get("optimizer_changes", [])  # betas, weight decay (snapshot.load)
+        if changes or adamw:
+            what = " and AdamW follow" if adamw else " follows"
+            print0(f"resuming with {', '.join(changes + adamw)}: the lr schedule{what} the new "
+                   f"values from step {self.scheduler.last_epoch} on (lr "
                    f"{self.scheduler.get_last_lr()[0]:.2e} now)")
 
     def _save_snapshot(self) -> None:

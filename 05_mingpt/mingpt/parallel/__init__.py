@@ -87,12 +87,13 @@ def parallelize(model: nn.Module, device: torch.device, method: str = "ddp",
     ValueError (one line) where the world size or the model does not fit the layout."""
     s = Settings(**settings)
     lay = resolve(method, dist.get_world_size(), s.tp_size, s.pp_size, s.cp_size)
-    if lay.tp > 1:  # before any process group is split: heads and width per TP rank
+    axes = lay.sizes()  # the axes that are on: a degree > 1, or named by a shorthand
+    if "tp" in axes:  # before any process group is split: heads and width per TP rank
         tensor.check_tp(model.config.n_head, model.config.n_embd, lay.tp)
     mesh = layout.build_mesh(lay, device)
-    parts = pipeline.split(model, mesh, s) if lay.pp > 1 else [model]
+    parts = pipeline.split(model, mesh, s) if "pp" in axes else [model]
     wrapped = [_apply_axes(part, device, s, lay, mesh) for part in parts]
-    if lay.pp > 1:
+    if "pp" in axes:
         model.pipeline = pipeline.schedule(model, wrapped, mesh, s, device)
     else:
         model = wrapped[0]
@@ -103,18 +104,19 @@ def parallelize(model: nn.Module, device: torch.device, method: str = "ddp",
 def _apply_axes(part: nn.Module, device: torch.device, s: Settings, lay: Layout,
                 mesh) -> nn.Module:
     """TP, CP, then the flavour (with checkpointing and compile), on one part of the model."""
-    if lay.tp > 1:
+    axes = lay.sizes()
+    if "tp" in axes:
         tensor.apply(part, mesh["tp"])
-    if lay.cp > 1:
+    if "cp" in axes:
         context.apply(part, mesh["cp"])
     grads = layout.grad_mesh(mesh)  # the ranks that average gradients: dp (x cp)
     if lay.flavour in ("ddp", "zero"):
-        return ddp.apply(part, device, s, grads, pipeline=lay.pp > 1)
+        return ddp.apply(part, device, s, grads, pipeline="pp" in axes)
     if lay.flavour == "fsdp":
         # Under a pipeline every micro-batch runs each stage's forward and backward: resharding
         # after forward would gather the weights again for its backward (torchtitan turns it
         # off with PP too); the stage's weights stay gathered until the round's last backward.
-        return fsdp.apply(part, device, s, grads, reshard_after_forward=lay.pp == 1)
+        return fsdp.apply(part, device, s, grads, reshard_after_forward="pp" not in axes)
     if lay.flavour == "dp":
         return dp.apply(part, device, s)
     wrap_blocks(part, s.activation_checkpointing, s.compile)  # tp, pp: no data-parallel axis

@@ -23,7 +23,7 @@ level (its K/V exchanges every layer), data parallelism across those, and pipeli
 farthest apart (one activation per micro-batch, point to point). Only the axes that are on
 become mesh dimensions (dp always), so a plain ddp run keeps the one default process group.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -48,12 +48,16 @@ AXES = ("pp", "dp", "cp", "tp")  # mesh order, outermost first
 class Layout:
     """A resolved layout: the flavour and every degree (1: off), for `world` ranks."""
 
-    method: str  # as the config names it (a flavour or a shorthand), for messages
+    # As the config names it (a flavour or a shorthand), for messages; not part of equality:
+    # fsdp_tp_pp with tp_size 2 is fsdp with tp_size 2 and pp_size 2.
+    method: str = field(compare=False)
     flavour: str | None
     world: int
     pp: int = 1
     cp: int = 1
     tp: int = 1
+    # Axes a shorthand turns on even at size 1 (tp on one process: TP over a group of one).
+    on: tuple[str, ...] = field(default=(), compare=False)
 
     @property
     def dp(self) -> int:
@@ -70,7 +74,8 @@ class Layout:
     def sizes(self) -> dict[str, int]:
         """The mesh's dimensions, outermost first: dp always, the other axes where on."""
         every = {"pp": self.pp, "dp": self.dp, "cp": self.cp, "tp": self.tp}
-        return {axis: size for axis, size in every.items() if axis == "dp" or size > 1}
+        return {axis: size for axis, size in every.items()
+                if axis == "dp" or size > 1 or axis in self.on}
 
     def describe(self) -> str:
         """One line for the log: `fsdp: pp 2 x dp 2 x tp 2` (8 ranks)."""
@@ -111,7 +116,7 @@ def resolve(method: str, world: int, tp_size: int = 0, pp_size: int = 0, cp_size
                          if what == f"cp_size={cp}" else
                          f"{what} = {pp * cp * tp} must divide the world size {world} (each "
                          "model replica takes that many ranks)")
-    return Layout(method, flavour, world, pp=pp, cp=cp, tp=tp)
+    return Layout(method, flavour, world, pp=pp, cp=cp, tp=tp, on=on)
 
 
 def check_axes(method: str, tp_size: int = 0, pp_size: int = 0, cp_size: int = 0) -> None:

@@ -1,0 +1,196 @@
+"""05_mingpt's layouts compose: a data-parallel flavour plus degrees (tp_size, pp_size, cp_size)
+trains what DDP trains on the same global batch, resumes bit for bit, and resumes under other
+degrees; every layout's step-time breakdown marks its forward and backward.
+
+All runs share ONE group of 4 spawned gloo processes, trained in-process through
+main.load_train_objs and the Trainer as main.py runs them (test_mingpt_strategies.run). The
+reference is ddp over the 4 ranks (dp 4), whose arithmetic is one process's on the same 8
+sequences per step up to the order of the all-reduce's sum (test_mingpt_strategies compares
+them). Config-level refusals run in this process.
+"""
+import json
+import re
+import statistics
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from conftest import REPO
+from mingpt_helpers import log_units, mingpt_imported, tiny, train_losses, weights_apart
+from test_mingpt_strategies import HALF, LOSS_UNITS, OUTLIERS, STEP_BUDGET, STEPS, run
+
+WORLD = 4
+GLOBAL_BATCH = 8  # sequences per step, whatever the layout: batch_size x dp
+# name -> (distributed_method, tp_size, pp_size, cp_size). The data-parallel degree is what
+# the world size leaves: dp = 4 / (tp x pp x cp).
+LAYOUTS = {
+    "ddp": ("ddp", 0, 0, 0),           # dp 4: the reference
+    "ddp_tp2": ("ddp", 2, 0, 0),       # replicas of TP groups: dp 2 x tp 2
+    "ddp_pp2": ("ddp", 0, 2, 0),       # replicas of pipelines: pp 2 x dp 2
+    "ddp_cp2": ("ddp", 0, 0, 2),       # dp 2 x cp 2
+    "fsdp_tp2_cp2": ("fsdp", 2, 0, 2),  # dp 1 x cp 2 x tp 2
+    "fsdp_pp2": ("fsdp", 0, 2, 0),     # pp 2 x dp 2, FSDP over each stage's dp ranks
+}
+# The weights after STEPS steps against ddp's: test_mingpt_strategies derives the bound for
+# sums in another order (FSDP's reduce-scatter, TP's split matmuls; here also the pipeline's
+# tied-embedding sum over two stages and cp's ring, both a few ulps per term): rounding moves
+# a weight by ~1e-7 of its step budget, a bug by O(STEP_BUDGET); 1% of it, OUTLIERS beyond.
+WEIGHT_TOLERANCE = 1e-2 * STEP_BUDGET
+BREAKDOWN = re.compile(r"^step (\d+)/\d+ \| .* ms: data (\d+)% forward (\d+)% backward (\d+)% "
+                       r"optimizer (\d+)%$", re.M)
+
+
+def overrides(name: str, run_dir: Path, text: Path, max_steps: int) -> list[str]:
+    method, tp, pp, cp = LAYOUTS[name]
+    dp = WORLD // (max(tp, 1) * max(pp, 1) * max(cp, 1))
+    return tiny(f"run_dir={run_dir}", f"data_config.path={text}",
+                f"trainer_config.distributed_method={method}", f"trainer_config.tp_size={tp}",
+                f"trainer_config.pp_size={pp}", f"trainer_config.cp_size={cp}",
+                f"trainer_config.batch_size={GLOBAL_BATCH // dp}",
+                # A pipeline cuts each micro-step's batch into 2 micro-batches (1F1B).
+                f"trainer_config.microbatches={2 if pp else 1}",
+                f"trainer_config.max_steps={max_steps}",
+                f"trainer_config.snapshot_path={run_dir}/snapshot",
+                # No dropout: TP's and cp's ranks draw other masks than DDP's. A constant lr
+                # after the warmup: HALF steps are exactly the first half of the longer run.
+                "gpt_config.dropout=0.0", "trainer_config.min_lr_ratio=1.0",
+                "trainer_config.log_every=1", "trainer_config.save_every=0",
+                "trainer_config.eval_batches=2", "trainer_config.sample_tokens=0")
+
+
+def _worker(rank: int, store: str, out: str, text: str) -> None:
+    torch.set_num_threads(1)  # four processes share the cores
+    dist.init_process_group("gloo", store=dist.FileStore(store, WORLD), rank=rank,
+                            world_size=WORLD, timeout=timedelta(seconds=120))
+    out_dir, text, result = Path(out), Path(text), {}
+    with mingpt_imported("main") as m:
+        # Each run saves its final snapshot (the weights the tests compare: whole, as
+        # sample.py reads them, whatever the layout held on each rank).
+        for name in LAYOUTS:
+            result[name] = {"log": run(m, overrides(name, out_dir / name, text, STEPS))[0]}
+        # Stopped halfway and resumed under the same layout: bit for bit.
+        run(m, overrides("ddp_pp2", out_dir / "half", text, HALF))
+        run(m, overrides("ddp_pp2", out_dir / "half", text, STEPS))
+        # Stopped halfway and resumed under other degrees (tp 2 -> pp 2; DCP reshards).
+        run(m, overrides("ddp_tp2", out_dir / "moved", text, HALF))
+        result["moved"] = {"log": run(m, overrides("fsdp_pp2", out_dir / "moved", text,
+                                                   STEPS))[0]}
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+    m["distributed"].release()  # every reference dropped first: gloo's threads are joined
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    """Rank 0's results; each run's snapshot in out/<name>/snapshot."""
+    out = tmp_path_factory.mktemp("layouts")
+    text = out / "input.txt"  # 40,000 characters of the usual text: fast to read, same vocab
+    text.write_text((REPO / "05_mingpt/data/input.txt").read_text()[:40_000])
+    mp.start_processes(_worker, args=(str(out / "store"), str(out), str(text)), nprocs=WORLD,
+                       start_method="spawn")  # any failure, an abort at exit too, raises
+    return out, json.loads((out / "rank0.json").read_text())
+
+
+def weights(run_dir: Path) -> dict:
+    """The final snapshot's weights, whole (sample.py's reader: one file or DCP shards)."""
+    with mingpt_imported() as m:
+        return m["sample"].load_model(str(run_dir / "snapshot"), torch.device("cpu"))[0] \
+            .state_dict()
+
+
+def test_every_layout_follows_ddps_losses_and_weights(spawned):
+    out, result = spawned
+    ddp, ddp_weights = train_losses(result["ddp"]["log"]), weights(out / "ddp")
+    assert sorted(ddp) == list(range(1, STEPS + 1)) and ddp[STEPS] < ddp[1] - 0.1, ddp
+    for name in LAYOUTS:
+        losses = train_losses(result[name]["log"])
+        assert sorted(losses) == sorted(ddp), (name, losses)
+        assert all(log_units(losses[s], ddp[s]) <= LOSS_UNITS for s in ddp), (name, losses, ddp)
+        worst, beyond = weights_apart(weights(out / name), ddp_weights, WEIGHT_TOLERANCE)
+        assert beyond <= OUTLIERS, (name, worst, beyond)
+
+
+def test_the_start_line_names_the_axes_of_a_replica(spawned):
+    _, result = spawned
+    assert "world size 4)" in result["ddp"]["log"]
+    for name, axes in (("ddp_tp2", "tensor-parallel 2"), ("ddp_cp2", "context-parallel 2"),
+                       ("fsdp_tp2_cp2", "context-parallel 2 x tensor-parallel 2"),
+                       ("ddp_pp2", "pipeline-parallel 2")):
+        assert f"processes per model replica: {axes})" in result[name]["log"], name
+
+
+def test_a_resume_is_bitwise_and_other_degrees_resume_it(spawned):
+    out, result = spawned
+    whole, resumed = weights(out / "ddp_pp2"), weights(out / "half")
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+    # tp 2 for HALF steps, then pp 2 from its sharded snapshot: still ddp's trajectory.
+    ddp = train_losses(result["ddp"]["log"])
+    moved = train_losses(result["moved"]["log"])
+    assert sorted(moved) == list(range(HALF + 1, STEPS + 1)), moved
+    assert all(log_units(moved[s], ddp[s]) <= LOSS_UNITS for s in moved), (moved, ddp)
+    worst, beyond = weights_apart(weights(out / "moved"), weights(out / "ddp"), WEIGHT_TOLERANCE)
+    assert beyond <= OUTLIERS, (worst, beyond)
+
+
+def test_every_layouts_breakdown_marks_forward_and_backward(spawned):
+    """Where a step's time goes, for every layout: a pipeline's schedule once logged
+    `forward 0% backward 0% optimizer 99%`. The forward and backward of these models cost about
+    6 x 25,000 parameters x 256 tokens per rank = 40 MFLOP a step, AdamW a few operations per
+    parameter (~0.3 MFLOP), so the median over steps 2.. (step 1 warms the kernels up) gives
+    forward and backward each at least 5% and together more than the optimizer."""
+    _, result = spawned
+    for name in LAYOUTS:
+        lines = [tuple(map(int, line)) for line in BREAKDOWN.findall(result[name]["log"])]
+        assert [line[0] for line in lines] == list(range(1, STEPS + 1)), name
+        median = {phase: statistics.median(line[i] for line in lines[1:])
+                  for i, phase in enumerate(("data", "forward", "backward", "optimizer"), 1)}
+        assert median["forward"] >= 5 and median["backward"] >= 5, (name, median)
+        assert median["forward"] + median["backward"] > median["optimizer"], (name, median)
+
+
+# --- in this process: refusals, before any process group ---------------------------------
+
+@pytest.mark.parametrize("args, world, message", [
+    (["trainer_config.tp_size=4"], "6",
+     "trainer_config.tp_size=4 must divide the world size 6 (the ranks form world_size / "
+     "tp_size tensor-parallel groups)"),
+    (["trainer_config.distributed_method=fsdp", "trainer_config.tp_size=2",
+      "trainer_config.cp_size=2"], "6",
+     "cp_size=2 x tp_size=2 = 4 must divide the world size 6 (each model replica takes that "
+     "many ranks)"),
+    (["trainer_config.distributed_method=fsdp", "trainer_config.pp_size=2",
+      "trainer_config.cp_size=2"], "8",
+     "cp_size=2 with a pipeline (pp_size=2): the stages pass whole sequences between them, "
+     "and splitting them inside the schedule is not built; use one of the two"),
+    (["trainer_config.distributed_method=zero", "trainer_config.pp_size=2"], "4",
+     "distributed_method=zero cannot take pp_size=2: its ZeroRedundancyOptimizer broadcasts "
+     "plain tensors, and with tp_size or pp_size the weights are DTensors (ddp's replicas "
+     "there are FSDP2's replicate); use fsdp, which shards the optimizer state too"),
+])
+def test_a_layout_that_cannot_work_is_one_line_before_any_group(monkeypatch, args, world,
+                                                                message):
+    """torchrun sets WORLD_SIZE before main.py starts: the degrees are checked against it with
+    the config, before any process group or run folder exists."""
+    monkeypatch.setenv("WORLD_SIZE", world)
+    with mingpt_imported() as m:
+        with pytest.raises(ValueError) as e:
+            m["config"].load(tiny(*args))
+    assert str(e.value) == message
+
+
+def test_shorthands_are_degrees():
+    """The older names are flavours plus degrees, and resolve as they always trained."""
+    with mingpt_imported() as m:
+        resolve = m["layout"].resolve
+        assert resolve("fsdp_tp_pp", 8, tp_size=2, pp_size=2) == resolve("fsdp", 8, 2, 2)
+        assert resolve("fsdp_tp", 4, tp_size=0).sizes() == {"dp": 1, "tp": 4}
+        assert resolve("tp", 4).sizes() == {"dp": 1, "tp": 4}
+        assert resolve("pp", 4).sizes() == {"pp": 4, "dp": 1}
+        assert resolve("ddp", 8, tp_size=2, cp_size=2).sizes() == {"dp": 2, "cp": 2, "tp": 2}
+        # Where every rank holds the whole model, one file; otherwise DCP shards.
+        assert [resolve(*args).snapshot for args in (("ddp", 4), ("zero", 4, 0, 0, 2),
+                                                     ("ddp", 4, 2), ("fsdp", 4))] == \
+            ["ddp", "ddp", "fsdp", "fsdp"]
