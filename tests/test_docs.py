@@ -39,6 +39,9 @@ DIFF_BUDGET = {"02_multigpu": 59, "03_torchrun_fault_tolerance": 87, "04_multino
 VENVS = {".venv", ".venv-xla"}
 MARKDOWN = sorted(p for p in REPO.rglob("*.md") if not VENVS & set(p.parts)
                   and ".pytest_cache" not in p.parts)
+# The root README is the series' front page: what it is, the steps, the Quickstart, where to
+# go next. It was 83 lines and grew to 198 in one round of features; topics live in docs/.
+ROOT_README_MAX_LINES = 120
 
 
 def changed_lines(a: Path, b: Path) -> int:
@@ -184,3 +187,14 @@ def test_tests_readme_lists_every_helper():
     assert not on_disk - set(helpers), f"tests/README.md has no line for {on_disk - set(helpers)}"
     for name in helpers:
         assert (REPO / "tests" / name).exists(), f"tests/README.md lists missing {name}"
+
+
+def test_root_readme_stays_short_and_links_every_topic_page():
+    readme = (REPO / "README.md").read_text()
+    lines = len(readme.splitlines())
+    assert lines <= ROOT_README_MAX_LINES, (
+        f"README.md has {lines} lines (at most {ROOT_README_MAX_LINES}): move a topic to a page "
+        "of its own in docs/ and link it from 'Where next'")
+    for page in sorted((REPO / "docs").glob("*.md")):
+        assert f"](docs/{page.name})" in readme, f"README.md does not link docs/{page.name}"
+
