@@ -1,13 +1,18 @@
-"""The docs and the tree are tested like code: copies agree, diffs are small, links resolve."""
+"""The docs and the tree are tested like code: copies agree, diffs are small, links resolve,
+every file the docs and comments name exists, and quoted stack lines are the code's."""
+import ast
 import difflib
 import filecmp
+import fnmatch
 import io
+import os
 import re
 import subprocess
 import tokenize
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import PYTHON, REPO, ROBUSTNESS_FILES
 
@@ -198,3 +203,97 @@ def test_root_readme_stays_short_and_links_every_topic_page():
     for page in sorted((REPO / "docs").glob("*.md")):
         assert f"](docs/{page.name})" in readme, f"README.md does not link docs/{page.name}"
 
+
+def series_files() -> set[str]:
+    """The series' files, relative to the root: what a fresh clone holds (git's list, with
+    new files not yet committed), so run outputs and downloads on this machine do not count."""
+    proc = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+                          cwd=REPO, capture_output=True, text=True)
+    if proc.returncode == 0:
+        return {f for f in proc.stdout.splitlines() if (REPO / f).is_file()}
+    found = set()  # not a git checkout: walk the tree, without environments and outputs
+    skip = VENVS | {".git", "__pycache__", ".pytest_cache", ".ruff_cache", "runs", "outputs"}
+    for folder, dirs, files in os.walk(REPO):
+        dirs[:] = [d for d in dirs if d not in skip]
+        found |= {str((Path(folder) / f).relative_to(REPO)) for f in files}
+    return found
+
+
+def comments_of(path: Path) -> str:
+    """The prose of a file: a Python file's `#` comments and docstrings; a shell script's, a
+    Dockerfile's or an ignore file's `#` comments; all of a markdown or yaml file."""
+    source = path.read_text()
+    if path.suffix == ".md":
+        return source.replace("\\_", "_")  # markdown's escaped underscores: \_\_init\_\_
+    if path.suffix in (".yaml", ".yml"):
+        return source  # values name files too (a data config's path)
+    if path.suffix == ".py":
+        prose = [t.string for t in tokenize.generate_tokens(io.StringIO(source).readline)
+                 if t.type == tokenize.COMMENT]
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                prose.append(ast.get_docstring(node, clean=False) or "")
+        return "\n".join(prose)
+    return "\n".join(m.group(1) for m in re.finditer(r"(?:^|\s)#(.*)$", source, re.M))
+
+
+# Where the series names files: docs, configs, and the comments of code and scripts.
+PROSE_SUFFIXES = (".md", ".yaml", ".yml", ".py", ".sh")
+PROSE_NAMES = ("Dockerfile", ".dockerignore", ".gitignore", ".ci/run")
+# A file name: a word, a known extension, and optionally the folders before it (`../` too).
+FILE_NAME = re.compile(r"(?<![\w.*/<>{}$~@:-])((?:\.\.?/)*(?:[\w.-]+/)*[\w-][\w.-]*"
+                       r"\.(?:py|md|sh|yaml|yml|json|png|ipynb|txt|toml|c))(?![\w/*-])")
+# Words that stand for any folder or file of a kind: `STEP/train.py`, `data_config/NAME.yaml`.
+PLACEHOLDERS = re.compile(r"\b(?:STEP|NAME)\b")
+# Names the docs and comments use that are no file of the series, and why.
+NOT_SERIES_FILES = {
+    "config.yaml": "main.py writes it into each run's folder: the config the run used",
+    "meta.json": "prepare.py writes it into its --out folder, beside the tokens",
+    "prepare_state.json": "prepare.py's record of finished chunks in its --out folder",
+    **dict.fromkeys(["vocab.json", "merges.txt", "encoder.json", "config.json"],
+                    "GPT-2's tokenizer and model files as published (Hugging Face, OpenAI)"),
+    "storm.json": "tests/crash_storm.py's --json output",
+    "name.png": "an image's name inside a CIFAR-10 batch file",
+    **dict.fromkeys(["a.txt", "b.txt", "100_chars.txt", "empty.txt", "latin1.txt", "short.txt",
+                     "other.txt", "no/such.txt"],
+                    "a user's text file in an example command (the tests write their own)"),
+}
+# torch's own files, quoted from tracebacks and stacks: they are looked for in torch itself.
+TORCH_ROOT = Path(torch.__file__).parent.parent
+
+
+def prose_files(files: set[str]) -> list[Path]:
+    return sorted(REPO / f for f in files
+                  if f.endswith(PROSE_SUFFIXES) or f.endswith(PROSE_NAMES))
+
+
+def names_a_file(name: str, where: Path, files: set[str]) -> bool:
+    """Whether `name`, as written in `where`, is a file: a bare name anywhere in the series;
+    a path from where's folder, any folder above it, or 05_mingpt/; torch/... in torch."""
+    if name.startswith("torch/"):
+        return (TORCH_ROOT / name).is_file()
+    pattern = PLACEHOLDERS.sub("*", name)
+    if "/" not in name.removeprefix("./"):
+        return any(fnmatch.fnmatch(f.rsplit("/", 1)[-1], pattern) for f in files)
+    bases = [where.parent, *where.parent.parents, REPO / "05_mingpt"]
+    for base in bases:
+        if REPO not in (base, *base.parents):
+            continue
+        rel = os.path.relpath(os.path.normpath(base / pattern), REPO)
+        if any(fnmatch.fnmatch(f, rel) for f in files):
+            return True
+    return False
+
+
+def test_files_named_in_docs_configs_and_comments_exist():
+    """A file the docs, a yaml or a code comment names exists: `mingpt/snapshot.py`,
+    `trainer.py`, `../docs/LOGS.md`. What is no file of the series is in NOT_SERIES_FILES."""
+    files = series_files()
+    missing = []
+    for path in prose_files(files):
+        for name in sorted(set(FILE_NAME.findall(comments_of(path)))):
+            if name in NOT_SERIES_FILES or name.rsplit("/", 1)[-1] in NOT_SERIES_FILES:
+                continue
+            if not names_a_file(name, path, files):
+                missing.append(f"{path.relative_to(REPO)} names {name}")
+    assert not missing, "no such file:\n" + "\n".join(missing)

@@ -268,7 +268,7 @@ def test_tests_named_in_the_docs_exist():
     for path in (README, BENCH_README):
         for name in re.findall(r"\b(test_\w+)\b", text(path)):
             if (REPO / "tests" / f"{name}.py").exists():
-                continue  # a test file, named as tests/test_x.py
+                continue  # a test file, named as tests/test_<name>.py
             assert name in defined, f"{path.name} names {name}, which no test defines"
         for name in re.findall(r"tests/(test_\w+\.py)", text(path)):
             assert (REPO / "tests" / name).exists(), f"{path.name} names missing tests/{name}"
