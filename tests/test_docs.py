@@ -297,3 +297,79 @@ def test_files_named_in_docs_configs_and_comments_exist():
             if not names_a_file(name, path, files):
                 missing.append(f"{path.relative_to(REPO)} names {name}")
     assert not missing, "no such file:\n" + "\n".join(missing)
+
+
+# Stack frames quoted in the docs, innermost first: analyze_hang.py's one-line stacks
+# (`faults.py:43 inject_fault < trainer.py:220 _run_epoch`) and py-spy's dump lines
+# (`    Trainer._run_epoch (mingpt/trainer.py:220)`).
+HANG_STACK = re.compile(r"[\w/.]+\.py:\d+ \w+(?: < [\w/.]+\.py:\d+ \w+)+")
+HANG_FRAME = re.compile(r"([\w/.]+\.py):(\d+) (\w+)")
+PY_SPY_FRAME = re.compile(r"^ +([\w.]+) \(([\w/.]+\.py):(\d+)\)$", re.M)
+
+
+def quoted_stacks(text: str) -> list[list[tuple[str, int, str]]]:
+    """Every stack a doc quotes, as (file, line, function) innermost first."""
+    stacks = [[(f, int(n), fn) for f, n, fn in HANG_FRAME.findall(m.group(0))]
+              for m in HANG_STACK.finditer(text)]
+    stack, last_end = [], -1
+    for m in PY_SPY_FRAME.finditer(text):  # consecutive lines make one stack
+        if m.start() != last_end + 1 and stack:
+            stacks.append(stack)
+            stack = []
+        stack.append((m.group(2), int(m.group(3)), m.group(1)))
+        last_end = m.end()
+    return [*stacks, *([stack] if stack else [])]
+
+
+def function_at(tree: ast.Module, line: int) -> str:
+    """The qualified name (`Trainer._run_epoch`) of the innermost function holding `line`."""
+    found = ""
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        nonlocal found
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                name = prefix + child.name
+                if child.lineno <= line <= child.end_lineno:
+                    if not isinstance(child, ast.ClassDef):
+                        found = name
+                    visit(child, name + ".")
+
+    visit(tree, "")
+    return found
+
+
+def test_quoted_stack_lines_are_the_codes():
+    """A stack a doc quotes names lines the code has today: line N of the file is in the
+    function the frame names, and calls the frame above it (its callee). torch's own frames
+    are left out: their lines are torch's version's."""
+    files = series_files()
+    checked, wrong = 0, []
+    for md in MARKDOWN:
+        for stack in quoted_stacks(md.read_text()):
+            for i, (name, line, function) in enumerate(stack):
+                if name.startswith("torch/"):
+                    continue
+                # The file: the one of that name in the doc's folder, else in the series.
+                folder = str(md.parent.relative_to(REPO)).removeprefix(".")
+                matches = [f for f in files if f == name or f.endswith("/" + name)]
+                near = [f for f in matches if f.startswith(folder)] or matches
+                assert len(near) == 1, f"{md.relative_to(REPO)}: {name} is {near or 'missing'}"
+                source = (REPO / near[0]).read_text()
+                lines = source.splitlines()
+                where = f"{md.relative_to(REPO)} quotes {name}:{line} {function}"
+                actual = function_at(ast.parse(source), line)
+                if not (actual == function or actual.endswith("." + function)):
+                    wrong.append(f"{where}, but line {line} is in {actual or 'no function'}")
+                    continue
+                checked += 1
+                if i == 0:
+                    continue  # the innermost frame quoted: what it calls is not shown
+                callee = stack[i - 1][2].split(".")[-1]
+                call = re.compile(rf"\b{callee}\(")
+                if not call.search(lines[line - 1]):
+                    at = [n for n, text in enumerate(lines, 1) if call.search(text)
+                          and function_at(ast.parse(source), n) == actual]
+                    wrong.append(f"{where}, but {callee}() is called at line(s) {at}")
+    assert not wrong, "stale stack lines:\n" + "\n".join(wrong)
+    assert checked >= 8, f"only {checked} frames found: has the stack format changed?"
