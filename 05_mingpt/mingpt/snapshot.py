@@ -9,8 +9,9 @@ layouts, chosen by the distributed method (its `layout` in parallel.STRATEGIES):
   `snapshot_path` (model, optimizer, schedule, scaler, step, data position, every rank's RNG,
   configs). ZeRO's optimizer state is spread over the ranks: it is gathered to rank 0 first
   (consolidate_state_dict), so the file is the same as DDP's and either method resumes it.
-- fsdp (also tp, fsdp_tp): no rank holds the whole model. `torch.distributed.checkpoint`
-  (DCP) has every rank write its own shards in parallel into `snapshot_path/step_XXXXXXXX/`;
+- fsdp (also tp, fsdp_tp, pp, fsdp_pp, fsdp_tp_pp): no rank holds the whole model.
+  `torch.distributed.checkpoint` (DCP) has every rank write its own shards in parallel into
+  `snapshot_path/step_XXXXXXXX/`;
   rank 0 adds `train_state.pt` (everything but model and optimizer) and then
   `snapshot_path/latest`, which names the newest complete step directory. DCP reshards on
   load, so another number of ranks, or another of these methods, can resume.
