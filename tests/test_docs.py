@@ -5,6 +5,7 @@ import difflib
 import filecmp
 import fnmatch
 import io
+import json
 import os
 import re
 import subprocess
@@ -221,8 +222,14 @@ def series_files() -> set[str]:
 
 def comments_of(path: Path) -> str:
     """The prose of a file: a Python file's `#` comments and docstrings; a shell script's, a
-    Dockerfile's or an ignore file's `#` comments; all of a markdown or yaml file."""
+    Dockerfile's or an ignore file's `#` comments; all of a markdown or yaml file; a
+    notebook's markdown cells and the `#` comments of its code cells."""
     source = path.read_text()
+    if path.suffix == ".ipynb":
+        cells = json.loads(source)["cells"]
+        return "\n".join("".join(c["source"]) if c["cell_type"] == "markdown" else
+                         "\n".join(re.findall(r"#(.*)$", "".join(c["source"]), re.M))
+                         for c in cells)
     if path.suffix == ".md":
         return source.replace("\\_", "_")  # markdown's escaped underscores: \_\_init\_\_
     if path.suffix in (".yaml", ".yml"):
@@ -237,8 +244,8 @@ def comments_of(path: Path) -> str:
     return "\n".join(m.group(1) for m in re.finditer(r"(?:^|\s)#(.*)$", source, re.M))
 
 
-# Where the series names files: docs, configs, and the comments of code and scripts.
-PROSE_SUFFIXES = (".md", ".yaml", ".yml", ".py", ".sh")
+# Where the series names files: docs, configs, notebooks, the comments of code and scripts.
+PROSE_SUFFIXES = (".md", ".yaml", ".yml", ".py", ".sh", ".ipynb")
 PROSE_NAMES = ("Dockerfile", ".dockerignore", ".gitignore", ".ci/run")
 # A file name: a word, a known extension, and optionally the folders before it (`../` too).
 FILE_NAME = re.compile(r"(?<![\w.*/<>{}$~@:-])((?:\.\.?/)*(?:[\w.-]+/)*[\w-][\w.-]*"
@@ -253,6 +260,7 @@ NOT_SERIES_FILES = {
     **dict.fromkeys(["vocab.json", "merges.txt", "encoder.json", "config.json"],
                     "GPT-2's tokenizer and model files as published (Hugging Face, OpenAI)"),
     "storm.json": "tests/crash_storm.py's --json output",
+    "out.ipynb": "the executed copy papermill writes, in a notebook's example command",
     "name.png": "an image's name inside a CIFAR-10 batch file",
     **dict.fromkeys(["a.txt", "b.txt", "100_chars.txt", "empty.txt", "latin1.txt", "short.txt",
                      "other.txt", "no/such.txt"],
