@@ -1,5 +1,5 @@
 # The series in a container: CUDA runtime, Python 3.11, the pinned requirements.txt, the code.
-# Build and run it from the repository root (README.md, "Running in a container"):
+# Build and run it from the repository root (docs/CONTAINER.md):
 #
 #   docker build -t ddp-series .
 #   docker run --rm --gpus all --ipc=host ddp-series torchrun --standalone --nproc_per_node=gpu \

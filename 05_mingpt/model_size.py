@@ -144,7 +144,7 @@ def print_table(rows: list[dict[str, object]]) -> None:
 
 # The strategies whose memory split the registry describes (parallel.STRATEGIES, `memory`).
 MEMORY = {name: s for name, s in REGISTRY.items() if s.memory is not None}
-# How tensor parallelism splits a block's weights (tensor_parallel.py, Megatron-LM's layout):
+# How tensor parallelism splits a block's weights (mingpt/parallel/tensor.py, Megatron's layout):
 # q/k/v and the MLP's widening matmul column-wise (dim 0 of an nn.Linear weight, and its
 # bias), both output projections row-wise (dim 1; their biases stay whole). Every other
 # parameter (embeddings, LayerNorms, the tied lm_head) is whole on every rank.

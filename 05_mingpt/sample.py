@@ -1,7 +1,8 @@
 """Generate text from a trained snapshot (either layout: a ddp file or an fsdp directory).
 
-Any strategy's snapshot loads into one plain model: ddp, zero and dp write the ddp file; fsdp,
-tp and fsdp_tp write the DCP directory, whose tensors are global (unsharded) in GPT-2's layout.
+Any strategy's snapshot loads into one plain model: the ddp layout (ddp, zero, dp) is one file;
+the fsdp layout (fsdp, tp, fsdp_tp, pp, fsdp_pp, fsdp_tp_pp) is a DCP directory, whose tensors
+are global (unsharded) in GPT-2's layout.
 
     python sample.py --prompt "ROMEO:" --num-tokens 300 --temperature 0.8 --top-k 20
     python sample.py --snapshot runs/<run_name>/snapshot --prompt "O God, O God!"

@@ -7,7 +7,7 @@
 #   STEP=mingpt sbatch slurm_scripts/sbatch_run.sh           # 05_mingpt (hydra overrides as args)
 #   NPROC_PER_NODE=2 sbatch --gpus-per-node=0 slurm_scripts/sbatch_run.sh   # CPU nodes, 2 each
 #   CONTAINER_IMAGE=$PWD/ddp-series.sqsh sbatch slurm_scripts/sbatch_run.sh  # in the Dockerfile's
-#                                                        # image (pyxis/enroot; README.md)
+#                                                        # image (pyxis/enroot; docs/CONTAINER.md)
 #
 # Node and GPU counts are set here, once: the #SBATCH lines below. Edit the partition/account
 # lines for your cluster. Submit from the repository root (Slurm starts the job in that folder).

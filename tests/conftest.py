@@ -82,7 +82,7 @@ SLOW_FILES = (
     "test_mingpt_strategies.py",  # 34
     "test_mingpt_s3.py",  # 31
     "test_mingpt_bench.py",  # 22
-    "test_torchrun_logs.py",  # 25: the README's launch, at 3 processes, with a kill and a restart
+    "test_torchrun_logs.py",  # 25: docs/LOGS.md's launch, at 3 processes, with a kill and a restart
     "test_vscode.py",  # 25: torchrun under debugpy, attached as VS Code attaches
     "test_elastic.py",  # 20
     "test_slurm.py",  # 29, most of it waiting for the daemons and the job

@@ -1,5 +1,5 @@
-"""The Dockerfile builds what README.md says it does, checked without building it (no container
-engine can run here, and no base image can be pulled; README.md, "Running in a container"):
+"""The Dockerfile builds what docs/CONTAINER.md says it does, checked without building it (no
+container engine can run here, and no base image can be pulled: that page, "Not built here"):
 hadolint finds nothing; it copies files that exist and that .dockerignore lets through;
 it installs the repository's pinned requirements.txt, torch from the TORCH_INDEX_URL build
 argument, as a non-root user, on a CUDA base that matches PyPI's torch; and the commands
@@ -167,11 +167,10 @@ def test_the_base_image_has_the_cuda_of_requirements_txts_torch():
 
 
 def documented_commands() -> list[list[str]]:
-    """The `docker run`/`apptainer exec` lines README.md and the Dockerfile's header show, each
-    as the command run inside the image, plus the Dockerfile's CMD."""
-    text = (REPO / "README.md").read_text()
-    section = text.split("\n## Running in a container\n", 1)[1].split("\n## ")[0]
-    blocks = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
+    """The `docker run`/`apptainer exec` lines docs/CONTAINER.md and the Dockerfile's header
+    show, each as the command run inside the image, plus the Dockerfile's CMD."""
+    page = (REPO / "docs/CONTAINER.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", page, flags=re.S)
     # The header: the comment lines before the first instruction, `#` and indent removed.
     header = DOCKERFILE.read_text().split("\nARG ")[0]
     blocks.append("\n".join(line.lstrip("# ") for line in header.splitlines()))
@@ -190,7 +189,7 @@ def documented_commands() -> list[list[str]]:
 
 def test_the_documented_commands_name_files_in_the_image():
     commands = documented_commands()
-    assert len(commands) >= 8, commands  # CMD, steps 02-05 in the README, the header's two
+    assert len(commands) >= 8, commands  # CMD, steps 02-05 on the page, the header's two
     in_image = set(copied_files().values())
     scripts = []
     for command in commands:
@@ -212,7 +211,7 @@ def test_the_documented_commands_name_files_in_the_image():
         for option in (w.split("=")[0] for w in command[at + 1:] if w.startswith("--")):
             assert f'add_argument("{option}"' in source, f"{script} has no {option}"
     for step in ["02_multigpu", "03_torchrun_fault_tolerance", "04_multinode", "main.py"]:
-        assert any(step in s for s in scripts), f"README.md shows no container run of {step}"
+        assert any(step in s for s in scripts), f"docs/CONTAINER.md runs no {step} in the image"
 
 
 def test_python_torchrun_and_debugpy_come_from_the_venv():
@@ -248,7 +247,7 @@ exit 0
 
 
 def test_sbatch_run_starts_each_agent_in_the_image_given(tmp_path):
-    # README.md's Slurm line: CONTAINER_IMAGE adds pyxis's options to srun, nothing else.
+    # docs/CONTAINER.md's Slurm line: CONTAINER_IMAGE adds pyxis's options to srun, nothing else.
     for name in ("srun", "scontrol"):
         (tmp_path / name).write_text(SRUN_STUB)
         (tmp_path / name).chmod(0o755)

@@ -1,13 +1,19 @@
-"""The docs and the tree are tested like code: copies agree, diffs are small, links resolve."""
+"""The docs and the tree are tested like code: copies agree, diffs are small, links resolve,
+every file the docs and comments name exists, and quoted stack lines are the code's."""
+import ast
 import difflib
 import filecmp
+import fnmatch
 import io
+import json
+import os
 import re
 import subprocess
 import tokenize
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import PYTHON, REPO, ROBUSTNESS_FILES
 
@@ -39,6 +45,9 @@ DIFF_BUDGET = {"02_multigpu": 59, "03_torchrun_fault_tolerance": 87, "04_multino
 VENVS = {".venv", ".venv-xla"}
 MARKDOWN = sorted(p for p in REPO.rglob("*.md") if not VENVS & set(p.parts)
                   and ".pytest_cache" not in p.parts)
+# The root README is the series' front page: what it is, the steps, the Quickstart, where to
+# go next. It was 83 lines and grew to 198 in one round of features; topics live in docs/.
+ROOT_README_MAX_LINES = 120
 
 
 def changed_lines(a: Path, b: Path) -> int:
@@ -184,3 +193,191 @@ def test_tests_readme_lists_every_helper():
     assert not on_disk - set(helpers), f"tests/README.md has no line for {on_disk - set(helpers)}"
     for name in helpers:
         assert (REPO / "tests" / name).exists(), f"tests/README.md lists missing {name}"
+
+
+def test_root_readme_stays_short_and_links_every_topic_page():
+    readme = (REPO / "README.md").read_text()
+    lines = len(readme.splitlines())
+    assert lines <= ROOT_README_MAX_LINES, (
+        f"README.md has {lines} lines (at most {ROOT_README_MAX_LINES}): move a topic to a page "
+        "of its own in docs/ and link it from 'Where next'")
+    for page in sorted((REPO / "docs").glob("*.md")):
+        assert f"](docs/{page.name})" in readme, f"README.md does not link docs/{page.name}"
+
+
+def series_files() -> set[str]:
+    """The series' files, relative to the root: what a fresh clone holds (git's list, with
+    new files not yet committed), so run outputs and downloads on this machine do not count."""
+    proc = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+                          cwd=REPO, capture_output=True, text=True)
+    if proc.returncode == 0:
+        return {f for f in proc.stdout.splitlines() if (REPO / f).is_file()}
+    found = set()  # not a git checkout: walk the tree, without environments and outputs
+    skip = VENVS | {".git", "__pycache__", ".pytest_cache", ".ruff_cache", "runs", "outputs"}
+    for folder, dirs, files in os.walk(REPO):
+        dirs[:] = [d for d in dirs if d not in skip]
+        found |= {str((Path(folder) / f).relative_to(REPO)) for f in files}
+    return found
+
+
+def comments_of(path: Path) -> str:
+    """The prose of a file: a Python file's `#` comments and docstrings; a shell script's, a
+    Dockerfile's or an ignore file's `#` comments; all of a markdown or yaml file; a
+    notebook's markdown cells and the `#` comments of its code cells."""
+    source = path.read_text()
+    if path.suffix == ".ipynb":
+        cells = json.loads(source)["cells"]
+        return "\n".join("".join(c["source"]) if c["cell_type"] == "markdown" else
+                         "\n".join(re.findall(r"#(.*)$", "".join(c["source"]), re.M))
+                         for c in cells)
+    if path.suffix == ".md":
+        return source.replace("\\_", "_")  # markdown's escaped underscores: \_\_init\_\_
+    if path.suffix in (".yaml", ".yml"):
+        return source  # values name files too (a data config's path)
+    if path.suffix == ".py":
+        prose = [t.string for t in tokenize.generate_tokens(io.StringIO(source).readline)
+                 if t.type == tokenize.COMMENT]
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                prose.append(ast.get_docstring(node, clean=False) or "")
+        return "\n".join(prose)
+    return "\n".join(m.group(1) for m in re.finditer(r"(?:^|\s)#(.*)$", source, re.M))
+
+
+# Where the series names files: docs, configs, notebooks, the comments of code and scripts.
+PROSE_SUFFIXES = (".md", ".yaml", ".yml", ".py", ".sh", ".ipynb")
+PROSE_NAMES = ("Dockerfile", ".dockerignore", ".gitignore", ".ci/run")
+# A file name: a word, a known extension, and optionally the folders before it (`../` too).
+FILE_NAME = re.compile(r"(?<![\w.*/<>{}$~@:-])((?:\.\.?/)*(?:[\w.-]+/)*[\w-][\w.-]*"
+                       r"\.(?:py|md|sh|yaml|yml|json|png|ipynb|txt|toml|c))(?![\w/*-])")
+# Words that stand for any folder or file of a kind: `STEP/train.py`, `data_config/NAME.yaml`.
+PLACEHOLDERS = re.compile(r"\b(?:STEP|NAME)\b")
+# Names the docs and comments use that are no file of the series, and why.
+NOT_SERIES_FILES = {
+    "config.yaml": "main.py writes it into each run's folder: the config the run used",
+    "meta.json": "prepare.py writes it into its --out folder, beside the tokens",
+    "prepare_state.json": "prepare.py's record of finished chunks in its --out folder",
+    **dict.fromkeys(["vocab.json", "merges.txt", "encoder.json", "config.json"],
+                    "GPT-2's tokenizer and model files as published (Hugging Face, OpenAI)"),
+    "storm.json": "tests/crash_storm.py's --json output",
+    "out.ipynb": "the executed copy papermill writes, in a notebook's example command",
+    "name.png": "an image's name inside a CIFAR-10 batch file",
+    **dict.fromkeys(["a.txt", "b.txt", "100_chars.txt", "empty.txt", "latin1.txt", "short.txt",
+                     "other.txt", "no/such.txt"],
+                    "a user's text file in an example command (the tests write their own)"),
+}
+# torch's own files, quoted from tracebacks and stacks: they are looked for in torch itself.
+TORCH_ROOT = Path(torch.__file__).parent.parent
+
+
+def prose_files(files: set[str]) -> list[Path]:
+    return sorted(REPO / f for f in files
+                  if f.endswith(PROSE_SUFFIXES) or f.endswith(PROSE_NAMES))
+
+
+def names_a_file(name: str, where: Path, files: set[str]) -> bool:
+    """Whether `name`, as written in `where`, is a file: a bare name anywhere in the series;
+    a path from where's folder, any folder above it, or 05_mingpt/; torch/... in torch."""
+    if name.startswith("torch/"):
+        return (TORCH_ROOT / name).is_file()
+    pattern = PLACEHOLDERS.sub("*", name)
+    if "/" not in name.removeprefix("./"):
+        return any(fnmatch.fnmatch(f.rsplit("/", 1)[-1], pattern) for f in files)
+    bases = [where.parent, *where.parent.parents, REPO / "05_mingpt"]
+    for base in bases:
+        if REPO not in (base, *base.parents):
+            continue
+        rel = os.path.relpath(os.path.normpath(base / pattern), REPO)
+        if any(fnmatch.fnmatch(f, rel) for f in files):
+            return True
+    return False
+
+
+def test_files_named_in_docs_configs_and_comments_exist():
+    """A file the docs, a yaml or a code comment names exists: `mingpt/snapshot.py`,
+    `trainer.py`, `../docs/LOGS.md`. What is no file of the series is in NOT_SERIES_FILES."""
+    files = series_files()
+    missing = []
+    for path in prose_files(files):
+        for name in sorted(set(FILE_NAME.findall(comments_of(path)))):
+            if name in NOT_SERIES_FILES or name.rsplit("/", 1)[-1] in NOT_SERIES_FILES:
+                continue
+            if not names_a_file(name, path, files):
+                missing.append(f"{path.relative_to(REPO)} names {name}")
+    assert not missing, "no such file:\n" + "\n".join(missing)
+
+
+# Stack frames quoted in the docs, innermost first: analyze_hang.py's one-line stacks
+# (`faults.py:43 inject_fault < trainer.py:220 _run_epoch`) and py-spy's dump lines
+# (`    Trainer._run_epoch (mingpt/trainer.py:220)`).
+HANG_STACK = re.compile(r"[\w/.]+\.py:\d+ \w+(?: < [\w/.]+\.py:\d+ \w+)+")
+HANG_FRAME = re.compile(r"([\w/.]+\.py):(\d+) (\w+)")
+PY_SPY_FRAME = re.compile(r"^ +([\w.]+) \(([\w/.]+\.py):(\d+)\)$", re.M)
+
+
+def quoted_stacks(text: str) -> list[list[tuple[str, int, str]]]:
+    """Every stack a doc quotes, as (file, line, function) innermost first."""
+    stacks = [[(f, int(n), fn) for f, n, fn in HANG_FRAME.findall(m.group(0))]
+              for m in HANG_STACK.finditer(text)]
+    stack, last_end = [], -1
+    for m in PY_SPY_FRAME.finditer(text):  # consecutive lines make one stack
+        if m.start() != last_end + 1 and stack:
+            stacks.append(stack)
+            stack = []
+        stack.append((m.group(2), int(m.group(3)), m.group(1)))
+        last_end = m.end()
+    return [*stacks, *([stack] if stack else [])]
+
+
+def function_at(tree: ast.Module, line: int) -> str:
+    """The qualified name (`Trainer._run_epoch`) of the innermost function holding `line`."""
+    found = ""
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        nonlocal found
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                name = prefix + child.name
+                if child.lineno <= line <= child.end_lineno:
+                    if not isinstance(child, ast.ClassDef):
+                        found = name
+                    visit(child, name + ".")
+
+    visit(tree, "")
+    return found
+
+
+def test_quoted_stack_lines_are_the_codes():
+    """A stack a doc quotes names lines the code has today: line N of the file is in the
+    function the frame names, and calls the frame above it (its callee). torch's own frames
+    are left out: their lines are torch's version's."""
+    files = series_files()
+    checked, wrong = 0, []
+    for md in MARKDOWN:
+        for stack in quoted_stacks(md.read_text()):
+            for i, (name, line, function) in enumerate(stack):
+                if name.startswith("torch/"):
+                    continue
+                # The file: the one of that name in the doc's folder, else in the series.
+                folder = str(md.parent.relative_to(REPO)).removeprefix(".")
+                matches = [f for f in files if f == name or f.endswith("/" + name)]
+                near = [f for f in matches if f.startswith(folder)] or matches
+                assert len(near) == 1, f"{md.relative_to(REPO)}: {name} is {near or 'missing'}"
+                source = (REPO / near[0]).read_text()
+                lines = source.splitlines()
+                where = f"{md.relative_to(REPO)} quotes {name}:{line} {function}"
+                actual = function_at(ast.parse(source), line)
+                if not (actual == function or actual.endswith("." + function)):
+                    wrong.append(f"{where}, but line {line} is in {actual or 'no function'}")
+                    continue
+                checked += 1
+                if i == 0:
+                    continue  # the innermost frame quoted: what it calls is not shown
+                callee = stack[i - 1][2].split(".")[-1]
+                call = re.compile(rf"\b{callee}\(")
+                if not call.search(lines[line - 1]):
+                    at = [n for n, text in enumerate(lines, 1) if call.search(text)
+                          and function_at(ast.parse(source), n) == actual]
+                    wrong.append(f"{where}, but {callee}() is called at line(s) {at}")
+    assert not wrong, "stale stack lines:\n" + "\n".join(wrong)
+    assert checked >= 8, f"only {checked} frames found: has the stack format changed?"

@@ -1,5 +1,5 @@
 """05_mingpt's BPE data: prepare.py (text -> tiktoken tokens -> train.bin / val.bin) and
-bpe_dataset.py (windows of the memory-mapped tokens), with a small tokenizer learnt here in
+mingpt/data/bpe.py (windows of the memory-mapped tokens), with a small tokenizer learnt here in
 GPT-2's file layout (the real GPT-2 files need the network)."""
 import json
 import pickle

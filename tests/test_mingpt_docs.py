@@ -17,6 +17,7 @@ import yaml
 
 from conftest import REPO
 from mingpt_helpers import MINGPT, is_mingpt_module
+from test_docs import MARKDOWN, comments_of
 
 README = MINGPT / "README.md"
 BENCH_README = MINGPT / "bench" / "README.md"
@@ -268,7 +269,7 @@ def test_tests_named_in_the_docs_exist():
     for path in (README, BENCH_README):
         for name in re.findall(r"\b(test_\w+)\b", text(path)):
             if (REPO / "tests" / f"{name}.py").exists():
-                continue  # a test file, named as tests/test_x.py
+                continue  # a test file, named as tests/test_<name>.py
             assert name in defined, f"{path.name} names {name}, which no test defines"
         for name in re.findall(r"tests/(test_\w+\.py)", text(path)):
             assert (REPO / "tests" / name).exists(), f"{path.name} names missing tests/{name}"
@@ -280,3 +281,61 @@ def test_bench_readme_shows_every_result_and_script():
                      if p.suffix in (".json", ".png", ".py"))
     unlinked = [name for name in results if name not in linked]
     assert not unlinked, f"bench/README.md does not link {unlinked}"
+
+
+def test_the_configs_figures_are_the_readmes():
+    """The default run's figures have one home, the README's "Run it": gpt2_train_cfg.yaml's
+    header points there, and any time or loss it does quote is the README's."""
+    header = " ".join(line.lstrip("# ") for line in text(CONFIG).split("\ndefaults:")[0]
+                      .splitlines())
+    run_it = section("Run it")
+    for seconds in re.findall(r"\b(\d+(?:\.\d+)?) s\b", header):
+        assert f"{seconds} s in training" in run_it, (
+            f"gpt2_train_cfg.yaml says {seconds} s; the README's Run it does not: quote neither "
+            "or the same")
+    (final,) = re.findall(r"^final val loss (\d\.\d+)", run_it, re.M)
+    for loss in re.findall(r"validation loss of about (\d\.\d+)", header):
+        assert round(float(final), len(loss) - 2) == float(loss), (loss, final)
+
+
+# Lists of the strategies of one snapshot layout: "the fsdp layout (fsdp, tp, ...)" or, where
+# the layout's own strategy heads the line, "fsdp (also tp, ...)".
+LAYOUT_LIST = re.compile(r"\b(ddp|fsdp)(?:[ -]layout\b[^()\n]{0,30}?\(|\s+\(also\s+)"
+                         r"([a-z_]+(?:,\s+(?:and\s+)?[a-z_]+)+)\)")
+
+
+def prose() -> list[tuple[Path, str]]:
+    """Where the series speaks of its strategies: every markdown file, 05's yaml files, and
+    the comments and docstrings of 05's sources."""
+    return [(path, comments_of(path)) for path in
+            [*MARKDOWN, CONFIG, *(MINGPT / "data_config").glob("*.yaml"), *SOURCES]]
+
+
+def test_layout_lists_are_the_registrys(m):
+    strategies = m["parallel"].STRATEGIES
+    found, wrong = 0, []
+    for path, body in prose():
+        for found_list in LAYOUT_LIST.finditer(body):
+            layout, listed = found_list.groups()
+            named = set(re.split(r",\s+(?:and\s+)?", listed)) | (
+                {layout} if "(also" in found_list.group(0) else set())
+            expected = {name for name, s in strategies.items() if s.layout == layout}
+            found += 1
+            if named != expected:
+                wrong.append(f"{path.relative_to(REPO)}: the {layout} layout is "
+                             f"{', '.join(sorted(expected))}, not {listed!r}")
+    assert not wrong, "\n".join(wrong)
+    assert found >= 6, f"only {found} layout lists found: has their wording changed?"
+
+
+def test_strategy_counts_are_the_registrys(m):
+    """A doc that counts the strategies counts the registry's (one name each)."""
+    words = ["two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven",
+             "twelve"]
+    count = len(m["parallel"].STRATEGIES)
+    for path in MARKDOWN:
+        for number in re.findall(rf"\b({'|'.join(words)}|\d+) (?:[a-z-]+ )?strategies\b",
+                                 text(path), re.I):
+            said = int(number) if number.isdigit() else words.index(number.lower()) + 2
+            assert said == count, (
+                f"{path.relative_to(REPO)} says {number} strategies; the registry has {count}")

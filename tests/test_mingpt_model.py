@@ -1,4 +1,4 @@
-"""Unit tests for 05_mingpt/model.py and model_size.py (CPU, a few seconds each)."""
+"""Unit tests for 05_mingpt/mingpt/model.py and model_size.py (CPU, a few seconds each)."""
 import ast
 import importlib.util
 import math

@@ -167,7 +167,7 @@ def test_fsdp_single_process_bf16(mingpt, main_py):
 
 
 def test_compiled_run_follows_the_eager_one_and_samples_eagerly(mingpt, main_py):
-    # compile=True: ddp compiles the whole model (parallelize.py), generation runs eagerly.
+    # compile=True: ddp compiles the whole model (mingpt/parallel/ddp.py); sampling is eager.
     # No dropout (compiled code draws its masks from another generator); compiled kernels
     # round differently, so the curves agree to a tolerance, not bit for bit.
     args = ("gpt_config.dropout=0.0", "trainer_config.log_every=1")

@@ -1,4 +1,4 @@
-"""torchrun's per-rank logs do what README.md ("Per-rank logs") says: its command, with 3
+"""torchrun's per-rank logs do what docs/LOGS.md says: its command, with 3
 processes instead of 8, leaves each rank's stdout and stderr in
 logs/<rdzv-id>_*/attempt_<N>/<local rank>/, one attempt per restart, the killed rank's last line
 among them; --tee copies rank 0's files to the console line for line, and
@@ -9,13 +9,13 @@ from collections import Counter
 
 from conftest import REPO, TORCHRUN, free_port, run
 
-NPROC = 3  # the README's 8, fewer for a 2-core machine: the layout is the same
+NPROC = 3  # the page's 8, fewer for a 2-core machine: the layout is the same
 
 
 def readme_command() -> tuple[dict[str, str], list[str]]:
-    """The README's torchrun line: its environment assignments and its arguments."""
-    section = (REPO / "README.md").read_text().split("\n## Per-rank logs\n")[1]
-    (line,) = [ln for ln in section.splitlines() if "--log-dir" in ln and "torchrun" in ln]
+    """docs/LOGS.md's torchrun line: its environment assignments and its arguments."""
+    page = (REPO / "docs/LOGS.md").read_text()
+    (line,) = [ln for ln in page.splitlines() if "--log-dir" in ln and "torchrun" in ln]
     words = shlex.split(line)
     start = words.index("torchrun")
     env = dict(w.split("=", 1) for w in words[:start])

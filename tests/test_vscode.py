@@ -1,6 +1,6 @@
 """The VS Code debug configurations (.vscode/launch.json) start what they name: every program,
 module, script and working folder exists, and 05's configurations pass main.py's own checks.
-The container configuration attaches to the README's debugpy command (run here without Docker)
+The container configuration attaches to docs/VSCODE.md's debugpy command (run here without Docker)
 and follows torchrun into every rank, and its path mapping is the image's folder."""
 import importlib.util
 import json
@@ -57,9 +57,9 @@ def test_05_configurations_pass_main_pys_checks(config, tmp_path):
 
 
 def container_debug_command() -> list[str]:
-    """The README's `docker run ... python -m debugpy ...` line (Debugging in VS Code), split."""
-    section = (REPO / "README.md").read_text().split("\n## Debugging in VS Code\n")[1]
-    (block,) = re.findall(r"```bash\n(.*?)```", section.split("\n## ")[0], flags=re.S)
+    """docs/VSCODE.md's `docker run ... python -m debugpy ...` line, split."""
+    page = (REPO / "docs/VSCODE.md").read_text()
+    (block,) = re.findall(r"```bash\n(.*?)```", page, flags=re.S)
     return shlex.split(block.replace("\\\n", " "))
 
 
@@ -138,7 +138,7 @@ def dap_session(port: int, attach: dict, seen: list[tuple[str, dict]]) -> None:
 
 
 def test_the_container_configuration_attaches_to_torchrun_and_every_rank(tmp_path):
-    # The README's command as the container runs it: everything after the image name, in the
+    # docs/VSCODE.md's command as the container runs it: everything after the image name, in the
     # folder given by -w (05_mingpt), with a free loopback port and a tiny run.
     docker = container_debug_command()
     command = docker[docker.index("ddp-series") + 1:]

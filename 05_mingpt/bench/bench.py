@@ -172,7 +172,7 @@ def worker(args: argparse.Namespace) -> None:
     device = distributed.setup(t.device, t.cpu_offload)
     try:
         model, optimizer, train_set, val_set, data, meta, flops = main.load_train_objs(cfg, device)
-        # The bare loop needs the model as it is: DDP on one rank is (parallelize.py).
+        # The bare loop needs the model as it is: DDP on one rank is (mingpt/parallel/ddp.py).
         bare = strategy == "ddp" and ranks == 1
         trainer_tps, bare_tps, trainer_steps, save_s = [], [], [], []
         for r in range(args.rounds):

@@ -141,7 +141,7 @@ class CausalSelfAttention(nn.Module):
         B, T, _ = x.size()  # batch, sequence length, n_embd
         qkv = self.c_attn(x)  # (B, T, 3 * C)
         # C is this process's share of the heads' channels: n_embd, or n_embd / tp when a
-        # tensor-parallel wrapper split the heads over tp processes (tensor_parallel.py). So
+        # tensor-parallel wrapper split the heads over tp processes (parallel/tensor.py). So
         # the head count nh comes from the width, never from the config.
         C = qkv.size(2) // 3
         nh = C // self.head_size
@@ -241,7 +241,7 @@ class GPT(nn.Module):
         full shape in place (e.g. `nn.init.normal_` with GPT-2's std). The default runs it on
         the parameter itself. A model whose parameters are shards (built on the meta device,
         then sharded) passes a `fill` that draws the full tensor and keeps its own part, so
-        every rank gets exactly the numbers this model would hold (parallelize.py).
+        every rank gets exactly the numbers this model would hold (parallel/fsdp.py).
         """
         fill = fill or (lambda param, init: init(param))
         # N(0, 0.02) weights, zero biases; LayerNorm ones/zeros (its defaults: no draws, but a

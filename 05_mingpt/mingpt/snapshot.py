@@ -11,8 +11,8 @@ layouts, chosen by whether a rank holds the whole model (parallel.snapshot_layou
   configs). ZeRO's optimizer state is spread over the ranks: it is gathered to rank 0 first
   (consolidate_state_dict), so the file is the same as DDP's and either method resumes it.
 - fsdp (fsdp, and any flavour with tp_size or pp_size): no rank holds the whole model.
-  `torch.distributed.checkpoint`
-  (DCP) has every rank write its own shards in parallel into `snapshot_path/step_XXXXXXXX/`;
+  `torch.distributed.checkpoint` (DCP) has every rank write its own shards in parallel into
+  `snapshot_path/step_XXXXXXXX/`;
   rank 0 adds `train_state.pt` (everything but model and optimizer) and then
   `snapshot_path/latest`, which names the newest complete step directory. DCP reshards on
   load, so another number of ranks, or another of these methods, can resume.
