@@ -24,7 +24,7 @@ from mingpt.errors import fail
 from mingpt.metrics import print0, print_versions
 from mingpt.model import GPT
 from mingpt.optim import build_optimizer
-from mingpt.parallel import fsdp, parallelize
+from mingpt.parallel import Settings, fsdp, parallelize
 from mingpt.parallel.common import data_parallel, unwrap
 from mingpt.trainer import NonFiniteLoss, Trainer
 from sample import generate_text
@@ -76,12 +76,9 @@ def load_train_objs(cfg: DictConfig, device: torch.device) -> tuple:
     print0(f"model: {model.describe()}")
     snapshot_meta = {"model_config": asdict(model.config), "data_meta": meta}
     flops_per_token = model.flops_per_token()
-    model = parallelize(model, device, t.distributed_method, precision=t.precision,
-                        cpu_offload=t.cpu_offload, compile=t.compile, tp_size=t.tp_size,
-                        cp_size=t.cp_size,
-                        activation_checkpointing=t.activation_checkpointing,
-                        pp_size=t.pp_size, pp_schedule=t.pp_schedule, microbatches=t.microbatches,
-                        pp_stages_per_rank=t.pp_stages_per_rank, pp_split=t.pp_split)
+    # The layout: the flavour and every Settings key (degrees, precision, ...) of trainer_config.
+    model = parallelize(model, device, t.distributed_method,
+                        **{key: t[key] for key in Settings._fields})
     if init:  # the weights GPT(gpt_config) would have drawn, bit for bit, in shards
         init(model, device, t.cpu_offload)
     # Built after wrapping: FSDP has replaced every parameter with its sharded version.

@@ -55,6 +55,12 @@ def _worker(rank: int, store: str, out: str, text: str) -> None:
             result[f"{first}-{then}"] = {**settings(optimizer), "log": log,
                                          "ln_f_equal": torch.equal(*both)}
             del model, optimizer
+        # The same tp run in one go: the half-and-resumed tp-tp run must end at its weights.
+        run(m, overrides("tp", out_dir / "tp-whole", text, STEPS) + dropout)
+        result["tp_resume_bitwise"] = all(
+            torch.equal(a, b) for a, b in zip(whole_weights(m, out_dir / "tp-whole"),
+                                             whole_weights(m, out_dir / "tp-tp"), strict=True))
+        result["head_masks"] = head_masks(m)
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
     m["distributed"].release()  # every reference dropped first: gloo's threads are joined
 
@@ -99,6 +105,45 @@ def test_a_changed_tp_layout_keeps_one_dropout_stream_per_tp_group(mixed):
         assert mixed[0][pair]["ln_f_equal"] and mixed[1][pair]["ln_f_equal"], pair
     assert "data-parallel size 2 then, 1 now" in mixed[0]["fsdp-tp"]["log"]
     assert "then," not in mixed[0]["tp-tp"]["log"]  # the same layout: the saved streams
+
+
+def whole_weights(m: dict, run_dir: Path) -> list[torch.Tensor]:
+    """The final snapshot's weights, whole, as sample.py reads them."""
+    model, _ = m["sample"].load_model(str(run_dir / "snapshot"), CPU)
+    return list(model.state_dict().values())
+
+
+def head_masks(m: dict) -> dict:
+    """Each rank's attention-dropout mask for its own head under tp over both ranks, read
+    through the head's attention with q = k = 0 (every weight 1/T... causally: row i has
+    i + 1 equal weights) and v the identity (the output is the weights, dropped and
+    rescaled); and whether the ranks' shared RNG stream is still alike after drawing it."""
+    torch.manual_seed(3)  # the same shared stream on both ranks, as the trainer seeds them
+    config = m["model"].GPTConfig(model_type=None, n_layer=1, n_head=2, n_embd=16,
+                                  vocab_size=11, block_size=8, dropout=0.5)
+    model = m["parallel"].parallelize(m["model"].GPT(config), CPU, "tp")
+    attend = model.blocks[0].attn.attend
+    q = torch.zeros(1, 1, 8, 8)  # (B, this rank's one head, T, hs): uniform causal weights
+    dropped = attend(q, q, torch.eye(8).view(1, 1, 8, 8), 0.5)[0, 0] != 0  # (T, T) kept
+    both = [torch.empty_like(dropped) for _ in range(2)]
+    dist.all_gather(both, dropped)
+    state = torch.get_rng_state()
+    states = [torch.empty_like(state) for _ in range(2)]
+    dist.all_gather(states, state)
+    return {"differ": not torch.equal(*both), "kept": int(dropped.sum()),
+            "shared_stream_alike": torch.equal(*states)}
+
+
+def test_each_tp_rank_draws_its_own_heads_dropout_and_a_resume_stays_bitwise(mixed):
+    """One process draws every head its own mask; TP's ranks shared one stream, so head h on
+    every rank got the same mask. Now each rank's heads draw from a stream of their own (36
+    causal weights of 8 x 8, half kept: two equal masks have odds of about 2^-36), the shared
+    stream stays alike, and a resume of tp with dropout ends where one run does, bit for bit."""
+    for result in mixed:
+        assert result["head_masks"]["differ"], result["head_masks"]
+        assert result["head_masks"]["shared_stream_alike"]
+        assert 0 < result["head_masks"]["kept"] < 36
+        assert result["tp_resume_bitwise"]
 
 
 # --- in this process -------------------------------------------------------------------------

@@ -28,9 +28,8 @@ from torch import nn
 
 from mingpt.parallel import context, ddp, dp, fsdp, layout, pipeline, tensor
 from mingpt.parallel.common import unwrap, wrap_blocks
-from mingpt.parallel.layout import FLAVOURS, METHODS, SHORTHANDS, Layout, resolve
+from mingpt.parallel.layout import FLAVOURS, METHODS, SHORTHANDS, Layout, Settings, resolve
 from mingpt.parallel.runner import Runner
-from mingpt.parallel.settings import Settings
 
 
 @dataclass(frozen=True)

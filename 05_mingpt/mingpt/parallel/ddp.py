@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mingpt.parallel.common import wrap_blocks
-from mingpt.parallel.settings import Settings
+from mingpt.parallel.layout import Settings
 from mingpt.precision import fsdp_policy
 
 

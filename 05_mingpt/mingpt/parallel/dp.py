@@ -11,7 +11,7 @@ from torch import nn
 
 from mingpt.errors import require
 from mingpt.parallel.common import wrap_blocks
-from mingpt.parallel.settings import Settings
+from mingpt.parallel.layout import Settings
 from mingpt.precision import keep_autocast
 
 

@@ -18,7 +18,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from mingpt.parallel.common import wrap_blocks
-from mingpt.parallel.settings import Settings
+from mingpt.parallel.layout import Settings
 from mingpt.precision import fsdp_policy
 
 

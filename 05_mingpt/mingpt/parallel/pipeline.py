@@ -69,7 +69,7 @@ from torch.distributed.tensor import DTensor
 
 from mingpt.errors import require
 from mingpt.parallel.common import clip_grad_norm_
-from mingpt.parallel.settings import Settings
+from mingpt.parallel.layout import Settings
 from mingpt.precision import autocast
 
 # pp_schedule -> torch's class. Single: one stage per rank; looped: several, stage s on rank

@@ -193,12 +193,46 @@ def checkpointable(tree: object) -> object:
     return _checkpointable(tree) if _is_qkv(tree) else tree
 
 
+class HeadDropoutStream:
+    """CausalSelfAttention.attend under TP: the attention dropout of this rank's heads drawn
+    from a stream of this TP rank's own, everything else from the stream the group shares.
+
+    The ranks of a TP group share one RNG stream (seeded alike), so that the dropout of what
+    they hold alike (embeddings, the residual stream after each all-reduce) is one mask. But
+    attention's dropout falls on each rank's own heads: from the shared stream, head h on rank
+    r got the very mask of head h on every other rank, where one process draws every head
+    its own. Megatron-LM gives tensor-parallel regions their own streams; here each call
+    draws one seed from the shared stream (the same on every rank of the group, and restored
+    with it by activation checkpointing's recompute and by a resume), seeds a fork of the RNG
+    with it plus the TP rank for the heads' masks, and leaves the shared stream as if it had
+    drawn that one number only."""
+
+    def __init__(self, attend, tp_rank: int, device: torch.device) -> None:
+        self.attend, self.tp_rank = attend, tp_rank
+        self.devices = [device] if device.type == "cuda" else []
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float
+                 ) -> torch.Tensor:
+        if not dropout_p:  # evaluation and generation: no masks, nothing drawn
+            return self.attend(q, k, v, dropout_p)
+        seed = int(torch.randint(2**62, (1,)))  # from the shared (CPU) stream, alike in the group
+        with torch.random.fork_rng(devices=self.devices):
+            torch.manual_seed(seed + self.tp_rank)  # CPU and CUDA streams of this rank's own
+            return self.attend(q, k, v, dropout_p)
+
+
 def apply(part: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     """Every block of `part` (the GPT, or a pipeline stage) split over the ranks of `tp_mesh`,
-    in place. The ranks of one TP group see the same batch: the trainer deals data out over
-    the mesh's dp dimension only (data_parallel())."""
+    in place; each rank's heads draw their own attention dropout (HeadDropoutStream). The
+    ranks of one TP group see the same batch: the trainer deals data out over the mesh's dp
+    dimension only (data_parallel())."""
     check_tp(part.config.n_head, part.config.n_embd, tp_mesh.size())
     apply_tp(part, tp_mesh)
+    device = torch.device(tp_mesh.device_type, torch.cuda.current_device()) \
+        if tp_mesh.device_type == "cuda" else torch.device("cpu")
+    for block in part.blocks:
+        block.attn.attend = HeadDropoutStream(block.attn.attend, tp_mesh.get_local_rank(),
+                                              device)
     return part
 
 
