@@ -70,6 +70,7 @@ SLOW_FILES = (
     # them waiting out the collective timeout (most of the file's time is that waiting)
     "test_mingpt_hang.py",
     "test_mingpt_train.py",  # 82
+    "test_mingpt_layouts.py",  # 150 at a load of 5 (ten 4-rank runs); fewer runs since
     "test_mingpt_context.py",  # 60: eleven 2- and 4-rank launches
     # 85 with pip's cache cold, 24 warm, 1 once its venv exists (aws-parallelcluster's schema)
     "test_cluster.py",

@@ -31,10 +31,10 @@ LAYOUTS = {
     "ddp": ("ddp", 0, 0, 0),           # dp 4: the reference
     "ddp_tp2": ("ddp", 2, 0, 0),       # replicas of TP groups: dp 2 x tp 2
     "ddp_pp2": ("ddp", 0, 2, 0),       # replicas of pipelines: pp 2 x dp 2
-    "ddp_cp2": ("ddp", 0, 0, 2),       # dp 2 x cp 2
     "fsdp_tp2_cp2": ("fsdp", 2, 0, 2),  # dp 1 x cp 2 x tp 2
-    "fsdp_pp2": ("fsdp", 0, 2, 0),     # pp 2 x dp 2, FSDP over each stage's dp ranks
 }
+# Resumed into, from ddp_tp2's snapshot: pp 2 x dp 2, FSDP over each stage's dp ranks.
+MOVED = ("fsdp", 0, 2, 0)
 # The weights after STEPS steps against ddp's: test_mingpt_strategies derives the bound for
 # sums in another order (FSDP's reduce-scatter, TP's split matmuls; here also the pipeline's
 # tied-embedding sum over two stages and cp's ring, both a few ulps per term): rounding moves
@@ -45,7 +45,7 @@ BREAKDOWN = re.compile(r"^step (\d+)/\d+ \| .* ms: data (\d+)% forward (\d+)% ba
 
 
 def overrides(name: str, run_dir: Path, text: Path, max_steps: int) -> list[str]:
-    method, tp, pp, cp = LAYOUTS[name]
+    method, tp, pp, cp = LAYOUTS.get(name, MOVED)
     dp = WORLD // (max(tp, 1) * max(pp, 1) * max(cp, 1))
     return tiny(f"run_dir={run_dir}", f"data_config.path={text}",
                 f"trainer_config.distributed_method={method}", f"trainer_config.tp_size={tp}",
@@ -77,8 +77,7 @@ def _worker(rank: int, store: str, out: str, text: str) -> None:
         run(m, overrides("ddp_pp2", out_dir / "half", text, STEPS))
         # Stopped halfway and resumed under other degrees (tp 2 -> pp 2; DCP reshards).
         run(m, overrides("ddp_tp2", out_dir / "moved", text, HALF))
-        result["moved"] = {"log": run(m, overrides("fsdp_pp2", out_dir / "moved", text,
-                                                   STEPS))[0]}
+        result["moved"] = {"log": run(m, overrides("moved", out_dir / "moved", text, STEPS))[0]}
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
     m["distributed"].release()  # every reference dropped first: gloo's threads are joined
 
@@ -116,7 +115,7 @@ def test_every_layout_follows_ddps_losses_and_weights(spawned):
 def test_the_start_line_names_the_axes_of_a_replica(spawned):
     _, result = spawned
     assert "world size 4)" in result["ddp"]["log"]
-    for name, axes in (("ddp_tp2", "tensor-parallel 2"), ("ddp_cp2", "context-parallel 2"),
+    for name, axes in (("ddp_tp2", "tensor-parallel 2"),
                        ("fsdp_tp2_cp2", "context-parallel 2 x tensor-parallel 2"),
                        ("ddp_pp2", "pipeline-parallel 2")):
         assert f"processes per model replica: {axes})" in result[name]["log"], name

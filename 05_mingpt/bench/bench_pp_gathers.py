@@ -43,23 +43,27 @@ def count_step(reshard: bool, microbatches: int, n_layer: int) -> dict[str, int]
 
     from mingpt import optim, parallel  # noqa: PLC0415  (path set above)
     from mingpt.model import GPT, GPTConfig  # noqa: PLC0415
+    # Small and fast: the counts depend on the FSDP units and micro-batches, not on sizes.
     torch.manual_seed(0)
     config = GPTConfig(model_type=None, n_layer=n_layer, n_head=2, n_embd=32, vocab_size=65,
                        block_size=32, dropout=0.0)
     model = parallel.parallelize(GPT(config), torch.device("cpu"), "fsdp", pp_size=2,
                                  microbatches=microbatches)
+    # Every FSDP unit of this rank's stages (its blocks and the stage root) gets the switch.
     for stage in model.pipeline.stages:
         for module in stage.submod.modules():
             if isinstance(module, FSDPModule):
                 module.set_reshard_after_forward(reshard)
     optimizer = optim.build_optimizer(model, "fsdp", lr=1e-3)
     runner = parallel.runner(model, torch.device("cpu"), "fp32")
+    # One micro-step of 2 x m sequences: the runner cuts it into m micro-batches.
     x = torch.randint(0, 65, (2 * microbatches, 32), generator=torch.Generator().manual_seed(1))
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     counts: dict[str, int] = {}
     calls = {"all_gather": dist.all_gather_single, "reduce_scatter": dist.reduce_scatter_single}
 
     def counted(name: str):
+        """torch's function `name`, counting its calls in `counts`."""
         def call(*args, **kwargs):
             counts[name] = counts.get(name, 0) + 1
             return calls[name](*args, **kwargs)
@@ -81,6 +85,7 @@ def _worker(rank: int, store: str, args: argparse.Namespace, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, WORLD), rank=rank,
                             world_size=WORLD, timeout=timedelta(seconds=300))
+    # Both settings in the same processes, one after the other: the same model each time.
     rows = [{"reshard_after_forward": reshard,
              **count_step(reshard, args.microbatches, args.n_layer)} for reshard in (True, False)]
     if rank == 0:  # rank 0 holds the first stage (embeddings, half the blocks)

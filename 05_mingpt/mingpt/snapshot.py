@@ -5,12 +5,13 @@
 
 This module owns every layout; the trainer only gives and takes its own state dict. Two
 layouts, chosen by whether a rank holds the whole model (parallel.snapshot_layout):
-- ddp (ddp, zero and dp with no tp_size or pp_size): every rank holds the whole model, so
+- ddp (also zero, dp), with no tp_size or pp_size: every rank holds the whole model, so
   global rank 0 writes ONE file at `snapshot_path` (model, optimizer, schedule, scaler, step,
   data position, every rank's RNG, configs). ZeRO's optimizer state is spread over the
   ranks: it is gathered to rank 0 first (consolidate_state_dict), so the file is the same as
   DDP's and either method resumes it.
-- fsdp (fsdp, and any flavour with tp_size or pp_size): no rank holds the whole model.
+- fsdp (also tp, fsdp_tp, pp, fsdp_pp, fsdp_tp_pp), and any flavour with tp_size or pp_size:
+  no rank holds the whole model.
   `torch.distributed.checkpoint` (DCP) has every rank write its own shards in parallel into
   `snapshot_path/step_XXXXXXXX/`; rank 0 adds `train_state.pt` (everything but model and
   optimizer) and then `snapshot_path/latest`, which names the newest complete step
