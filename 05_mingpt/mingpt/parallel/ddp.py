@@ -7,7 +7,6 @@ all-reduce during backward, bucket by bucket, overlapped with it.
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -56,6 +55,8 @@ def wrap(model: nn.Module, device: torch.device, group: dist.ProcessGroup | None
 def _replicate(model: nn.Module, s: Settings, mesh: DeviceMesh) -> nn.Module:
     """FSDP2's replicate, per block then the root (FSDP's units): gradients all-reduced over
     `mesh` block by block during backward, each rank keeping its whole (TP-sharded) weights."""
+    # Imported here: xla_main.py imports this package under torch_xla's older torch.
+    from torch.distributed._composable.replicate_with_fsdp import replicate  # noqa: PLC0415
     wrap_blocks(model, s.activation_checkpointing, s.compile)
     kwargs = {"mesh": mesh}
     if s.precision != "fp32":
