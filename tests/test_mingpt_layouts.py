@@ -33,7 +33,7 @@ LAYOUTS = {
     "ddp_pp2": ("ddp", 0, 2, 0),       # replicas of pipelines: pp 2 x dp 2
     "fsdp_tp2_cp2": ("fsdp", 2, 0, 2),  # dp 1 x cp 2 x tp 2
 }
-# Resumed into, from ddp_tp2's snapshot: pp 2 x dp 2, FSDP over each stage's dp ranks.
+# Resumed into, from ddp's one-file snapshot: pp 2 x dp 2, FSDP over each stage's dp ranks.
 MOVED = ("fsdp", 0, 2, 0)
 # The weights after STEPS steps against ddp's: test_mingpt_strategies derives the bound for
 # sums in another order (FSDP's reduce-scatter, TP's split matmuls; here also the pipeline's
@@ -75,8 +75,9 @@ def _worker(rank: int, store: str, out: str, text: str) -> None:
         # Stopped halfway and resumed under the same layout: bit for bit.
         run(m, overrides("ddp_pp2", out_dir / "half", text, HALF))
         run(m, overrides("ddp_pp2", out_dir / "half", text, STEPS))
-        # Stopped halfway and resumed under other degrees (tp 2 -> pp 2; DCP reshards).
-        run(m, overrides("ddp_tp2", out_dir / "moved", text, HALF))
+        # Stopped halfway and resumed under other degrees and the other snapshot layout: ddp's
+        # one file (dp 4) into fsdp's shards over pp 2 x dp 2.
+        run(m, overrides("ddp", out_dir / "moved", text, HALF))
         result["moved"] = {"log": run(m, overrides("moved", out_dir / "moved", text, STEPS))[0]}
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
     m["distributed"].release()  # every reference dropped first: gloo's threads are joined
@@ -125,7 +126,9 @@ def test_a_resume_is_bitwise_and_other_degrees_resume_it(spawned):
     out, result = spawned
     whole, resumed = weights(out / "ddp_pp2"), weights(out / "half")
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
-    # tp 2 for HALF steps, then pp 2 from its sharded snapshot: still ddp's trajectory.
+    # ddp (one file) for HALF steps, then fsdp x pp 2 from it: still ddp's trajectory, and the
+    # file is kept beside the new shards.
+    assert (out / "moved/snapshot.ddp").is_file() and (out / "moved/snapshot/latest").is_file()
     ddp = train_losses(result["ddp"]["log"])
     moved = train_losses(result["moved"]["log"])
     assert sorted(moved) == list(range(HALF + 1, STEPS + 1)), moved

@@ -347,20 +347,34 @@ def test_save_then_load_restores_weights_and_optimizer(m, group, tmp_path, metho
         assert torch.equal(a, b)
 
 
-def test_load_finds_nothing_or_refuses_the_other_layout(m, group, tmp_path):
+def test_load_finds_nothing_or_reads_the_other_layout(m, group, tmp_path):
+    """A one-file (ddp) snapshot resumes a sharded layout and the reverse, weights and AdamW's
+    state whole; ZeRO, whose state DCP cannot name, still refuses a sharded one."""
     snapshot, keys = m["snapshot"], m["char_dataset"].MATCH_KEYS
     meta = {"model_config": MODEL, "data_meta": DATA}
-    objects = {method: trained(m, method, seed=1) for method in ("ddp", "fsdp")}
+    objects = {method: trained(m, method, seed=1 + i) for i, method in enumerate(("ddp", "fsdp"))}
     for method, (model, optimizer) in objects.items():
         missing = str(tmp_path / "none" / method)
         assert snapshot.load(missing, method, model, optimizer, meta, keys) is None
         snapshot.save(str(tmp_path / method), method, model, optimizer, {"step": 7, **meta})
     for saved_as, loaded_as in (("ddp", "fsdp"), ("fsdp", "ddp")):
-        url = str(tmp_path / saved_as)
-        with pytest.raises(snapshot.SnapshotError) as e:
-            snapshot.load(url, loaded_as, *objects[loaded_as], meta, keys)
-        assert str(e.value) == (f"{url} holds a {saved_as} snapshot, but distributed_method="
-                                f"{loaded_as}; use {saved_as} or another snapshot_path")
+        fresh, fresh_optimizer = trained(m, loaded_as, seed=9)  # other weights and state
+        state = snapshot.load(str(tmp_path / saved_as), loaded_as, fresh, fresh_optimizer, meta,
+                              keys)
+        assert state["step"] == 7 and "model" not in state and "optimizer" not in state
+        model, optimizer = objects[saved_as]
+        for a, b in zip(fresh.parameters(), model.parameters(), strict=True):
+            assert torch.equal(full(a), full(b)), (saved_as, loaded_as)
+        for a, b in zip(optimizer_tensors(fresh_optimizer), optimizer_tensors(optimizer),
+                        strict=True):
+            assert torch.equal(a, b), (saved_as, loaded_as)
+    url = str(tmp_path / "fsdp")
+    model = m["parallel"].parallelize(tiny_gpt(m, 1), CPU, "zero")
+    zero = m["optim"].build_optimizer(model, "zero", lr=1e-2)
+    with pytest.raises(snapshot.SnapshotError) as e:
+        snapshot.load(url, "zero", model, zero, meta, keys)
+    assert str(e.value) == (f"{url} holds a fsdp snapshot, but distributed_method=zero; use "
+                            "fsdp or another snapshot_path")
 
 
 def test_another_model_is_refused_before_any_weight_changes(m, group, tmp_path):

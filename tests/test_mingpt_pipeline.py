@@ -101,8 +101,8 @@ def _worker(rank: int, store: str, out: str, text: str) -> None:
         # Stopped halfway, then resumed: the snapshot at HALF goes on to STEPS.
         run(m, overrides(out_dir / "half", text, HALF))
         result["resumed"], *_ = run(m, overrides(out_dir / "half", text, STEPS))
-        # Resumed with another weight decay: the snapshot's hyper-parameters win on every
-        # stage, as with ddp and fsdp (each rank's groups hold other parameters).
+        # Resumed with another weight decay: this run's on every stage, as with ddp and fsdp
+        # (each rank's groups hold other parameters).
         run(m, overrides(out_dir / "decay", text, HALF))
         *_, optimizer = run(m, overrides(out_dir / "decay", text, HALF + 1, "pp", "1f1b", 8, 1,
                                          "optimizer_config.weight_decay=0.3"))
@@ -211,12 +211,13 @@ def test_resume_is_bit_for_bit(spawned):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_a_resume_keeps_the_snapshots_hyper_parameters_on_every_stage(spawned):
+def test_a_resume_takes_this_runs_hyper_parameters_on_every_stage(spawned):
     """DCP saves each param group's list of parameter names once (rank 0's), though every
-    pipeline rank holds other parameters: a rank that took it over matched none of its own, and
-    its groups came back without the saved weight decay, betas, eps."""
+    pipeline rank holds other parameters: a rank that took it over matched none of its own.
+    Every stage's groups come back whole (their AdamW state: test_resume_is_bit_for_bit), and
+    with this run's weight decay, as config.yaml records it (optim.restore_settings)."""
     ranks = [result["weight_decay"] for result in spawned[2]]
-    assert ranks == [[0.1, 0.0], [0.1, 0.0]], ranks
+    assert ranks == [[0.3, 0.0], [0.3, 0.0]], ranks
 
 
 def test_checkpointing_bf16_and_clipping(spawned):

@@ -297,9 +297,11 @@ def load_train_state(url: str, kind: str) -> dict:
     return load_file(f"{latest_sharded(url)}/{TRAIN_STATE}")
 
 
-def load_sharded(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """FSDP: each rank reads the pieces of every saved shard that its own shards need."""
-    checkpoint = latest_sharded(url)
+def load_sharded(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 checkpoint: str | None = None) -> None:
+    """FSDP: each rank reads the pieces of every saved shard that its own shards need (from
+    `checkpoint`, a DCP directory, where given; else the snapshot's newest)."""
+    checkpoint = checkpoint or latest_sharded(url)
     # Every rank must call this: DCP plans the reads collectively (the ranks exchange what
     # they need), so a rank that stayed away would leave the others waiting.
     model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -323,6 +325,40 @@ def load_sharded(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimi
     # optimizer's own parameters.
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
+
+
+def load_file_into_shards(state: dict, model: torch.nn.Module,
+                          optimizer: torch.optim.Optimizer) -> None:
+    """A one-file (ddp) snapshot into a layout where no rank holds the whole model.
+
+    The file keeps AdamW's state by parameter number, in the order the whole model's
+    optim_groups gives; the sharded path names parameters. So the file goes into a whole
+    model and AdamW on the CPU as it was saved (its model_config), becomes a DCP checkpoint
+    of their named state in a private folder of this rank, and is read from there exactly as
+    a sharded snapshot is (load_sharded: each rank its own shards, TP's q/k/v rows, a
+    pipeline's stages). One whole copy per rank while it lasts: what the saving run held."""
+    import tempfile  # noqa: PLC0415  (only this rare path needs them)
+
+    from mingpt.model import GPT, GPTConfig  # noqa: PLC0415
+    whole = GPT(GPTConfig(**state["model_config"]))
+    whole.load_state_dict(state["model"])
+    adamw = torch.optim.AdamW(whole.optim_groups(0.0))
+    adamw.load_state_dict(state["optimizer"])  # the saved groups, decay included
+    model_sd, optim_sd = get_state_dict(whole, adamw)
+    with tempfile.TemporaryDirectory(prefix="snapshot-") as folder:
+        with warnings.catch_warnings():  # one process's own copy: no group is the point
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder,
+                     no_dist=True)
+        del whole, adamw, model_sd, optim_sd
+        load_sharded(folder, model, optimizer, checkpoint=folder)
+
+
+def convertible(kind: str, mine: str, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a `kind` snapshot loads into a `mine` layout: its own always; one file into
+    shards and shards into a whole model, but for ZeRO's optimizer (DCP cannot name the
+    state it spreads over the ranks)."""
+    return kind == mine or not isinstance(optimizer, ZeroRedundancyOptimizer)
 
 
 def load_sharded_weights(url: str, model: torch.nn.Module) -> None:
@@ -420,7 +456,10 @@ def _save(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.
          state: dict, before_commit: Callable[[], None] | None = None,
          keep_last: int = 1) -> None:
     """save() itself: the layout's writes, then the commit."""
-    if snapshot_layout(model, method) == "fsdp":
+    kind = snapshot_layout(model, method)
+    if dist.get_rank() == 0:
+        move_other_layout(url, kind)
+    if kind == "fsdp":  # (save_sharded's first barrier: the other layout has moved by then)
         save_sharded(url, state["step"], model, optimizer, state, before_commit, keep_last)
         return
     if isinstance(optimizer, ZeroRedundancyOptimizer):
@@ -432,6 +471,24 @@ def _save(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.
                         "optimizer": optimizer.state_dict()}, before_commit)
 
 
+def move_other_layout(url: str, kind: str) -> None:
+    """Before the first save after a resume from the other layout (one file where shards go, or
+    the reverse): the snapshot resumed from moves to URL.ddp or URL.fsdp, kept whole.
+
+    Both cannot live at one path, and overwriting the one that was resumed would lose it if
+    this save were cut off. (A cut-off first sharded save then leaves a step directory
+    without `latest`: the restart says so and starts afresh; URL.ddp still holds the file.)"""
+    other = snapshot_kind(url)
+    if other is None or other == kind:
+        return
+    fs, path = storage.filesystem(url)
+    if fs.exists(f"{path}.{other}"):
+        raise OSError(f"{url}.{other} exists: the {other} snapshot at {url} cannot move there")
+    fs.mv(path, f"{path}.{other}", recursive=True)
+    print(f"{url} held a {other} snapshot; this layout writes {kind} snapshots: it is kept as "
+          f"{url}.{other}")
+
+
 def load(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
          meta: dict, match_keys: tuple[str, ...]) -> dict | None:
     """Load the snapshot at `url` into model and optimizer and return the rest of its state;
@@ -441,7 +498,8 @@ def load(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.O
     kind = agreed_kind(url)
     if kind is None:
         return None
-    if kind != snapshot_layout(model, method):
+    mine = snapshot_layout(model, method)
+    if not convertible(kind, mine, optimizer):
         raise SnapshotError(f"{url} holds a {kind} snapshot, but distributed_method={method}; "
                             f"use {kind} or another snapshot_path")
     state = load_train_state(url, kind)  # on the CPU
@@ -456,12 +514,15 @@ def load(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.O
     mapped = {t.untyped_storage().data_ptr() for t in _tensors(state)} if storage.is_local(url) \
         else set()
     own = own_settings(optimizer)  # this run's betas and weight decay, before the load
-    if kind == "ddp":  # load_state_dict copies each tensor to where its parameter lives
+    if kind == mine == "ddp":  # load_state_dict copies each tensor to where it lives
         # pop: the state returned to the trainer must not keep a second copy of the weights.
         unwrap(model).load_state_dict(state.pop("model"))
         # ZeRO: each rank keeps the state of the parameters it owns from the whole dict.
         optimizer.load_state_dict(state.pop("optimizer"))
-    else:
+    elif kind == "ddp":  # one file into shards (another layout: fsdp, tp_size, pp_size, ...)
+        load_file_into_shards(state, model, optimizer)
+        del state["model"], state["optimizer"]
+    else:  # shards into shards, or into a whole model (DCP reads any layout into any other)
         load_sharded(url, model, optimizer)
     # The saved param groups came back with the saving run's kernel choice (fused or not) and
     # ZeRO put AdamW's step counts on the CPU: this run's own choices and devices again.
