@@ -7,7 +7,7 @@
 OUT_DIR gets config.json (a GPT2Config), model.safetensors (fp32) and generation_config.json,
 and for BPE data the tokenizer the data was prepared with (vocab.json, merges.txt and
 tokenizer.json, as GPT2Tokenizer saves them). For character data there is no tokenizer: token
-i is the i-th character of `characters` in config.json (README, "To Hugging Face").
+i is the i-th character of `characters` in config.json (README: GPT-2 weights and BPE data).
 
 Any snapshot loads: the ddp file (ddp, zero, dp) is memory-mapped, and a sharded directory
 (fsdp, tp, fsdp_tp and the pipelines) is read by DCP into one whole model on this one process,
