@@ -5,9 +5,10 @@
     python main.py gpt_config.init_from=hf/my-gpt gpt_config.model_type=null ...  # train on
 
 OUT_DIR gets config.json (a GPT2Config), model.safetensors (fp32) and generation_config.json,
-and for BPE data the tokenizer the data was prepared with (vocab.json, merges.txt and
-tokenizer.json, as GPT2Tokenizer saves them). For character data there is no tokenizer: token
-i is the i-th character of `characters` in config.json (README: GPT-2 weights and BPE data).
+and for BPE data the tokenizer the data was prepared with (GPT2Tokenizer's tokenizer.json and
+tokenizer_config.json, and GPT-2's vocab.json and merges.txt). For character data there is no
+tokenizer: token i is the i-th character of `characters` in config.json (README: GPT-2 weights
+and BPE data).
 
 Any snapshot loads: the ddp file (ddp, zero, dp) is memory-mapped, and a sharded directory
 (fsdp, tp, fsdp_tp and the pipelines) is read by DCP into one whole model on this one process,
@@ -211,7 +212,11 @@ def export(url: str, out_dir: str) -> Path:
     try:
         model.save_pretrained(tmp, state_dict=weights)
         if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)  # tokenizer.json and tokenizer_config.json
+            # And GPT-2's own vocab.json + merges.txt (tokenizers' BPE writes them), which
+            # transformers 5 no longer saves: older versions, tiktoken (prepare.py,
+            # sample.py --init-from) and other tools read those.
+            tokenizer.backend_tokenizer.model.save(str(tmp))
         os.replace(tmp, out)  # an empty OUT_DIR is replaced; one filled meanwhile: OSError
     except OSError as e:  # a full disk, say
         raise ValueError(f"cannot write {out_dir} ({e.strerror or e}); nothing was written "

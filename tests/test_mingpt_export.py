@@ -206,7 +206,8 @@ def test_bpe_export_carries_its_tokenizer(mods, mingpt, bpe_run, tmp_path):
     proc = export(mods, mingpt, snapshot, tmp_path / "hf")
     assert proc.returncode == 0, proc.stderr
     files = set(os.listdir(tmp_path / "hf"))
-    assert files >= {*HF_FILES, "tokenizer.json", "tokenizer_config.json"}, files
+    assert files == {*HF_FILES, "tokenizer.json", "tokenizer_config.json", "vocab.json",
+                     "merges.txt"}, files
     config = json.loads((tmp_path / "hf/config.json").read_text())
     assert config["bos_token_id"] == config["eos_token_id"] == meta["eot"] == 456
     assert "characters" not in config
@@ -225,6 +226,15 @@ def test_bpe_export_carries_its_tokenizer(mods, mingpt, bpe_run, tmp_path):
         ids = hf.generate(tok("ROMEO:", return_tensors="pt")["input_ids"], max_new_tokens=20,
                           do_sample=False)
     assert sample.stdout == tok.decode(ids[0]) + "\n"
+    # GPT-2's vocab.json + merges.txt are the data's tokenizer (tiktoken's fingerprint), and
+    # sample.py --init-from the export (our model, that tokenizer) writes the same text.
+    fingerprint = mods["bpe_dataset"].fingerprint
+    assert fingerprint(mods["bpe_dataset"].load_tokenizer(str(tmp_path / "hf"))) == \
+        meta["tokenizer_sha"]
+    again = script_in_process(mods["sample"], mingpt, "--init-from", str(tmp_path / "hf"),
+                              "--prompt", "ROMEO:", "--num-tokens", "20", "--top-k", "1")
+    assert again.returncode == 0, again.stderr
+    assert again.stdout == sample.stdout
 
 
 def one_error_line(proc) -> str:
