@@ -69,6 +69,9 @@ SLOW_FILES = (
     # 87, measured alone on a busy machine (load 9 on 2 cores): three 2-rank launches, two of
     # them waiting out the collective timeout (most of the file's time is that waiting)
     "test_mingpt_hang.py",
+    # 255 alone on a busy machine (load ~10; 116 s of CPU): three 2-rank launches to train,
+    # three from their exports
+    "test_mingpt_export.py",
     "test_mingpt_train.py",  # 82
     "test_mingpt_layouts.py",  # 150 at a load of 5 (ten 4-rank runs); fewer runs since
     "test_mingpt_context.py",  # 60: eleven 2- and 4-rank launches

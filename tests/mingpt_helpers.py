@@ -152,7 +152,7 @@ MINGPT_MODULES = {
     "sample": "sample"}
 EXTRA_MODULES = {"bpe_dataset": "mingpt.data.bpe", "image_dataset": "mingpt.data.image",
                  "pretrained": "mingpt.pretrained"}
-SCRIPTS = ("main", "sample", "launch", "prepare", "model_size")
+SCRIPTS = ("main", "sample", "launch", "prepare", "model_size", "export_hf")
 
 
 def is_mingpt_module(name: str) -> bool:

@@ -74,6 +74,16 @@ REUSED = [
      "trainer_config.memory_snapshot must be False without a CUDA GPU (it records CUDA "
      "allocations; on a CPU, profile_steps shows where time goes), got True",
      "test_mingpt_hang.py::test_debugging_keys_are_checked"),
+    ("python export_hf.py runs/r/snapshot hf/mine (hf/mine holds files)", "error: hf/mine exists "
+     "and is not empty: give a new or empty directory (nothing there is overwritten)",
+     "test_mingpt_export.py::test_bad_input_is_one_error_line_and_writes_nothing"),
+    ("python export_hf.py notes.txt hf/mine", "error: cannot load snapshot notes.txt (...): it "
+     "is corrupt or not a snapshot",
+     "test_mingpt_export.py::test_bad_input_is_one_error_line_and_writes_nothing"),
+    ("python export_hf.py runs/r/snapshot hf/mine (gpt_config.bias=false)", "error: "
+     "runs/r/snapshot holds a model without biases (gpt_config.bias=false), which GPT-2 "
+     "(GPT2LMHeadModel) cannot represent: it has a bias in every Linear and LayerNorm",
+     "test_mingpt_export.py::test_models_gpt2_cannot_represent_are_refused"),
 ]
 
 

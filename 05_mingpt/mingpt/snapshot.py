@@ -52,6 +52,9 @@ TRAIN_STATE = "train_state.pt"
 LATEST = "latest"
 # Model config keys that may differ between a snapshot and the run loading it.
 NOT_ARCHITECTURE = ("model_type", "dropout")
+# What a training run can do about a snapshot it cannot use, at the end of those messages (a
+# command that only reads snapshots, export_hf.py, cuts it off: it has no snapshot_path).
+MOVE_IT_AWAY = "move it away or set trainer_config.snapshot_path"
 
 
 class SnapshotError(ValueError):
@@ -109,11 +112,9 @@ def load_file(url: str) -> dict:
         if failed:  # the store failed, not the snapshot
             raise SnapshotError(f"cannot read snapshot {url}: {failed}") from None
         raise SnapshotError(f"cannot load snapshot {url} ({storage.reason(e)}): it is corrupt or "
-                            "not a snapshot: move it away or set trainer_config.snapshot_path"
-                            ) from None
+                            f"not a snapshot: {MOVE_IT_AWAY}") from None
     if not isinstance(state, dict) or "step" not in state:
-        raise SnapshotError(f"{url} is not a training snapshot of this trainer; move it away or "
-                            "set trainer_config.snapshot_path")
+        raise SnapshotError(f"{url} is not a training snapshot of this trainer; {MOVE_IT_AWAY}")
     return state
 
 
@@ -188,7 +189,7 @@ def snapshot_kind(url: str) -> str | None:
                               f"'{LATEST}' was written): starting from step 0", stacklevel=2)
             return None
         raise SnapshotError(f"{url} is a directory without a '{LATEST}' file, so not an fsdp "
-                            "snapshot; move it away or set trainer_config.snapshot_path")
+                            f"snapshot; {MOVE_IT_AWAY}")
     return None
 
 
@@ -286,7 +287,7 @@ def latest_sharded(url: str) -> str:
                             ) from None
     if not name.startswith("step_"):
         raise SnapshotError(f"{url}/{LATEST} names {name!r}, not a step directory; the snapshot "
-                            "is corrupt: move it away or set trainer_config.snapshot_path")
+                            f"is corrupt: {MOVE_IT_AWAY}")
     return f"{url}/{name}"
 
 
@@ -317,7 +318,7 @@ def load_sharded(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimi
     # DCP raises CheckpointException, a BaseException, when any rank fails to read.
     except (Exception, CheckpointException) as e:  # missing or truncated shards, bad metadata
         raise SnapshotError(f"cannot load sharded snapshot {checkpoint} ({storage.reason(e)}): "
-                            "it is corrupt; move it away or set trainer_config.snapshot_path"
+                            f"it is corrupt; {MOVE_IT_AWAY}"
                             ) from None
     for group, names in zip(state["optim"]["param_groups"], own_names, strict=True):
         group["params"] = names

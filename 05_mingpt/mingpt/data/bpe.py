@@ -151,13 +151,15 @@ def tokenizer_from_files(vocab_file: Path, merges_file: Path, name: str):
                              special_tokens={EOT: specials[EOT]})
 
 
-def load_tokenizer(spec: str):
-    """The tiktoken Encoding `spec` names (module docstring); ValueError (one line) if none."""
+def tokenizer_files(spec: str) -> tuple[Path, Path, str] | None:
+    """The vocabulary and merges files `spec` names, in GPT-2's layout (a directory's, or the
+    Hugging Face cache's for a model id), and the tokenizer's name; None for a model id whose
+    files are not cached. ValueError (one line) for a directory without them."""
     path = Path(spec).expanduser()
     if path.is_dir():
         for vocab, merges in (("vocab.json", "merges.txt"), ("encoder.json", "vocab.bpe")):
             if (path / vocab).is_file() and (path / merges).is_file():
-                return tokenizer_from_files(path / vocab, path / merges, str(path.resolve()))
+                return path / vocab, path / merges, str(path.resolve())
         raise ValueError(f"tokenizer directory {spec} holds neither vocab.json + merges.txt nor "
                          "encoder.json + vocab.bpe")
     if spec.startswith(("/", ".", "~")):
@@ -166,7 +168,15 @@ def load_tokenizer(spec: str):
 
     files = [try_to_load_from_cache(spec, name) for name in ("vocab.json", "merges.txt")]
     if all(isinstance(f, str) for f in files):
-        return tokenizer_from_files(Path(files[0]), Path(files[1]), spec)
+        return Path(files[0]), Path(files[1]), spec
+    return None
+
+
+def load_tokenizer(spec: str):
+    """The tiktoken Encoding `spec` names (module docstring); ValueError (one line) if none."""
+    files = tokenizer_files(spec)
+    if files is not None:
+        return tokenizer_from_files(*files)
     if spec.removeprefix("openai-community/") not in ("gpt2", "gpt2-medium", "gpt2-large",
                                                        "gpt2-xl"):
         raise ValueError(f"tokenizer {spec} is not a directory and not in the Hugging Face cache")

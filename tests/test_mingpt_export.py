@@ -1,0 +1,326 @@
+"""export_hf.py: a snapshot of any layout becomes a Hugging Face GPT-2 that computes what our
+model computes, and gpt_config.init_from starts training again from it.
+
+One tiny run per layout (ddp on one process, in this process; fsdp, fsdp with tp and a
+pipeline on two, under torchrun) serves every check of its snapshot: the exported weights are
+the snapshot's bit for bit, transformers' logits are ours within a derived fp32 bound, its
+greedy `generate` writes sample.py's greedy text, and a run started from the export evaluates
+to the trained run's last validation loss. Bad input is one `error:` line, nothing written.
+"""
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from bpe_fixture import write_tokenizer
+from conftest import TORCHRUN, run
+from mingpt_helpers import (
+    MINGPT,
+    assert_close_ulps,
+    copy_mingpt,
+    mingpt_imported,
+    script_in_process,
+    tiny,
+    val_losses,
+)
+
+transformers = pytest.importorskip("transformers")
+CPU = torch.device("cpu")
+# layout -> (processes, overrides). ddp's one file is the same from any number of ranks: one
+# process, in this process (no interpreter to start). The others on two ranks, so that their
+# snapshots hold pieces only the export puts together: fsdp shards every tensor by rows, tp
+# splits each matmul (q, k and v each by rows), the pipeline puts one block on each rank.
+LAYOUTS = {
+    "ddp": (1, ("trainer_config.distributed_method=ddp",)),
+    "fsdp": (2, ("trainer_config.distributed_method=fsdp",)),
+    "fsdp_tp": (2, ("trainer_config.distributed_method=fsdp_tp", "trainer_config.tp_size=2")),
+    "pp": (2, ("trainer_config.distributed_method=pp",)),
+}
+HF_FILES = ["config.json", "generation_config.json", "model.safetensors"]
+
+
+@pytest.fixture(scope="module")
+def mods():
+    with mingpt_imported("main", "export_hf", "pretrained", "bpe_dataset", "prepare") as modules:
+        yield modules
+
+
+@pytest.fixture(scope="module")
+def mingpt(tmp_path_factory):
+    return copy_mingpt(tmp_path_factory.mktemp("mingpt_export"))
+
+
+def train(mods, mingpt: Path, layout: str, run_name: str, *extra: str):
+    """main.py on `layout`'s ranks: the stdout; its snapshot is runs/<run_name>/snapshot."""
+    nproc, overrides = LAYOUTS[layout]
+    # No sample at the end: a pipeline reads its snapshot back for it, time this file can save.
+    args = tiny(f"run_name={run_name}", "trainer_config.sample_tokens=0", *overrides, *extra)
+    if nproc == 1:
+        proc = script_in_process(mods["main"], mingpt, *args)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout
+    return run([TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", "main.py", *args],
+               cwd=mingpt).stdout
+
+
+def export(mods, mingpt: Path, *args: str):
+    """`python export_hf.py ARGS` in this process: its exit status, stdout and stderr."""
+    return script_in_process(mods["export_hf"], mingpt, *map(str, args))
+
+
+@pytest.fixture(scope="module")
+def trained(mods, mingpt, tmp_path_factory):
+    """layout -> (snapshot, the run's stdout, its export): one run of 10 steps each."""
+    out = tmp_path_factory.mktemp("exports")
+    runs = {}
+    for layout in LAYOUTS:
+        stdout = train(mods, mingpt, layout, layout)
+        snapshot = mingpt / "runs" / layout / "snapshot"
+        if layout == "ddp":
+            (out / layout).mkdir()  # an empty OUT_DIR is taken (replaced once complete)
+        proc = export(mods, mingpt, snapshot, out / layout)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout == f"wrote {out / layout}: GPT2LMHeadModel ({', '.join(HF_FILES)})\n"
+        runs[layout] = (snapshot, stdout, out / layout)
+    return runs
+
+
+def our_model(mods, snapshot: Path):
+    """Our GPT as sample.py loads it from the snapshot itself, and the data meta."""
+    model, meta = mods["sample"].load_model(str(snapshot), CPU)
+    return model.eval(), meta
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_export_holds_the_snapshots_weights_bit_for_bit(mods, trained, layout):
+    snapshot, _, exported = trained[layout]
+    ours, meta = our_model(mods, snapshot)
+    assert sorted(os.listdir(exported)) == HF_FILES  # char data: no tokenizer files
+    config = json.loads((exported / "config.json").read_text())
+    assert {k: config[k] for k in ("model_type", "architectures", "n_layer", "n_head", "n_embd",
+                                   "vocab_size", "n_positions", "activation_function",
+                                   "layer_norm_epsilon", "n_inner", "tie_word_embeddings",
+                                   "bos_token_id", "eos_token_id", "dtype", "characters")} == {
+        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": 2, "n_head": 2,
+        "n_embd": 32, "vocab_size": 65, "n_positions": 32,
+        # Our MLP's nn.GELU(approximate="tanh") is GPT-2's gelu_new; nn.LayerNorm's eps.
+        "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5, "n_inner": None,
+        "tie_word_embeddings": True, "bos_token_id": None, "eos_token_id": None,
+        "dtype": "float32", "characters": "".join(meta["itos"])}
+    # Every tensor of model.safetensors, mapped back by pretrained.py's own import of GPT-2
+    # weights, is the snapshot's: no value changed, the Conv1D weights transposed back.
+    saved = load_file(exported / "model.safetensors")
+    assert "lm_head.weight" not in saved  # tied to wte, as GPT-2's own files
+    back = mods["pretrained"].hf_to_ours(saved, block_size=32)
+    back.setdefault("lm_head.weight", back["wte.weight"])
+    state = ours.state_dict()
+    assert set(back) == set(state)
+    for name, tensor in state.items():
+        assert back[name].dtype == torch.float32 and torch.equal(back[name], tensor), name
+
+
+# How far transformers' logits may be from ours: derived from fp32 rounding, not measured.
+# Both compute the same function of the same fp32 weights with the same operations, but for
+# the order of each sum (Linear's x @ W.T against Conv1D's addmm with W.T stored: other GEMM
+# kernels and blocking; our flash SDPA's online softmax against transformers' attention) and
+# GELU (torch's tanh kernel against gelu_new's formula: 8 roundings). A sum of n terms in any
+# order is within gamma_n * sum|terms| ~ n U sum|terms| of the exact sum (Higham, Accuracy and
+# Stability of Numerical Algorithms, eq. 3.5), so two orders differ by at most 2 n U sum|terms|.
+# Along the longest path from a token to a logit, with C = n_embd and T = block_size: the
+# embedding sum (1); per block ln_1's mean and variance (2C), q/k/v (C + 1 with the bias),
+# scores (a head's C / n_head <= C), softmax's denominator (T), the weighted values (T), c_proj
+# (C + 1), the residual (1), ln_2 (2C), c_fc (C + 1), GELU (8), the MLP's c_proj (4C + 1), the
+# residual (1): 12C + 2T + 14; then ln_f (2C) and the head (C). To first order these errors
+# add: LayerNorm brings the residual stream back to unit scale before every use, so each one
+# enters the next operation at its size relative to the values there, and the head's
+# sum|terms| is the logits' own scale (measured: the largest is 1.03 to 1.06 x the largest
+# |logit|). Hence 2 n U max|logit|: for 2 layers, 32 wide, 32 long, n = 1021, so 2042 ulps of
+# the largest logit (1.2e-4 of it). A worst case, since a sum's roundings do not all go one
+# way: measured 2.0 to 5.2 ulps (ddp, fsdp, fsdp_tp, pp; ATEN_CPU_CAPABILITY=default, avx2,
+# avx512). A wrong mapping (a weight not transposed, a bias dropped, another LayerNorm eps)
+# moves the logits by percents; the config's GELU and eps are checked by name above.
+def logit_bound(config) -> int:
+    """The bound above for our model's config: in ulps of the largest logit."""
+    C, T, L = config.n_embd, config.block_size, config.n_layer
+    n = 1 + L * (12 * C + 2 * T + 14) + 3 * C
+    return 2 * n
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_transformers_computes_our_logits_and_greedy_text(mods, mingpt, trained, layout):
+    snapshot, _, exported = trained[layout]
+    ours, meta = our_model(mods, snapshot)
+    hf = transformers.GPT2LMHeadModel.from_pretrained(exported).eval()
+    assert hf.lm_head.weight is hf.transformer.wte.weight  # tied, as GPT-2
+    idx = torch.randint(0, 65, (4, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits, expected = ours(idx)[0], hf(idx).logits
+    assert expected.abs().max() > 0.5  # 10 steps of training: no longer a uniform guess
+    assert_close_ulps(expected, logits, logit_bound(ours.config))
+    # Greedy decoding: sample.py with top-k 1 against transformers' generate, the prompt
+    # encoded with the characters the export carries in config.json (README).
+    prompt = "ROMEO:"
+    proc = script_in_process(mods["sample"], mingpt, "--snapshot", str(snapshot), "--prompt",
+                             prompt, "--num-tokens", "20", "--top-k", "1")
+    assert proc.returncode == 0, proc.stderr
+    chars = transformers.AutoConfig.from_pretrained(exported).characters
+    with torch.no_grad():
+        ids = hf.generate(torch.tensor([[chars.index(c) for c in prompt]]), max_new_tokens=20,
+                          do_sample=False)
+    assert ids.shape == (1, len(prompt) + 20)
+    assert proc.stdout == "".join(chars[i] for i in ids[0].tolist()) + "\n"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_init_from_the_export_starts_where_the_run_ended(mods, mingpt, trained, layout):
+    """A run of the same layout started from the export evaluates, at step 0, to the trained
+    run's last validation loss: the same weights bit for bit, the same validation windows and
+    the same arithmetic on the same ranks, so the same logged loss, not merely a close one."""
+    _, stdout, exported = trained[layout]
+    last = val_losses(stdout)
+    assert max(last) == 10
+    again = train(mods, mingpt, layout, f"{layout}_again", f"gpt_config.init_from={exported}",
+                  "trainer_config.max_steps=1")
+    assert f"weights from {exported}" in again
+    assert val_losses(again)[0] == last[10], (val_losses(again), last)
+
+
+@pytest.fixture(scope="module")
+def bpe_run(mods, mingpt, tmp_path_factory):
+    """A tiny run on BPE tokens of a tokenizer of our own (GPT-2's needs the network)."""
+    where = tmp_path_factory.mktemp("bpe")
+    text = (MINGPT / "data/input.txt").read_text()[:60000]
+    write_tokenizer(where / "tokenizer", text, 200)
+    (where / "text.txt").write_text(text)
+    meta = mods["prepare"].prepare(str(where / "data"), str(where / "tokenizer"),
+                                   files=[str(where / "text.txt")])
+    train(mods, mingpt, "ddp", "bpe", "data_config=bpe", f"data_config.path={where}/data",
+          "trainer_config.max_steps=4")
+    return mingpt / "runs/bpe/snapshot", meta, where
+
+
+def test_bpe_export_carries_its_tokenizer(mods, mingpt, bpe_run, tmp_path):
+    snapshot, meta, where = bpe_run
+    proc = export(mods, mingpt, snapshot, tmp_path / "hf")
+    assert proc.returncode == 0, proc.stderr
+    files = set(os.listdir(tmp_path / "hf"))
+    assert files == {*HF_FILES, "tokenizer.json", "tokenizer_config.json", "vocab.json",
+                     "merges.txt"}, files
+    config = json.loads((tmp_path / "hf/config.json").read_text())
+    assert config["bos_token_id"] == config["eos_token_id"] == meta["eot"] == 456
+    assert "characters" not in config
+    # transformers' tokenizer from the export encodes as the data was encoded (tiktoken).
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    enc = mods["bpe_dataset"].load_tokenizer(meta["tokenizer"])
+    probe = (MINGPT / "data/input.txt").read_text()[100000:101000]
+    assert tok(probe)["input_ids"] == enc.encode_ordinary(probe)
+    assert tok.eos_token_id == meta["eot"]
+    # Greedy text through transformers' tokenizer and generate equals sample.py's.
+    sample = script_in_process(mods["sample"], mingpt, "--snapshot", str(snapshot), "--prompt",
+                               "ROMEO:", "--num-tokens", "20", "--top-k", "1")
+    assert sample.returncode == 0, sample.stderr
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        ids = hf.generate(tok("ROMEO:", return_tensors="pt")["input_ids"], max_new_tokens=20,
+                          do_sample=False)
+    assert sample.stdout == tok.decode(ids[0]) + "\n"
+    # GPT-2's vocab.json + merges.txt are the data's tokenizer (tiktoken's fingerprint), and
+    # sample.py --init-from the export (our model, that tokenizer) writes the same text.
+    fingerprint = mods["bpe_dataset"].fingerprint
+    assert fingerprint(mods["bpe_dataset"].load_tokenizer(str(tmp_path / "hf"))) == \
+        meta["tokenizer_sha"]
+    again = script_in_process(mods["sample"], mingpt, "--init-from", str(tmp_path / "hf"),
+                              "--prompt", "ROMEO:", "--num-tokens", "20", "--top-k", "1")
+    assert again.returncode == 0, again.stderr
+    assert again.stdout == sample.stdout
+
+
+def one_error_line(proc) -> str:
+    assert proc.returncode == 2, (proc.stdout[-2000:], proc.stderr[-2000:])
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    return lines[0]
+
+
+def test_bad_input_is_one_error_line_and_writes_nothing(mods, mingpt, trained, tmp_path):
+    snapshot = trained["ddp"][0]
+    out = tmp_path / "out"
+
+    def refused(source, dest=out) -> str:
+        before = sorted(os.listdir(tmp_path))
+        line = one_error_line(export(mods, mingpt, source, dest))
+        assert sorted(os.listdir(tmp_path)) == before  # no OUT_DIR, no temporary directory left
+        return line
+
+    # An OUT_DIR with something in it: nothing there is touched.
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full/README.md").write_text("mine")
+    assert refused(snapshot, tmp_path / "full") == (
+        f"error: {tmp_path}/full exists and is not empty: give a new or empty directory "
+        "(nothing there is overwritten)")
+    assert os.listdir(tmp_path / "full") == ["README.md"]
+    assert (tmp_path / "full/README.md").read_text() == "mine"
+    (tmp_path / "file").write_text("mine")
+    assert refused(snapshot, tmp_path / "file") == (
+        f"error: {tmp_path}/file exists and is a file: give a new or empty directory (nothing "
+        "there is overwritten)")
+    # Not a snapshot: nothing there, a text file, another torch file, a plain directory.
+    assert refused(tmp_path / "nope") == (
+        f"error: no snapshot at {tmp_path}/nope: give a snapshot file or directory "
+        "(runs/<run_name>/snapshot)")
+    assert refused(tmp_path / "file").startswith(
+        f"error: cannot load snapshot {tmp_path}/file (")
+    assert refused(tmp_path / "file").endswith("): it is corrupt or not a snapshot")
+    torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")
+    assert refused(tmp_path / "other.pt") == (
+        f"error: {tmp_path}/other.pt is not a training snapshot of this trainer")
+    assert refused(tmp_path / "full") == (
+        f"error: {tmp_path}/full is a directory without a 'latest' file, so not an fsdp snapshot")
+
+
+def test_models_gpt2_cannot_represent_are_refused(mods, mingpt, trained, tmp_path):
+    out = tmp_path / "out"
+    # No biases: GPT-2 has one in every Linear and LayerNorm.
+    train(mods, mingpt, "ddp", "nobias", "gpt_config.bias=false", "trainer_config.max_steps=1")
+    nobias = mingpt / "runs/nobias/snapshot"
+    assert one_error_line(export(mods, mingpt, nobias, out)) == (
+        f"error: {nobias} holds a model without biases (gpt_config.bias=false), which GPT-2 "
+        "(GPT2LMHeadModel) cannot represent: it has a bias in every Linear and LayerNorm")
+    # A model with parts GPT-2 has not: a config key this GPT lacks (mixture-of-experts, say),
+    # or a weight beyond those of its config.
+    state = torch.load(trained["ddp"][0], weights_only=True)
+    experts = {**state, "model_config": {**state["model_config"], "n_experts": 4}}
+    torch.save(experts, tmp_path / "experts")
+    assert one_error_line(export(mods, mingpt, tmp_path / "experts", out)) == (
+        f"error: {tmp_path}/experts holds a model with n_experts=4, which GPT-2 "
+        "(GPT2LMHeadModel) cannot represent")
+    router = {**state, "model": {**state["model"], "blocks.0.mlp.router.weight": torch.ones(4)}}
+    torch.save(router, tmp_path / "router")
+    assert one_error_line(export(mods, mingpt, tmp_path / "router", out)) == (
+        f"error: {tmp_path}/router holds a weight blocks.0.mlp.router.weight, which GPT-2 "
+        "(GPT2LMHeadModel) cannot represent")
+    assert not out.exists()
+
+
+def test_a_snapshot_behind_a_url_exports_as_a_local_one(mods, mingpt, trained, tmp_path):
+    """A URL (s3://) is read through fsspec, as training reads its snapshots there
+    (test_mingpt_s3.py runs those against a moto server); fsspec's in-memory filesystem stands
+    in for the store here, in this process, for a file and for a sharded directory."""
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    try:
+        for layout in ("ddp", "fsdp_tp"):
+            snapshot, _, local = trained[layout]
+            url = f"memory://export/{layout}/snapshot"
+            fs.put(str(snapshot), url, recursive=True)
+            proc = export(mods, mingpt, url, tmp_path / layout)
+            assert proc.returncode == 0, proc.stderr
+            # The same bytes as the export of the local copy: the same weights, the same file.
+            for name in HF_FILES:
+                assert (tmp_path / layout / name).read_bytes() == (local / name).read_bytes()
+    finally:
+        fs.rm("memory://export", recursive=True)
