@@ -259,11 +259,13 @@ NOT_SERIES_FILES = {
     "prepare_state.json": "prepare.py's record of finished chunks in its --out folder",
     **dict.fromkeys(["vocab.json", "merges.txt", "encoder.json", "config.json"],
                     "GPT-2's tokenizer and model files as published (Hugging Face, OpenAI)"),
+    **dict.fromkeys(["generation_config.json", "tokenizer.json", "tokenizer_config.json"],
+                    "what transformers' save_pretrained writes, in export_hf.py's output folder"),
     "storm.json": "tests/crash_storm.py's --json output",
     "out.ipynb": "the executed copy papermill writes, in a notebook's example command",
     "name.png": "an image's name inside a CIFAR-10 batch file",
     **dict.fromkeys(["a.txt", "b.txt", "100_chars.txt", "empty.txt", "latin1.txt", "short.txt",
-                     "other.txt", "no/such.txt"],
+                     "other.txt", "no/such.txt", "notes.txt"],
                     "a user's text file in an example command (the tests write their own)"),
 }
 # torch's own files, quoted from tracebacks and stacks: they are looked for in torch itself.
