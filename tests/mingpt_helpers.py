@@ -146,7 +146,8 @@ MINGPT_MODULES = {
     "metrics": "mingpt.metrics", "model": "mingpt.model", "optim": "mingpt.optim",
     "parallel": "mingpt.parallel", "common": "mingpt.parallel.common",
     "ddp": "mingpt.parallel.ddp", "dp": "mingpt.parallel.dp", "fsdp": "mingpt.parallel.fsdp",
-    "tensor": "mingpt.parallel.tensor", "layout": "mingpt.parallel.layout",
+    "tensor": "mingpt.parallel.tensor", "strided": "mingpt.parallel.strided",
+    "layout": "mingpt.parallel.layout",
     "pipeline": "mingpt.parallel.pipeline", "precision": "mingpt.precision",
     "snapshot": "mingpt.snapshot", "storage": "mingpt.storage", "trainer": "mingpt.trainer",
     "sample": "sample"}

@@ -31,7 +31,7 @@ def main(rank: int, out: str, world: int, method: str) -> None:
     sys.path.insert(0, str(MINGPT))  # a fresh process: nothing of the steps' modules loaded
     from mingpt import distributed, optim, parallel  # noqa: PLC0415  (path set)
     from mingpt.model import GPT, GPTConfig  # noqa: PLC0415
-    from mingpt.parallel import common, tensor  # noqa: PLC0415
+    from mingpt.parallel import common, strided  # noqa: PLC0415
     dist.init_process_group("gloo", store=dist.FileStore(f"{out}/store", world), rank=rank,
                             world_size=world, timeout=timedelta(seconds=300))
     torch.manual_seed(0)
@@ -52,7 +52,7 @@ def main(rank: int, out: str, world: int, method: str) -> None:
         optimizer.zero_grad(set_to_none=True)
     # Whole tensors, collectively (FSDP's shards over dp, TP's over tp): every rank gathers.
     weights = {k: v.full_tensor() if hasattr(v, "full_tensor") else v.clone()
-               for k, v in tensor.whole_strided(model.state_dict()).items()}
+               for k, v in strided.whole_strided(model.state_dict()).items()}
     # (pp, dp, tp): the mesh has a dimension for each axis that is on (layout.py).
     place = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate(), strict=True))
     coordinate = [place.get(axis, 0) for axis in ("pp", "dp", "tp")]

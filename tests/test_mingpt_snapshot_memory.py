@@ -75,7 +75,7 @@ def _qkv_worker(rank: int, out: str) -> None:
     x = torch.randint(0, 11, (2, 8), generator=torch.Generator().manual_seed(1))
     result = {}
     with mingpt_imported() as m:
-        snapshot, tp = m["snapshot"], m["tensor"]
+        snapshot, tp = m["snapshot"], m["strided"]
         from torch.distributed.checkpoint import FileSystemWriter, save  # noqa: PLC0415
         from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: PLC0415
 
@@ -199,7 +199,7 @@ def test_qkv_rows_tile_the_global_tensor(n_embd, tp_size, dp_size):
             chunks = torch.chunk(tp_slice, dp_size)
             for d in range(dp_size):
                 held = chunks[d] if d < len(chunks) else rows[:0]
-                runs = m["tensor"].qkv_rows(3 * n_embd, t, tp_size, d, dp_size)
+                runs = m["strided"].qkv_rows(3 * n_embd, t, tp_size, d, dp_size)
                 read = torch.zeros_like(held)
                 for local, first, size in runs:
                     read[local:local + size] = rows[first:first + size]

@@ -114,7 +114,7 @@ def configure(m: dict, args: list[str], base: dict = {}) -> DictConfig:  # noqa:
 
 def full(m: dict, t: torch.Tensor) -> torch.Tensor:
     """The global tensor; TP's q/k/v under FSDP need tensor_parallel's own gather."""
-    t = m["tensor"].whole_strided(t)
+    t = m["strided"].whole_strided(t)
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 

@@ -46,7 +46,7 @@ from mingpt import storage
 from mingpt.optim import keep_own_optimizer_settings, own_settings, restore_settings
 from mingpt.parallel import snapshot_layout
 from mingpt.parallel.common import unwrap
-from mingpt.parallel.tensor import checkpointable
+from mingpt.parallel.strided import checkpointable
 
 TRAIN_STATE = "train_state.pt"
 LATEST = "latest"
@@ -251,7 +251,7 @@ def save_sharded(url: str, step: int, model: torch.nn.Module, optimizer: torch.o
         fs.rm(f"{path}/{name}", recursive=True)  # left by a save of this step that was cut off
     dist.barrier()  # ... and removed before any rank writes into it again
     # Sharded state dicts: each rank only holds (and writes) its own shards, no gather; TP's
-    # strided q/k/v shards too, as row runs DCP records (tensor_parallel.checkpointable).
+    # strided q/k/v shards too, as row runs DCP records (strided.checkpointable).
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save(checkpointable({"model": model_sd, "optim": optim_sd}),
              storage_writer=storage.writer(f"{url}/{name}"))
