@@ -29,7 +29,7 @@ from omegaconf import OmegaConf
 
 from cifar_fixture import HALF_WIDTH, write_cifar10
 from conftest import PYTHON, REPO, run
-from mingpt_helpers import is_mingpt_module
+from mingpt_helpers import is_mingpt_module, mingpt_imported
 
 if TYPE_CHECKING:
     from nbformat import NotebookNode
@@ -57,7 +57,8 @@ def load_launch():
     on this test process's sys.path)."""
     spec = importlib.util.spec_from_file_location("mingpt_launch", MINGPT / "launch.py")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    with mingpt_imported():  # launch.py imports mingpt.errors, as 05_mingpt's scripts do
+        spec.loader.exec_module(module)
     return module
 
 
