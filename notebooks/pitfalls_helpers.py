@@ -109,6 +109,10 @@ def _release() -> None:
 def _rank_main(worker, rank: int, world_size: int, port: int, timeout_s: float, env: dict,
                group: bool, results: mp.Queue, args: tuple) -> None:
     """One rank: join the group, run `worker`, put (rank, result, error, output) on the queue."""
+    # The fork server's imports (torch, mingpt: 370,000 objects) are shared with this process
+    # until written: a garbage collection would visit, and so copy, every one of them (about
+    # a second per rank and launch). Frozen, the collector ignores them.
+    gc.freeze()
     os.environ.update(env)
     torch.set_num_threads(1)  # the ranks share two cores: more threads would only spin
     out = io.StringIO()
