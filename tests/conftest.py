@@ -77,7 +77,7 @@ SLOW_FILES = (
     "test_mingpt_context.py",  # 60: eleven 2- and 4-rank launches
     # 85 with pip's cache cold, 24 warm, 1 once its venv exists (aws-parallelcluster's schema)
     "test_cluster.py",
-    "test_notebooks.py",  # 75
+    "test_notebooks.py",  # 75, plus 97 for pitfalls.ipynb (alone, at a load average of 10)
     "test_steps.py",  # 70
     "test_teardown.py",  # 48
     "test_mingpt_pretrained.py",  # 41
