@@ -27,6 +27,7 @@ import re
 import sys
 from collections.abc import Iterator
 
+from mingpt import errors
 from mingpt.errors import one_line_errors
 from mingpt.forensics import DIR, PREFIX, load_dump
 
@@ -284,7 +285,7 @@ def main(argv: list[str]) -> None:
                              f"{DIR} folder")
         print("\n".join(report(folder, args.full)))
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        errors.report(e)
         sys.exit(2)
 
 

@@ -80,6 +80,8 @@ SLOW_FILES = (
     "test_crash_storm.py",  # 40
     "test_mingpt_pipeline.py",  # 155 on a loaded machine; its 8-process mesh alone ~80
     "test_mingpt_strategies.py",  # 34
+    # 21 to 35 at a load average of 8 to 11: four processes importing torch, then writing
+    "test_error_lines.py",
     "test_mingpt_s3.py",  # 31
     "test_mingpt_bench.py",  # 22
     "test_torchrun_logs.py",  # 25: the README's launch, at 3 processes, with a kill and a restart
@@ -103,6 +105,7 @@ ROBUSTNESS_FILES = (
     "test_bad_input.py",
     "test_crash_storm.py",
     "test_elastic.py",
+    "test_error_lines.py",
     "test_mingpt_errors.py",
     "test_mingpt_hang.py",
     "test_mingpt_s3.py",

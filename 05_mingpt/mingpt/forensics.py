@@ -34,6 +34,8 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from mingpt import errors
+
 T = TypeVar("T")
 DIR = "flight_recorder"  # under the run directory; analyze_hang.py reads it
 PREFIX = "rank"  # dump files rank0, rank1, ...: torch's analyzer infers the prefix from them
@@ -171,8 +173,10 @@ def watch(function: Callable[..., T], run_dir: str, *args) -> T:
     first = re.sub(r"^\[[^\]]*\] ", "", first)  # gloo's "[.../unbound_buffer.cc:78] " prefix
     # DETAIL's fingerprints spell out every TensorOptions field: the shapes are what differ.
     first = re.sub(r", TensorDeviceTypes=TensorOptions\(.*?\(nullopt\)\)", "", first)
-    print(f"error: rank {dist.get_rank()}: a collective failed ({first}); every rank's trace "
-          f"is in {folder}: python analyze_hang.py {folder}", file=sys.stderr, flush=True)
+    # Every rank whose collective failed says so at once: one write per line (errors.report),
+    # so that two ranks' lines never come out joined into one.
+    errors.report(f"rank {dist.get_rank()}: a collective failed ({first}); every rank's trace "
+                  f"is in {folder}: python analyze_hang.py {folder}")
     # Said and written: from here on torchrun's SIGTERM may end the teardown, as before.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     # SystemExit, as errors.fail: main.py's `finally` still leaves the process group.
