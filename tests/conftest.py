@@ -70,6 +70,8 @@ SLOW_FILES = (
     # them waiting out the collective timeout (most of the file's time is that waiting)
     "test_mingpt_hang.py",
     "test_mingpt_train.py",  # 82
+    # 150 to 200 at a load average of 6 to 10: five torchrun jobs, each killed once, restarted
+    "test_restarts.py",
     "test_mingpt_context.py",  # 60: eleven 2- and 4-rank launches
     # 85 with pip's cache cold, 24 warm, 1 once its venv exists (aws-parallelcluster's schema)
     "test_cluster.py",
@@ -109,6 +111,7 @@ ROBUSTNESS_FILES = (
     "test_mingpt_errors.py",
     "test_mingpt_hang.py",
     "test_mingpt_s3.py",
+    "test_restarts.py",
     "test_slurm.py",
     "test_teardown.py",
 )

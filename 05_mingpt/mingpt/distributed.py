@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from mingpt import forensics
+from mingpt import forensics, restarts
 from mingpt.devices import backend_for, pick_device
 
 
@@ -34,7 +34,9 @@ def setup(requested: str, cpu_offload: bool = False, collective_timeout_s: float
     # CPU offload keeps FSDP's gradients in CPU memory: they need gloo beside NCCL.
     backend = backend_for(device, cpu_tensors_too=cpu_offload)
     if "RANK" in os.environ:  # torchrun set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
-        dist.init_process_group(backend, timeout=timeout)
+        # On keys of this attempt's own in torchrun's shared store: a restarted worker must not
+        # find the killed attempt's addresses there (restarts.py, the steps' copy).
+        restarts.join_group(backend, timeout)
     else:
         # `python main.py`: a one-process group (an in-memory store, no port), so DDP and
         # FSDP run exactly the code they run under torchrun.
