@@ -9,10 +9,10 @@ torchrun's agent hosts one TCP store for the whole job and gives it to every att
 (TORCHELASTIC_USE_AGENT_STORE=True; MASTER_PORT is that store's). init_process_group keys its
 rendezvous by the group's name alone, so a restarted worker can read a key that a worker of the
 previous attempt wrote: gloo then connects to a dead process and fails, "Gloo connectFullMesh
-failed ... Connection refused", or hangs, at every restart (measured on 4 CPU processes: in
-about half the jobs, README "Pitfalls"). join_group puts each attempt's group under keys of its
-own: global rank 0 draws a fresh name, and every other rank asks for it under a fresh name of
-its own, which no earlier attempt can have answered.
+failed ... Connection refused", or hangs, at every restart (measured on 4 CPU processes: 0 of
+6 jobs came back in one restart, README "Pitfalls"). join_group puts each attempt's group under
+keys of its own: global rank 0 draws a fresh name, and every other rank asks for it under a
+fresh name of its own, which no earlier attempt can have answered.
 """
 import contextlib
 import gc
@@ -26,7 +26,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 KEYS = "attempt"  # the handshake's keys in the agent's store, beside torchrun's own
-POLL_S = 0.01  # rank 0 looks for new questions this often: a handful of store reads per ms
+POLL_S = 0.01  # rank 0 looks for new questions this often: beside a worker's start, nothing
 
 
 def attempt_store(timeout: timedelta) -> dist.Store | None:

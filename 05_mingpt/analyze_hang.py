@@ -13,6 +13,9 @@ dumps itself). This prints, in a few lines:
 - per step, the first one where the ranks' collectives differ: a rank that made none (it
   stalled) or that left one out and went on (its later collectives then pair with the others'
   earlier ones, off by one, which torch's analyzer cannot see: the sequence numbers agree);
+- per process group (each mesh dimension: pp, dp, tp, cp; the world), point-to-point ops too:
+  where a member is behind the others, and the rank that stopped first, named with the axis,
+  the operation each of its peers waits for it in, and the step;
 - where each rank was when it stopped, and why it stopped.
 
 The dumps are pickles: read only those of your own runs.

@@ -66,8 +66,9 @@ def pytest_configure(config: pytest.Config) -> None:
 SLOW_FILES = (
     # 80 (at a load average of 3 to 5), plus building .venv-xla where it is missing (README)
     "test_xla.py",
-    # 87, measured alone on a busy machine (load 9 on 2 cores): three 2-rank launches, two of
-    # them waiting out the collective timeout (most of the file's time is that waiting)
+    # 341, measured in two parts on a busy machine (load 4 to 10 on 2 cores): 117 s for five
+    # 2-rank launches, two of them waiting out the collective timeout, and 224 s for the four
+    # stalls on a mesh axis (three 2-rank jobs, one of 8 processes), each waiting 10 s
     "test_mingpt_hang.py",
     "test_mingpt_train.py",  # 82
     # 150 to 200 at a load average of 6 to 10: five torchrun jobs, each killed once, restarted
