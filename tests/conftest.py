@@ -71,7 +71,7 @@ SLOW_FILES = (
     # stalls on a mesh axis (three 2-rank jobs, one of 8 processes), each waiting 10 s
     "test_mingpt_hang.py",
     "test_mingpt_train.py",  # 82
-    # 150 to 200 at a load average of 6 to 10: five torchrun jobs, each killed once, restarted
+    # 143 at a load average of 4 to 8: five torchrun jobs, each killed once and restarted
     "test_restarts.py",
     "test_mingpt_context.py",  # 60: eleven 2- and 4-rank launches
     # 85 with pip's cache cold, 24 warm, 1 once its venv exists (aws-parallelcluster's schema)
