@@ -143,7 +143,8 @@ def child_env(**extra: str) -> dict[str, str]:
         CUDA_VISIBLE_DEVICES="",  # prove the CPU path even where a GPU exists
         OMP_NUM_THREADS="1",
         PYTHONUNBUFFERED="1",
-        # gloo: restarted worker groups need a fresh store (see 03's README).
+        # A fresh store for each torchrun attempt, as before restarts.py made the shared one
+        # safe; test_restarts.py runs the restart commands without it, as a user does.
         TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
     )
     env.update(extra)
