@@ -8,12 +8,11 @@
 import argparse
 import os
 import sys
-import traceback
 
 import torch
 import torch.distributed.nn  # noqa: F401  before init_process_group, or it keeps the group alive
 import torch.nn.functional as F
-from torch.distributed import all_reduce, destroy_process_group, init_process_group
+from torch.distributed import all_reduce, destroy_process_group
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
@@ -21,6 +20,7 @@ from torch.utils.data.distributed import DistributedSampler
 from datautils import MyTrainDataset
 from devices import backend_for, pick_device
 from faults import inject_fault
+from restarts import join_group, leaving_group_on_failure
 from snapshot import SnapshotError, atomic_save, load_snapshot, rng_state, set_rng_state
 
 
@@ -30,7 +30,7 @@ def ddp_setup(requested: str) -> torch.device:
     if device.type == "cuda":
         # Before init_process_group: NCCL binds each process to the current GPU.
         torch.cuda.set_device(device)
-    init_process_group(backend=backend_for(device))  # reads RANK, WORLD_SIZE, MASTER_* from env
+    join_group(backend_for(device))  # init_process_group, on this torchrun attempt's own keys
     return device
 
 
@@ -152,16 +152,9 @@ def main(args: argparse.Namespace) -> None:
     dataset, model, optimizer = load_train_objs()
     train_data = prepare_dataloader(dataset, args.batch_size)
     trainer = Trainer(model, train_data, optimizer, device, args.save_every, args.snapshot_path)
-    try:
-        trainer.train(args.total_epochs)
-        failed = False
-    except Exception:  # a crash, e.g. a peer killed mid-collective: torchrun restarts us all
-        traceback.print_exc()  # now: once out of this block, its frames (holding DDP) are gone
-        failed = True
+    trainer.train(args.total_epochs)
     del trainer  # DDP holds the group too: release it, so that destroy_process_group frees it ...
     destroy_process_group()  # ... and joins gloo's threads: none may still run as Python exits
-    if failed:
-        sys.exit(1)
 
 
 def positive_int(text: str) -> int:
@@ -191,6 +184,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 if __name__ == "__main__":
     args = parse_args()
     try:
-        main(args)
+        with leaving_group_on_failure():  # a crash (a peer killed): torchrun restarts us all
+            main(args)
     except (ValueError, SnapshotError, torch.distributed.DistNetworkError) as e:  # or a busy port
         sys.exit(f"error: {e}")

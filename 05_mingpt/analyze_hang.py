@@ -13,6 +13,9 @@ dumps itself). This prints, in a few lines:
 - per step, the first one where the ranks' collectives differ: a rank that made none (it
   stalled) or that left one out and went on (its later collectives then pair with the others'
   earlier ones, off by one, which torch's analyzer cannot see: the sequence numbers agree);
+- per process group (each mesh dimension: pp, dp, tp, cp; the world), point-to-point ops too:
+  where a member is behind the others, and the rank that stopped first, named with the axis,
+  the operation each of its peers waits for it in, and the step;
 - where each rank was when it stopped, and why it stopped.
 
 The dumps are pickles: read only those of your own runs.
@@ -27,6 +30,7 @@ import re
 import sys
 from collections.abc import Iterator
 
+from mingpt import errors
 from mingpt.errors import one_line_errors
 from mingpt.forensics import DIR, PREFIX, load_dump
 
@@ -53,12 +57,15 @@ def load(folder: str) -> tuple[dict[int, dict], dict[int, dict]]:
     return dumps, wheres
 
 
-def gloo_pg_config(details: dict) -> bool:
+def gloo_pg_config(details: dict, groups: dict[str, dict] | None = None) -> bool:
     """Make gloo's dumps readable by torch's analyzer; True if anything changed.
 
     torch 2.14 keys a gloo dump's pg_config by '' (an empty group name) while its entries name
     their group ('0', 'default_pg'), so the analyzer's lookup fails (KeyError: ('0', 0)). Each
-    group the entries name gets the ranks of that '' entry, as NCCL's dumps have them."""
+    group the entries name gets its ranks, as NCCL's dumps have them: from `groups` (what
+    where<N>.json names, group_table), else those of that '' entry. That entry holds the
+    ranks of one group only (the last one made: with a mesh, a dimension's), and the analyzer
+    given one group's wrong ranks used up 14 GB of memory here before it was stopped."""
     changed = False
     for dump in details.values():
         config = dump["pg_config"]
@@ -66,8 +73,10 @@ def gloo_pg_config(details: dict) -> bool:
             continue
         ranks = config.pop("")["ranks"]
         for name, desc in {tuple(e["process_group"]) for e in dump["entries"]}:
-            # the fields NCCL's pg_config has for each group
-            config.setdefault(name, {"name": name, "desc": desc, "ranks": ranks})
+            known = (groups or {}).get(name)
+            # the fields NCCL's pg_config has for each group (its ranks as a string)
+            config.setdefault(name, {"name": name, "desc": desc,
+                                     "ranks": str(known["ranks"]) if known else ranks})
         changed = True
     return changed
 
@@ -85,7 +94,7 @@ def captured(logger_name: str) -> Iterator[io.StringIO]:
         logger.handlers = saved
 
 
-def torch_analysis(folder: str) -> tuple[list[str], str]:
+def torch_analysis(folder: str, groups: dict[str, dict] | None = None) -> tuple[list[str], str]:
     """torch's analyzer on the folder: its report's lines, and how it ran (as is, or with the
     gloo dumps' pg_config rewritten)."""
     # The analyzer's logger adds its stderr handler when first made: make it now, so that the
@@ -107,7 +116,7 @@ def torch_analysis(folder: str) -> tuple[list[str], str]:
             text.seek(0)
             text.truncate()
             details, version = read_dir(args)
-            if not gloo_pg_config(details):
+            if not gloo_pg_config(details, groups):
                 raise
             build_db(details, args, version)
             how = "with gloo's pg_config rewritten"
@@ -215,6 +224,127 @@ def sequence_differences(dumps: dict[int, dict]) -> list[str]:
     return lines
 
 
+def step_name(entry: dict, marks: list) -> str:
+    """'step 3', or 'before the first step' (a rank's set-up: its mesh, a barrier)."""
+    step = step_of(entry, marks)
+    return "before the first step" if step is None else f"step {step}"
+
+
+def group_table(dumps: dict[int, dict], wheres: dict[int, dict]) -> dict[str, dict]:
+    """{group name: {"axis", "ranks"}} of every process group the files name: where<N>.json's
+    groups (gloo: their ranks, and the mesh dimensions each serves), NCCL's pg_config."""
+    table: dict[str, dict] = {}
+    for where in wheres.values():
+        for name, info in (where.get("groups") or {}).items():
+            entry = table.setdefault(name, {"ranks": info["ranks"], "axes": [],
+                                            "desc": info["desc"]})
+            entry["axes"] += [a for a in info.get("axes", []) if a not in entry["axes"]]
+    for dump in dumps.values():
+        for name, info in dump.get("pg_config", {}).items():
+            if name and name not in table:  # gloo's '' entry names no group (gloo_pg_config)
+                ranks = info["ranks"]
+                table[name] = {"ranks": json.loads(ranks) if isinstance(ranks, str) else ranks,
+                               "axes": [], "desc": info.get("desc", "")}
+    for info in table.values():
+        # A DeviceMesh names its groups mesh_<dimension>: pp, dp, tp, cp. Where the files
+        # name the dimensions a group serves (a dimension over every rank reuses the
+        # default group), those; the default group alone is the world.
+        desc = info["desc"]
+        info["axis"] = "/".join(info["axes"]) or (
+            desc.removeprefix("mesh_") if desc.startswith("mesh_") else
+            "world" if desc == "default_pg" else desc or "?")
+    return table
+
+
+def operations(dump: dict | None, where: dict | None) -> list[dict]:
+    """Every operation a rank issued, in every group, oldest first: its dump's entries (NCCL's
+    include the point-to-point ones) and the sends and receives forensics recorded (gloo's
+    recorder keeps none)."""
+    ops = list(dump["entries"]) if dump else []
+    ops += (where or {}).get("p2p", [])
+    return sorted(ops, key=lambda e: e["time_created_ns"])
+
+
+def number(entry: dict) -> tuple[str, int]:
+    """An operation's place in its group: point-to-point ops and collectives count apart."""
+    if entry.get("is_p2p"):
+        return "point-to-point", entry["p2p_seq_id"]
+    return "", entry["collective_seq_id"]
+
+
+def op_name(entry: dict) -> str:
+    """'all_reduce [[4, 8]] Float', 'send 0->1 [[4, 8]] Float' (group ranks in the arrow)."""
+    op = entry["profiling_name"].split(":", 1)[-1]
+    dtypes = ",".join(sorted(set(entry.get("input_dtypes") or [])))
+    return f"{op} {entry['input_sizes']} {dtypes}".rstrip()
+
+
+def axis_stalls(dumps: dict[int, dict], wheres: dict[int, dict]) -> list[str]:
+    """Per process group (an axis of the mesh: pp, dp, tp, cp, or the world), how far each
+    member got; then the rank that stopped first, on each axis where its peers wait for it:
+    the operation they wait in and its step."""
+    table = group_table(dumps, wheres)
+    ranks = sorted(set(dumps) | set(wheres))
+    ops = {r: operations(dumps.get(r), wheres.get(r)) for r in ranks}
+    marks = {r: (wheres.get(r) or {}).get("steps", []) for r in ranks}
+    # {group: {rank: {kind: the rank's newest op of that kind in the group}}}
+    last: dict[str, dict[int, dict[str, dict]]] = {}
+    for r in ranks:
+        for entry in ops[r]:
+            name = entry["process_group"][0]
+            last.setdefault(name, {}).setdefault(r, {})[number(entry)[0]] = entry
+    for name in last:
+        table.setdefault(name, {"ranks": sorted(last[name]), "axis": f"group {name}"})
+    lines, behind, agree = [], {}, 0  # behind: {rank: [(group, kind)]}
+    # Groups by number ('2' before '10'), as torch counts them.
+    for name, info in sorted(table.items(), key=lambda kv: (len(kv[0]), kv[0])):
+        members = [r for r in info["ranks"] if r in ranks]
+        if len(info["ranks"]) < 2 or not members:
+            continue  # a group of one waits for no one
+        for kind in sorted({k for r in members for k in last.get(name, {}).get(r, {})}):
+            got = {r: last[name].get(r, {}).get(kind) for r in members}
+            newest = max(number(e)[1] if e else 0 for e in got.values())
+            shown = []
+            for r, e in got.items():
+                seq = number(e)[1] if e else 0
+                where = f"#{seq} {op_name(e)} ({step_name(e, marks[r])})" if e else "none"
+                shown.append(f"rank {r} {where}" + (f", {newest - seq} behind" if seq < newest
+                                                      else ""))
+                if seq < newest:
+                    behind.setdefault(r, []).append((name, kind))
+            if all((number(e)[1] if e else 0) == newest for e in got.values()):
+                agree += 1  # every member at the same operation: nothing to show
+                continue
+            label = f"{kind} " if kind else ""
+            lines.append(f"  {info['axis']} (group {name}, ranks {info['ranks']}), last "
+                         f"{label}op: " + "; ".join(shown))
+    lines.append(f"  {agree} more: every member at the same operation")
+    if not behind:
+        return ["by process group:", *lines]
+    # The rank that stopped first: of those behind somewhere, the one whose newest operation
+    # is the oldest (the others went on into operations that waited for it).
+    stalled = min(behind, key=lambda r: ops[r][-1]["time_created_ns"] if ops[r] else 0)
+    findings = []
+    for name, kind in behind[stalled]:
+        info, mine = table[name], last[name].get(stalled, {}).get(kind)
+        seq = number(mine)[1] if mine else 0
+        for r in info["ranks"]:
+            if r == stalled or r not in ops:
+                continue
+            # The first operation of this group and kind the stalled rank never matched.
+            waiting = next((e for e in ops[r] if e["process_group"][0] == name
+                            and number(e)[0] == kind and number(e)[1] > seq), None)
+            if waiting is not None:
+                label = f"{kind} " if kind else ""
+                findings.append(f"  rank {r} waits for it in {op_name(waiting)} on "
+                                f"{info['axis']} ({label}#{number(waiting)[1]}, "
+                                f"{step_name(waiting, marks[r])})")
+        last_seen = f"#{seq}, {step_name(mine, marks[stalled])}" if mine else "none"
+        findings.append(f"  rank {stalled}'s last {info['axis']} op: {last_seen}")
+    axes = ", ".join(dict.fromkeys(table[name]["axis"] for name, _ in behind[stalled]))
+    return ["by process group:", *lines, f"stalled: rank {stalled}, on {axes}", *findings]
+
+
 def frames_of(stack: list[str]) -> list[tuple[str, int, str]]:
     """(file, line, function) of each frame of a formatted stack, outermost first."""
     return [(f, int(n), fn) for f, n, fn in FRAME.findall("".join(stack))]
@@ -256,7 +386,7 @@ def report(folder: str, full: bool = False) -> list[str]:
              + (f"; none from rank(s) {missing} (killed before they could write)"
                 if missing else "")]
     if dumps:
-        analysis, how = torch_analysis(folder)
+        analysis, how = torch_analysis(folder, group_table(dumps, wheres))
         # Its first finding without the stack (indented): the series' lines below show that.
         head = [line for line in analysis if not line.startswith(" ")]
         shown = analysis if full else head[:8]
@@ -265,6 +395,8 @@ def report(folder: str, full: bool = False) -> list[str]:
         lines.append("by sequence number:")
         lines += sequence_differences(dumps)
         lines += step_differences(dumps, wheres)
+    # Every group, point-to-point ops too: a stall under pp, tp, cp or all three.
+    lines += axis_stalls(dumps, wheres)
     lines.append("where each rank was:")
     lines += [f"  {where_line(r, wheres.get(r), dumps.get(r))}" for r in ranks]
     return lines
@@ -284,7 +416,7 @@ def main(argv: list[str]) -> None:
                              f"{DIR} folder")
         print("\n".join(report(folder, args.full)))
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        errors.report(e)
         sys.exit(2)
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import PYTHON, REPO, TORCHRUN, child_env, free_port, run
-from mingpt_helpers import copy_mingpt, mingpt_imported, tiny, val_losses
+from mingpt_helpers import MINGPT, copy_mingpt, mingpt_imported, tiny, val_losses
 
 GPUS = torch.cuda.device_count()
 pytestmark = pytest.mark.skipif(GPUS == 0, reason="needs a CUDA GPU (none on this machine)")
@@ -367,3 +367,42 @@ def test_mingpt_pipeline_on_gpus(tmp_path, schedule):
     proc = run([*cmd, *tiny(four)], cwd=mingpt, CUDA_VISIBLE_DEVICES=VISIBLE)  # resumes at 6
     assert "resumed from" in proc.stdout and "step 10/10" in proc.stdout, proc.stdout[-2000:]
     assert "sample:" in proc.stdout
+
+
+# One NCCL rank: forensics.dump as a failed rank calls it, once over a file the watchdog wrote
+# (kept as it was), once alone (torch's NCCL dump: its own recorder's entries).
+NCCL_DUMP = f"""
+import os, pickle, sys
+sys.path.insert(0, {str(MINGPT)!r})
+os.environ["TORCH_FR_BUFFER_SIZE"] = "100"
+import torch, torch.distributed as dist
+from mingpt import forensics
+torch.cuda.set_device(0)
+dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+dist.all_reduce(torch.ones(4, device="cuda"))
+torch.cuda.synchronize()
+run_dir = sys.argv[1]
+folder = os.path.join(run_dir, "flight_recorder")
+os.makedirs(folder)
+with open(os.path.join(folder, "rank0"), "wb") as f:
+    f.write(b"the watchdog's dump")
+forensics.dump(run_dir, "first", [])
+print(open(os.path.join(folder, "rank0"), "rb").read() == b"the watchdog's dump")
+os.remove(os.path.join(folder, "rank0"))
+forensics.dump(run_dir, "second", [])
+with open(os.path.join(folder, "rank0"), "rb") as f:
+    print(sorted({{e["profiling_name"] for e in pickle.load(f)["entries"]}}))
+print(sorted(os.listdir(folder)))
+dist.destroy_process_group()
+"""
+
+
+def test_a_ranks_nccl_dump_is_torchs_and_never_replaces_the_watchdogs(tmp_path):
+    """On NCCL a rank's own dump is torch's NCCL dump (_dump_nccl_trace: the recorder the
+    watchdog reads), and a rank<N> the watchdog already wrote at the timeout stays as it was:
+    its dump was taken before the communicator was torn down."""
+    proc = run([PYTHON, "-c", NCCL_DUMP, str(tmp_path)], CUDA_VISIBLE_DEVICES=VISIBLE)
+    kept, ops, files = proc.stdout.splitlines()[-3:]
+    assert kept == "True", proc.stdout
+    assert "nccl:all_reduce" in ops, ops
+    assert files == "['rank0', 'where0.json']"  # no .tmp left behind either time

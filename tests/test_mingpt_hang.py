@@ -3,6 +3,9 @@
 Two gloo processes under torchrun: a rank that stalls before step 3 (FAULT_STALL_AT_STEP), a
 rank that leaves out step 3's all-reduce and goes on (tests/hang_worker.py; in the trainer,
 FAULT_SKIP_AT_STEP), and shapes that differ across ranks (TORCH_DISTRIBUTED_DEBUG=DETAIL).
+A rank that stalls on one axis of a DeviceMesh (tests/axis_hang_worker.py): pp's sends and
+receives, tp's all-reduce, cp's all-to-all, and all of them in a 3-D layout (pp 2 x dp 2 x tp 2,
+8 processes): analyze_hang.py names the rank, the axis, the operation and the step.
 Also the step-time breakdown and the profile (trainer_config.profile_steps), and the config of
 both.
 
@@ -18,7 +21,7 @@ import time
 import pytest
 
 from conftest import PYTHON, REPO, TORCHRUN, run
-from mingpt_helpers import copy_mingpt, script_in_process, tiny
+from mingpt_helpers import copy_mingpt, mingpt_imported, script_in_process, tiny
 
 # Seconds a collective may wait. Long enough that no collective of a healthy run waits that
 # long on a loaded 2-core machine (the longest, the first all-gather, waits for the slower
@@ -206,3 +209,98 @@ def test_a_skipped_gradient_all_reduce_in_the_trainer_aborts_one_rank_and_the_ot
     out = analyze(folder)
     assert f"1 Flight Recorder dumps of 2 ranks in {folder}; none from rank(s) [{dead}] " \
            "(killed before they could write)" in out
+
+
+# The mesh's groups wait this long for the stalled rank (the 3-D job's default group waits
+# for 8 processes to start: axis_hang_worker.START_TIMEOUT_S).
+AXIS_TIMEOUT_S = 10
+
+
+def axis_stall(tmp_path, layout: str, nproc: int) -> tuple[list[str], str]:
+    """tests/axis_hang_worker.py under torchrun: the error lines and the analysis."""
+    proc = run([TORCHRUN, "--standalone", f"--nproc_per_node={nproc}",
+                str(REPO / "tests/axis_hang_worker.py"), str(tmp_path), str(AXIS_TIMEOUT_S),
+                layout], cwd=tmp_path, check=False, timeout=300 + AXIS_TIMEOUT_S + MARGIN_S)
+    assert proc.returncode != 0
+    assert f"[rank {nproc - 1}] stalls before step 3" in proc.stdout, proc.stderr[-3000:]
+    folder = tmp_path / "flight_recorder"
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        [f"rank{r}" for r in range(nproc)] + [f"where{r}.json" for r in range(nproc)])
+    # Every rank that waited says so, each in a line of its own (in any order).
+    errors = sorted(line for line in proc.stderr.splitlines() if line.startswith("error:"))
+    assert [e.split(":")[1] for e in errors] == [f" rank {r}" for r in range(nproc - 1)], errors
+    assert all(f"Timed out waiting {AXIS_TIMEOUT_S * 1000}ms" in e for e in errors), errors
+    return errors, analyze(folder)
+
+
+@pytest.mark.parametrize("layout, op", [
+    # stage 0 sent step 3's activation; stage 1 never posted its receive (2 p2p ops a step)
+    ("pp", "send 0->1 [[4, 8]] Float on pp (point-to-point #7, step 3)"),
+    # #1 is the start's barrier: the default group is the mesh's tp dimension at 2 ranks
+    ("tp", "all_reduce [[4, 8]] Float on tp (#5, step 3)"),
+    ("cp", "all_to_all [[2, 16]] Float on cp (#5, step 3)"),
+])
+def test_a_rank_stalled_on_one_axis_is_named_with_the_operation_and_step(tmp_path, layout, op):
+    _, out = axis_stall(tmp_path, layout, 2)
+    assert (f"stalled: rank 1, on {layout}\n  rank 0 waits for it in {op}\n"
+            f"  rank 1's last {layout} op: ") in out, out
+    if layout == "pp":  # what the default group alone showed: gloo's recorder has no p2p op
+        assert "torch's analyzer (with gloo's pg_config rewritten):\n  no finding\n" in out
+
+
+def test_a_rank_stalled_in_a_3d_layout_is_named_on_each_axis_it_holds_up(tmp_path):
+    """pp 2 x dp 2 x tp 2: rank 7 (pp 1, dp 1, tp 1) stalls; its tp peer waits in step 3's
+    all-reduce, its pp peer in the send of step 3's activation, its dp peer in the gradient
+    all-reduce. The ranks those three left waiting are behind too, later: not the stall."""
+    _, out = axis_stall(tmp_path, "3d", 8)
+    assert re.search(r"^stalled: rank 7, on (pp|dp|tp), (pp|dp|tp), (pp|dp|tp)$", out, re.M), out
+    for line in ["  rank 6 waits for it in all_reduce [[4, 8]] Float on tp (#4, step 3)",
+                 "  rank 3 waits for it in send 0->1 [[4, 8]] Float on pp (point-to-point #7, "
+                 "step 3)",
+                 "  rank 5 waits for it in all_reduce [[32]] Float on dp (#4, step 3)",
+                 "  rank 7's last tp op: #3, step 2", "  rank 7's last pp op: #6, step 2"]:
+        assert line in out.splitlines(), (line, out)
+
+
+def nccl_entry(group: tuple, op: str, seq: int, ns: int, p2p: bool) -> dict:
+    """One entry as NCCL's Flight Recorder writes it (the fields the analysis reads)."""
+    return {"process_group": group, "profiling_name": f"nccl:{op}", "is_p2p": p2p,
+            "p2p_seq_id": seq if p2p else 0, "collective_seq_id": 0 if p2p else seq,
+            "input_sizes": [[4, 8]], "input_dtypes": ["Float"], "time_created_ns": ns,
+            "frames": []}
+
+
+def test_nccls_point_to_point_entries_are_read_from_its_dump():
+    """NCCL's recorder keeps sends and receives in its dump, and its pg_config names each
+    group's ranks: no where<N>.json needed (the watchdog's dumps come alone)."""
+    config = {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1]"},
+              "1": {"name": "1", "desc": "mesh_pp", "ranks": "[0, 1]"}}
+    pp = ("1", "mesh_pp")
+    dumps = {0: {"pg_config": config, "entries": [
+                 nccl_entry(pp, "send 0->1", 1, 10, True), nccl_entry(pp, "recv 0<-1", 2, 20, True),
+                 nccl_entry(pp, "send 0->1", 3, 30, True)]},
+             1: {"pg_config": config, "entries": [
+                 nccl_entry(pp, "recv 1<-0", 1, 11, True),
+                 nccl_entry(pp, "send 1->0", 2, 19, True)]}}
+    with mingpt_imported("analyze_hang") as modules:
+        lines = modules["analyze_hang"].axis_stalls(dumps, {})
+    assert lines[-3:] == [
+        "stalled: rank 1, on pp",
+        "  rank 0 waits for it in send 0->1 [[4, 8]] Float on pp (point-to-point #3, before the "
+        "first step)",
+        "  rank 1's last pp op: #2, before the first step"]
+
+
+def test_a_dump_that_must_not_replace_leaves_the_file_there_alone(tmp_path):
+    """forensics._write(replace=False), as a rank's own NCCL dump is written: a file already
+    there (the watchdog's) stays byte for byte, and no temporary file is left (the GPU test,
+    tests/test_gpu.py, runs it on NCCL's dump)."""
+    path = tmp_path / "rank0"
+    with mingpt_imported("mingpt.forensics") as modules:
+        write = modules["mingpt.forensics"]._write
+        assert write(str(path), b"ours", replace=False) is True
+        assert write(str(path), b"later", replace=False) is False
+        assert path.read_bytes() == b"ours"
+        assert write(str(path), b"replaced") is True  # gloo's: the series' own dump
+    assert path.read_bytes() == b"replaced" and sorted(p.name for p in tmp_path.iterdir()) == \
+        ["rank0"]

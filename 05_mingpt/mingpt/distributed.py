@@ -11,10 +11,14 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh
 
-from mingpt import forensics
+from mingpt import forensics, restarts
 from mingpt.devices import backend_for, pick_device
+
+# torch's default timeouts for new groups, while later_groups_wait has replaced them.
+_torch_timeouts: dict[str, timedelta] = {}
 
 
 def setup(requested: str, cpu_offload: bool = False, collective_timeout_s: float | None = None,
@@ -34,13 +38,30 @@ def setup(requested: str, cpu_offload: bool = False, collective_timeout_s: float
     # CPU offload keeps FSDP's gradients in CPU memory: they need gloo beside NCCL.
     backend = backend_for(device, cpu_tensors_too=cpu_offload)
     if "RANK" in os.environ:  # torchrun set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
-        dist.init_process_group(backend, timeout=timeout)
+        # On keys of this attempt's own in torchrun's shared store: a restarted worker must not
+        # find the killed attempt's addresses there (restarts.py, the steps' copy).
+        restarts.join_group(backend, timeout)
     else:
         # `python main.py`: a one-process group (an in-memory store, no port), so DDP and
         # FSDP run exactly the code they run under torchrun.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timeout)
+    if timeout is not None:
+        later_groups_wait(timeout)
     return device
+
+
+def later_groups_wait(timeout: timedelta) -> None:
+    """Groups made after the default one (each DeviceMesh dimension: pp, dp, tp, cp; new_group)
+    wait `timeout` too, not torch's default for a new group (30 min on gloo, 10 on NCCL): a
+    rank stalled under a pipeline or TP would otherwise keep its peers waiting half an hour.
+
+    torch reads its default from distributed_c10d's module variables each time it makes a
+    group (_get_default_timeout); the strategies make their meshes without a timeout of
+    their own. release() puts torch's values back."""
+    _torch_timeouts.setdefault("gloo", c10d.default_pg_timeout)
+    _torch_timeouts.setdefault("nccl", c10d.default_pg_nccl_timeout)
+    c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timeout
 
 
 def release() -> None:
@@ -52,6 +73,10 @@ def release() -> None:
     FSDP's modules form reference cycles (freed by gc.collect), and torch's DTensor caches
     keep every DeviceMesh, whose registry holds the group, alive after the model is gone."""
     # (type(), not isinstance: gc also finds dead weakref proxies, which isinstance reads)
+    forensics.disarm()  # the run is over: torch's own send/recv and SIGTERM again
+    if _torch_timeouts:  # what later_groups_wait changed
+        c10d.default_pg_timeout = _torch_timeouts.pop("gloo")
+        c10d.default_pg_nccl_timeout = _torch_timeouts.pop("nccl")
     for mesh in [o for o in gc.get_objects() if issubclass(type(o), DeviceMesh)]:
         getattr(mesh, "_pg_registry", {}).clear()  # private: the mesh's own group references
     gc.collect()

@@ -2,6 +2,7 @@
 
     data = errors.agreed(build_datasets, cfg)   # a ValueError on one rank: on all of them
     errors.fail(e)                              # print `error: ...` once per node, exit 2
+    errors.report(message)                      # the one place an `error:` line is written
 
 A config mistake is the same on every rank. A node's own storage is not: a BPE directory, a
 CIFAR-10 download or a writable snapshot folder can be there on one node and missing on
@@ -10,6 +11,7 @@ next collective and waited there until the timeout; without a print on every nod
 on a node other than global rank 0's would be seen nowhere.
 """
 import argparse
+import io
 import os
 import socket
 import sys
@@ -21,6 +23,28 @@ import torch.distributed as dist
 T = TypeVar("T")
 
 
+def report(message: object) -> None:
+    """Write `error: MESSAGE` and its newline to stderr in one write call.
+
+    Every rank of a job writes to the same stderr (torchrun passes its own to each worker),
+    and print() writes a line's text and its newline in two calls: another rank's line could
+    land between them, and two ranks' lines came out joined as one ("...flight_recorder" then
+    "error: rank 0: ..."). One os.write of the whole line is one write(2): on a pipe, a write of
+    at most PIPE_BUF bytes (4096 on Linux) is never interleaved with another process's."""
+    line = f"error: {message}\n"
+    stream = sys.stderr
+    try:
+        fd = stream.fileno()
+    except (AttributeError, io.UnsupportedOperation):  # a StringIO: a test's or a notebook's
+        stream.write(line)  # one call here too, and no other process writes into it
+        stream.flush()
+        return
+    stream.flush()  # what Python still buffers comes first, as the program wrote it
+    data = line.encode(stream.encoding or "utf-8", "backslashreplace")
+    while data:  # a pipe takes it whole; the loop is for a write cut short by a signal
+        data = data[os.write(fd, data):]
+
+
 def fail(error: Exception | str) -> NoReturn:
     """One `error:` line from each node (its LOCAL_RANK 0) and exit 2 on every rank.
 
@@ -29,7 +53,7 @@ def fail(error: Exception | str) -> NoReturn:
     # Once per node: the node's log shows it (a Slurm job or a cluster UI often keeps one
     # log per node), and its other ranks, which hit the same error, keep quiet.
     if os.environ.get("LOCAL_RANK", "0") == "0":
-        print(f"error: {error}", file=sys.stderr, flush=True)
+        report(error)
     sys.exit(2)
 
 
@@ -71,7 +95,7 @@ def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """argparse's errors as one `error:` line and exit status 2, without its usage block (as
     every other bad input of this folder reads; --help still shows the usage)."""
     def error(message: str) -> NoReturn:
-        print(f"error: {message}", file=sys.stderr)
+        report(message)
         sys.exit(2)
     parser.error = error
     return parser

@@ -13,12 +13,19 @@ own dump format, plus where<N>.json: the rank's stack when it stopped and the wa
 its recent steps (to tell which step each collective belonged to). `analyze_hang.py` reads them.
 
 NCCL: torch's watchdog dumps by itself on a timeout (TORCH_NCCL_DUMP_ON_TIMEOUT, into
-TORCH_FR_DUMP_TEMP_FILE<rank>): configure() points it at the same files. gloo records entries
-but writes no dump of its own (torch 2.14), so the series writes them: when a collective raises
-(gloo's timeout or a peer's error), and when torchrun stops a rank (SIGTERM) because another
-failed: a rank stuck outside any collective is the one whose stack matters most.
+TORCH_FR_DUMP_TEMP_FILE<rank>): configure() points it at the same files, and a rank's own dump
+(torch's NCCL dump, _dump_nccl_trace) never replaces one the watchdog wrote. gloo records
+entries but writes no dump of its own (torch 2.14), so the series writes them: when a
+collective raises (gloo's timeout or a peer's error), and when torchrun stops a rank (SIGTERM)
+because another failed: a rank stuck outside any collective is the one whose stack matters most.
+
+Every process group is in the dumps (the default one, each DeviceMesh dimension's: pp, dp, tp,
+cp), and where<N>.json names each group's ranks and axis. gloo's recorder keeps no
+point-to-point operation (a pipeline's sends and receives): arm() records them here, in the
+recorder's own fields, into where<N>.json's "p2p" (NCCL's recorder has them in its dump).
 """
 import collections
+import gc
 import json
 import os
 import pickle
@@ -33,6 +40,9 @@ from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from mingpt import errors
 
 T = TypeVar("T")
 DIR = "flight_recorder"  # under the run directory; analyze_hang.py reads it
@@ -47,10 +57,20 @@ COLLECTIVE_FAILURE = re.compile(
     r"Timed out waiting|Connection (reset|closed) by peer|mismatch between collectives|"
     r"Watchdog caught collective operation timeout|NCCL communicator was aborted")
 
+# The recorder's names of dtypes (c10's ScalarType), for the entries recorded here.
+SCALAR_TYPES = {torch.float32: "Float", torch.float16: "Half", torch.bfloat16: "BFloat16",
+                torch.float64: "Double", torch.int64: "Long", torch.int32: "Int",
+                torch.uint8: "Byte", torch.int8: "Char", torch.bool: "Bool"}
+
 # Module state, on purpose: a signal handler can reach nothing else, and the step marks must be
 # there whichever frame fails.
 _marks: collections.deque = collections.deque(maxlen=STEP_MARKS)  # (step, time_ns)
 _armed: dict = {}  # {"run_dir": ...} once arm() ran: where SIGTERM's dump goes
+# gloo's point-to-point operations, as the recorder would keep them (its buffer's size); and
+# ProcessGroup's own send and recv, put back by disarm().
+_p2p: collections.deque = collections.deque(maxlen=STEP_MARKS)
+_p2p_seq: dict = {}  # {group name: this rank's point-to-point ops issued in it so far}
+_unpatched: dict = {}
 
 
 def configure(run_dir: str, entries: int) -> None:
@@ -80,6 +100,10 @@ def arm(run_dir: str) -> None:
     if enabled():
         os.makedirs(os.path.join(run_dir, DIR), exist_ok=True)
     _armed["run_dir"] = run_dir
+    if enabled() and dist.get_backend() == "gloo" and not _unpatched:
+        _p2p.clear()  # this run's operations only (tests run several in one process)
+        _p2p_seq.clear()
+        record_p2p()
     # Not under `python main.py` (no torchrun to stop the rank), never over a handler the
     # program set itself, and gloo only: a Python handler runs only between bytecodes, so a
     # rank blocked in an NCCL wait would outlive torchrun's SIGTERM by its grace period (30 s),
@@ -89,11 +113,74 @@ def arm(run_dir: str) -> None:
         signal.signal(signal.SIGTERM, _on_sigterm)
 
 
+def record_p2p() -> None:
+    """Record each send and recv of any group (what gloo's Flight Recorder leaves out).
+
+    Through ProcessGroup.send/recv, where torch.distributed's isend, irecv, send, recv and
+    batch_isend_irecv all end on gloo: what calls them (a pipeline schedule) is unchanged."""
+    from torch._C._distributed_c10d import ProcessGroup  # noqa: PLC0415  (gloo only)
+
+    for op in ("send", "recv"):
+        original = getattr(ProcessGroup, op)
+        _unpatched[op] = original
+
+        def recorded(group, tensors, peer, tag=0, _op=op, _original=original):
+            _record(group, _op, tensors, peer)
+            return _original(group, tensors, peer, tag)
+
+        setattr(ProcessGroup, op, recorded)
+
+
+def _record(group, op: str, tensors: list, peer: int) -> None:
+    """One entry as the Flight Recorder writes NCCL's: 'gloo:send 0->1' in group ranks."""
+    try:
+        name = group.group_name
+        _p2p_seq[name] = _p2p_seq.get(name, 0) + 1
+        me = dist.get_group_rank(group, dist.get_rank())
+        arrow = f"{me}->{peer}" if op == "send" else f"{me}<-{peer}"
+        _p2p.append({"process_group": [name, group.group_desc], "is_p2p": True,
+                     "p2p_seq_id": _p2p_seq[name], "collective_seq_id": 0,
+                     "profiling_name": f"gloo:{op} {arrow}",
+                     "input_sizes": [list(t.shape) for t in tensors],
+                     "input_dtypes": [SCALAR_TYPES.get(t.dtype, str(t.dtype)) for t in tensors],
+                     "time_created_ns": time.time_ns()})
+    except Exception:  # a record must never break the operation it records
+        pass
+
+
+def groups() -> dict:
+    """{group name: {"desc", "ranks", "axes"}} of every group this rank is in: its ranks (gloo's
+    dump keys its one pg_config entry '' and names none), and the mesh dimensions it serves
+    (a dimension over every rank reuses the default group: its name says nothing of the axis)."""
+    try:  # torch's registry of groups (private: a dump without it still names the ranks seen)
+        names = dist.distributed_c10d._world.pg_names
+        found = {name: {"desc": pg.group_desc, "ranks": dist.get_process_group_ranks(pg),
+                        "axes": []} for pg, name in names.items()}
+    except Exception:
+        return {}
+    # The meshes alive: what each dimension is called (pp, dp, tp, cp) and which group it uses.
+    for mesh in [o for o in gc.get_objects() if issubclass(type(o), DeviceMesh)]:
+        for dim, axis in enumerate(getattr(mesh, "mesh_dim_names", None) or ()):
+            try:
+                name = mesh.get_group(dim).group_name
+            except Exception:  # a mesh this rank is not part of, or already torn down
+                continue
+            if name in found and axis not in found[name]["axes"]:
+                found[name]["axes"].append(axis)
+    return found
+
+
 def disarm() -> None:
     """Training is over (or failed and dumped): SIGTERM kills again without a dump."""
     if _armed.pop("run_dir", None) is not None and \
             signal.getsignal(signal.SIGTERM) is _on_sigterm:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if _unpatched:  # send and recv as torch has them (the records stay, for the dump)
+        from torch._C._distributed_c10d import ProcessGroup  # noqa: PLC0415
+
+        for op, original in _unpatched.items():
+            setattr(ProcessGroup, op, original)
+        _unpatched.clear()
 
 
 def mark_step(step: int) -> None:
@@ -109,20 +196,36 @@ def dump(run_dir: str, reason: str, stack: list[str]) -> str:
     os.makedirs(folder, exist_ok=True)
     rank = dist.get_rank()
     if enabled():  # torch's own dump (a pickle of a dict): what torchfrtrace reads
-        trace = torch._C._distributed_c10d._dump_fr_trace()
-        _write(os.path.join(folder, f"{PREFIX}{rank}"), trace)
+        nccl = "nccl" in str(dist.get_backend())
+        # NCCL's recorder is its own (the watchdog's dump); gloo's is the generic one.
+        trace = (torch._C._distributed_c10d._dump_nccl_trace() if nccl
+                 else torch._C._distributed_c10d._dump_fr_trace())
+        # The watchdog may have written this rank's file already, at the timeout itself: its
+        # dump, not ours, is the one to keep (it is taken before the communicator is aborted).
+        _write(os.path.join(folder, f"{PREFIX}{rank}"), trace, replace=not nccl)
     where = {"rank": rank, "world_size": dist.get_world_size(), "host": socket.gethostname(),
              "pid": os.getpid(), "backend": dist.get_backend(), "reason": reason,
-             "stack": stack, "steps": list(_marks)}
+             "stack": stack, "steps": list(_marks), "groups": groups(), "p2p": list(_p2p)}
     _write(os.path.join(folder, f"where{rank}.json"), json.dumps(where, indent=1).encode())
     return folder
 
 
-def _write(path: str, data: bytes) -> None:
-    """Written whole, then renamed: an analysis never reads half a dump."""
+def _write(path: str, data: bytes, replace: bool = True) -> bool:
+    """Written whole, then renamed: an analysis never reads half a dump. With replace=False, a
+    file already at `path` stays as it is (False returned): a hard link, unlike a rename, fails
+    when the name exists, so even a file written a moment earlier is never replaced."""
     with open(path + ".tmp", "wb") as f:
         f.write(data)
-    os.replace(path + ".tmp", path)
+    if replace:
+        os.replace(path + ".tmp", path)
+        return True
+    try:
+        os.link(path + ".tmp", path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        os.remove(path + ".tmp")
 
 
 def _on_sigterm(signum: int, frame) -> None:
@@ -171,8 +274,10 @@ def watch(function: Callable[..., T], run_dir: str, *args) -> T:
     first = re.sub(r"^\[[^\]]*\] ", "", first)  # gloo's "[.../unbound_buffer.cc:78] " prefix
     # DETAIL's fingerprints spell out every TensorOptions field: the shapes are what differ.
     first = re.sub(r", TensorDeviceTypes=TensorOptions\(.*?\(nullopt\)\)", "", first)
-    print(f"error: rank {dist.get_rank()}: a collective failed ({first}); every rank's trace "
-          f"is in {folder}: python analyze_hang.py {folder}", file=sys.stderr, flush=True)
+    # Every rank whose collective failed says so at once: one write per line (errors.report),
+    # so that two ranks' lines never come out joined into one.
+    errors.report(f"rank {dist.get_rank()}: a collective failed ({first}); every rank's trace "
+                  f"is in {folder}: python analyze_hang.py {folder}")
     # Said and written: from here on torchrun's SIGTERM may end the teardown, as before.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     # SystemExit, as errors.fail: main.py's `finally` still leaves the process group.
