@@ -58,18 +58,6 @@ def release() -> None:
     dist.destroy_process_group()
 
 
-def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
-    """dist.all_reduce in place, also of a tensor on a device the group's backend cannot take:
-    gloo takes CPU tensors and NCCL CUDA ones, so an XLA device's (xla_main.py's one-process
-    gloo group) goes through a CPU copy. Called where the host reads the result anyway."""
-    if tensor.device.type in ("cpu", "cuda"):
-        dist.all_reduce(tensor, op=op)
-        return
-    host = tensor.cpu()
-    dist.all_reduce(host, op=op)
-    tensor.copy_(host)
-
-
 def group_error(error: Exception) -> str:
     """torchrun's worker could not open the store at MASTER_ADDR:MASTER_PORT, as one line."""
     where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"

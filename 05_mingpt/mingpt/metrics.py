@@ -22,7 +22,6 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
-from mingpt.distributed import all_reduce
 from mingpt.profiling import StepTimer, breakdown
 
 # Dense peak FLOP/s per GPU and precision, from the vendors' datasheets: bf16/fp16 on tensor
@@ -250,7 +249,7 @@ class TrainLog:
         # Each rank saw different data: sum losses and counts over all ranks, then average.
         totals = torch.stack([self.loss_sum, torch.tensor(float(self.loss_count),
                                                           device=self.device)])
-        all_reduce(totals)  # the one host sync of the train loss per log interval
+        dist.all_reduce(totals)  # the one host sync of the train loss per log interval
         loss = (totals[0] / totals[1]).item()
         elapsed = time.perf_counter() - self.t_log
         tokens_per_s = self.tokens * self.dp_size / elapsed  # TP ranks share their tokens

@@ -22,7 +22,6 @@ from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
 from mingpt import forensics, snapshot
-from mingpt.distributed import all_reduce
 from mingpt.faults import inject_fault, skip_gradient_sync
 from mingpt.metrics import TrainLog, print0
 from mingpt.optim import SCHEDULE_KEYS, build_scheduler, resume_scheduler
@@ -99,8 +98,7 @@ class Trainer:
         self.snapshot_meta = snapshot_meta
         # Loss, tokens/s, MFU, memory and TensorBoard: metrics.TrainLog's (rank 0 writes).
         self.log = TrainLog(device, self.hooks.memory_devices(model, device), run_dir,
-                            flops_per_token,
-                            cfg.precision, self.dp_size, cfg.profile_steps)
+                            flops_per_token, cfg.precision, self.dp_size, cfg.profile_steps)
         skip_gradient_sync(model, lambda: self.step)  # FAULT_SKIP_AT_STEP only (faults.py)
         self.scheduler = build_scheduler(optimizer, cfg)
         self.scaler = grad_scaler(device, cfg.precision)
@@ -270,7 +268,7 @@ class Trainer:
         # as "after the end" while reducing.
         never = self.cfg.max_steps + 1
         first = torch.where(self.first_bad_step == 0, never, self.first_bad_step)
-        all_reduce(first, op=dist.ReduceOp.MIN)
+        dist.all_reduce(first, op=dist.ReduceOp.MIN)
         if first.item() != never:
             raise NonFiniteLoss(
                 f"the loss became nan or inf at step {first.item()}: training stopped and saved "
@@ -294,7 +292,7 @@ class Trainer:
             # counts once in the all-reduce below.
             totals += torch.stack(self.runner.evaluate(x.to(self.device), y.to(self.device),
                                                        self.cfg.batch_size))
-        all_reduce(totals)  # sums over ranks: the mean over every evaluated token
+        dist.all_reduce(totals)  # sums over ranks: the mean over every evaluated token
         self.model.train()
         loss = (totals[0] / totals[1]).item()
         snapshot.set_rng_state(rng, self.device)

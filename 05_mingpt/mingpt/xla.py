@@ -108,7 +108,10 @@ class XlaHooks(DeviceHooks):
 
     def memory_devices(self, model: torch.nn.Module, device: torch.device
                        ) -> list[torch.device]:
-        return [torch.device("cpu")]  # no allocator counters to read: the host's peak RSS
+        # The host's peak RSS: no allocator counters to read, and the probe all-gathers
+        # every rank's peak, which gloo refuses for an XLA tensor (its all-reduce over one
+        # rank, in the nan check and the loss totals, takes one).
+        return [torch.device("cpu")]
 
     def to_device(self, loader: DataLoader) -> pl.MpDeviceLoader:
         """Global batches moved in the background, each split along the batch as it lands
