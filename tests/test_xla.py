@@ -94,7 +94,8 @@ def runs(xla_python, tmp_path_factory) -> dict:
     text.write_text((REPO / "05_mingpt/data/input.txt").read_text()[:40_000])
     data = f"data_config.path={text}"
     # Eager: one process, batch 32. XLA: 4 devices of 8, device d holding what main.py's rank
-    # d of 4 would, so each step trains on the same 32 sequences (xla_main.train_batches).
+    # d of 4 would, so each step trains on the same 32 sequences (XlaHooks.feeds_every_rank:
+    # the Trainer's loader puts device d's rows d-th in each global batch).
     # Validation: eval_batches * batch_size = 64 sequences in both, the same seeded choice.
     # No dropout: the devices draw other masks than the CPU.
     same = (*COMMON, data, "gpt_config.dropout=0.0")
