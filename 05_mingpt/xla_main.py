@@ -63,6 +63,8 @@ def load_snapshot(url: str, model: GPT, meta: dict, match_keys: tuple) -> dict |
     if kind is None:
         return None
     state = snapshot.load_file(url) if kind == "ddp" else {}  # weights_only=True, on the CPU
+    if "xla_rng" in state:  # saved before the Trainer ran here: the devices' seed stood apart
+        state["rng"][0]["xla"] = state.pop("xla_rng")
     if "xla" not in state.get("rng", [{}])[0]:  # no stream of the devices: not ours
         raise snapshot.SnapshotError(f"{url} holds a snapshot of main.py, not xla_main.py: use "
                                      "another snapshot_path")
