@@ -94,7 +94,8 @@ def runs(xla_python, tmp_path_factory) -> dict:
     text.write_text((REPO / "05_mingpt/data/input.txt").read_text()[:40_000])
     data = f"data_config.path={text}"
     # Eager: one process, batch 32. XLA: 4 devices of 8, device d holding what main.py's rank
-    # d of 4 would, so each step trains on the same 32 sequences (xla_main.train_batches).
+    # d of 4 would, so each step trains on the same 32 sequences (XlaHooks.feeds_every_rank:
+    # the Trainer's loader puts device d's rows d-th in each global batch).
     # Validation: eval_batches * batch_size = 64 sequences in both, the same seeded choice.
     # No dropout: the devices draw other masks than the CPU.
     same = (*COMMON, data, "gpt_config.dropout=0.0")
@@ -180,12 +181,14 @@ def test_xla_ends_at_eager_cpus_weights(runs):
 
 
 # --- 4 real shards ---------------------------------------------------------------------------
-# Run in .venv-xla, in 05_mingpt/: xla_main.py's own build and step, then every parameter and
-# AdamW moment as XLA holds it (its sharding and each device's shard), once after a fresh
-# start and one step, once right after a resume (the moments loaded from the file).
+# Run in .venv-xla, in 05_mingpt/: xla_main.py's own build and Trainer, then every parameter
+# and AdamW moment as XLA holds it (its sharding and each device's shard), once after a fresh
+# start and one step (max_steps=1, saved), once right after a resume (the moments loaded from
+# the file).
 PROBE = """
 import json, sys, torch, torch_xla
 from torch_xla.distributed.spmd.xla_sharding import wrap_as_sharded_tensor
+from mingpt import distributed
 import xla_main
 
 def shards(model, optimizer):
@@ -208,15 +211,13 @@ def shards(model, optimizer):
 
 cfg = xla_main.load_config(sys.argv[1:])
 mesh, device = xla_main.make_mesh(), torch_xla.device()
+distributed.setup("cpu")  # xla_main.train's one-rank group
 report = {}
 for phase in ("fresh", "resumed"):
-    built = xla_main.build(cfg, mesh, device)
-    trainer = xla_main.XlaTrainer(cfg.trainer_config, built, mesh, device, cfg.run_dir)
+    trainer, _ = xla_main.build(cfg, mesh, device)
     if phase == "fresh":  # one step: AdamW's moments exist from then on
-        order = xla_main.train_batches(trainer.train_set, 0, 0, trainer.n, trainer.cfg)
-        trainer.run_batch([next(iter(trainer.loader(trainer.train_set, order)))])
-        trainer.save()
-    report[phase] = shards(built[3], built[4])
+        trainer.train()
+    report[phase] = shards(trainer.model, trainer.optimizer)
 print(json.dumps(report))
 """
 
@@ -224,7 +225,8 @@ print(json.dumps(report))
 @pytest.fixture(scope="module")
 def shard_report(runs, xla_python) -> dict:
     out = runs["out"]
-    proc = run([xla_python, "-c", PROBE, *tiny(*COMMON, *QUIET, f"data_config.path={out}/input.txt",
+    proc = run([xla_python, "-c", PROBE, *tiny("trainer_config.max_steps=1", *QUIET,
+                                               f"data_config.path={out}/input.txt",
                                                f"run_dir={out}/probe")],
                cwd=runs["folder"], timeout=600, **XLA_ENV)
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -263,7 +265,8 @@ def test_xla_resumes_bit_for_bit(runs):
         for key, value in state.items():
             assert torch.equal(value, again[index][key]), (index, key)
     # Dropout (0.1 here) drew the same masks: the device's RNG stream resumed too.
-    for key in ("xla_rng", "epoch", "samples_in_epoch", "last_val", "scheduler"):
+    assert whole["rng"][0]["xla"] == resumed["rng"][0]["xla"]
+    for key in ("epoch", "samples_in_epoch", "last_val", "scheduler"):
         assert whole[key] == resumed[key], key
     losses, again_losses = train_losses(logs["whole"]), train_losses(logs["resumed"])
     assert sorted(again_losses) == [3, 4], again_losses
@@ -278,6 +281,24 @@ def test_sample_reads_the_xla_snapshot(runs):
     proc = run([PYTHON, "sample.py", "--snapshot", str(out / "xla/snapshot"), "--num-tokens",
                 "30", "--temperature", "0.8", "--top-k", "10"], cwd=runs["folder"])
     assert proc.stdout.strip() == sampled and len(sampled) > 20, (proc.stdout, sampled)
+
+
+def test_xla_stops_at_a_nan_loss_before_saving_it(xla_python, tmp_path):
+    """The Trainer's check, on XLA too: the loss turns nan at step 2 (lr 1e30), a save step
+    but no log step, and the run stops there with one line, no snapshot written. (xla_main.py's
+    loop of its own checked at log steps only: it saved step 2's nan weights.)"""
+    out, folder = tmp_path, copy_mingpt(tmp_path)
+    (out / "input.txt").write_text((REPO / "05_mingpt/data/input.txt").read_text()[:40_000])
+    proc = run([xla_python, "xla_main.py", *tiny(
+        f"data_config.path={out}/input.txt", f"run_dir={out}/nan", "optimizer_config.lr=1e30",
+        "trainer_config.max_steps=4", "trainer_config.log_every=4",
+        "trainer_config.save_every=2", "trainer_config.sample_tokens=0")],
+        cwd=folder, check=False, timeout=600, **XLA_ENV)
+    assert not (out / "nan/snapshot").exists()
+    assert (proc.returncode, proc.stderr.strip()) == (2, (
+        f"error: the loss became nan or inf at step 2: training stopped and saved nothing "
+        f"after it ({out}/nan/snapshot keeps the last good snapshot, if any); lower "
+        "optimizer_config.lr or set trainer_config.grad_clip, then resume")), proc.stderr
 
 
 @pytest.mark.parametrize(("override", "message"), [

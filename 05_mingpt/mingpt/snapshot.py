@@ -211,6 +211,9 @@ def rng_state(device: torch.device) -> dict:
     }
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
+    if device.type == "xla":  # the devices' dropout stream (xla_main.py); imported only there
+        import torch_xla.core.xla_model as xm
+        state["xla"] = xm.get_rng_state(device)  # a seed: a plain int
     return state
 
 
@@ -221,6 +224,9 @@ def set_rng_state(state: dict, device: torch.device) -> None:
     random.setstate(state["python"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"].cpu(), device)
+    if device.type == "xla" and "xla" in state:
+        import torch_xla.core.xla_model as xm
+        xm.set_rng_state(state["xla"], device)
 
 
 def check_compatible(state: dict, model_config: dict, data_meta: dict, url: str,
@@ -430,14 +436,16 @@ def keep_previous(url: str, keep_last: int) -> None:
 
 def save(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
          state: dict, before_commit: Callable[[], None] | None = None,
-         keep_last: int = 1) -> None:
+         keep_last: int = 1, gather: Callable | None = None) -> None:
     """Save weights, optimizer and `state` (step, ... and meta) in `method`'s layout; every
     rank calls this. `before_commit` runs once all is written and before it becomes the
     snapshot (a fault-injection point). The `keep_last - 1` snapshots before it are kept
     (URL.1, ... for a file; step directories for a sharded snapshot) for a manual roll-back.
-    SaveError (one line) when the storage fails."""
+    `gather(model, optimizer)`, where given, returns the whole model's and the optimizer's
+    state dicts on the CPU (xla_main.py: from the XLA devices' shards); the snapshot is then
+    the one file. SaveError (one line) when the storage fails."""
     try:
-        _save(url, method, model, optimizer, state, before_commit, keep_last)
+        _save(url, method, model, optimizer, state, before_commit, keep_last, gather)
     # DCP (the sharded layout) raises CheckpointException, a BaseException with each rank's.
     except (OSError, CheckpointException) as e:
         error = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
@@ -455,9 +463,10 @@ def save(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.O
 @storage.storage_errors(OSError)  # an object store's error: OSError with its one line
 def _save(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
          state: dict, before_commit: Callable[[], None] | None = None,
-         keep_last: int = 1) -> None:
+         keep_last: int = 1, gather: Callable | None = None) -> None:
     """save() itself: the layout's writes, then the commit."""
-    kind = snapshot_layout(model, method)
+    # gather (XLA's hook): the weights come to the CPU, one file whatever the model holds.
+    kind = "ddp" if gather is not None else snapshot_layout(model, method)
     if dist.get_rank() == 0:
         move_other_layout(url, kind)
     if kind == "fsdp":  # (save_sharded's first barrier: the other layout has moved by then)
@@ -468,8 +477,9 @@ def _save(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.
         optimizer.consolidate_state_dict(to=0)
     if dist.get_rank() == 0:  # every rank holds the same weights: one writer is enough
         keep_previous(url, keep_last)
-        save_file(url, {**state, "model": unwrap(model).state_dict(),  # no "module." prefix
-                        "optimizer": optimizer.state_dict()}, before_commit)
+        weights, optimized = gather(model, optimizer) if gather else \
+            (unwrap(model).state_dict(), optimizer.state_dict())  # no "module." prefix
+        save_file(url, {**state, "model": weights, "optimizer": optimized}, before_commit)
 
 
 def move_other_layout(url: str, kind: str) -> None:

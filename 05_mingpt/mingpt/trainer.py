@@ -4,9 +4,13 @@ The Trainer knows nothing about GPT: it gets a wrapped model whose forward retur
 (logits, loss), an optimizer, and datasets of (x, y) pairs. Every rank runs the same code;
 only global rank 0 prints and writes TensorBoard logs. Its own position in training (step,
 epoch, data position, schedule, scaler, RNG streams) goes in and out through `state_dict()` and
-`load_state_dict()`; `snapshot.py` decides how and where that is stored.
+`load_state_dict()`; `snapshot.py` decides how and where that is stored. Where a device's
+runtime works otherwise (XLA: one process drives every device, and runs what it traced only at
+a sync), `DeviceHooks` are the few places it differs: the loop, evaluation, logging and
+saving stay these, for every device.
 """
 import time
+from collections.abc import Callable, Iterable
 from functools import partial
 from itertools import islice
 
@@ -42,6 +46,34 @@ def rank_indices(n: int, epoch: int, seed: int, start: int, rank: int, world_siz
     return order[list(sampler)].tolist()
 
 
+class DeviceHooks:
+    """How the trainer meets its device, where devices differ. These defaults are CUDA's and
+    the CPU's (main.py's); xla_main.py's XlaHooks subclass them for XLA devices."""
+
+    # False: this process loads its own data-parallel rank's rows. True: it loads every
+    # rank's, rank r's rows r-th in each batch (XLA's SPMD: one process, one global batch).
+    feeds_every_rank = False
+    # snapshot.save's `gather` (None: the layout's own state dicts), for weights that must be
+    # gathered to the CPU first (XLA's shards).
+    gather: Callable | None = None
+
+    def data_parallel(self, model: torch.nn.Module) -> tuple[int, int]:
+        """(rank, size) among the data-parallel ranks: the mesh's dp dimension."""
+        return data_parallel(model)
+
+    def memory_devices(self, model: torch.nn.Module, device: torch.device
+                       ) -> list[torch.device]:
+        """The devices whose peak memory the logs report (the CPU: the process's RSS)."""
+        return local_devices(model, device)
+
+    def to_device(self, loader: DataLoader) -> Iterable:
+        """The batches as the runner gets them: on the host here (the runner moves each)."""
+        return loader
+
+    def step_end(self) -> None:
+        """After the optimizer's step: nothing to do where every op runs as it is called."""
+
+
 class NonFiniteLoss(ValueError):
     """The loss became nan or inf: training stops before the next snapshot could keep it."""
 
@@ -49,8 +81,9 @@ class NonFiniteLoss(ValueError):
 class Trainer:
     def __init__(self, cfg: DictConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  train_set: Dataset, val_set: Dataset, device: torch.device, run_dir: str,
-                 snapshot_meta: dict, flops_per_token: float) -> None:
-        self.cfg, self.device = cfg, device
+                 snapshot_meta: dict, flops_per_token: float,
+                 hooks: DeviceHooks | None = None) -> None:
+        self.cfg, self.device, self.hooks = cfg, device, hooks or DeviceHooks()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.model, self.optimizer = model, optimizer
         # The layout's step: forward and backward of the micro-batches, the clip norm and
@@ -58,12 +91,14 @@ class Trainer:
         self.runner = runner(model, device, cfg.precision)
         # The ranks that see different data: all of them, except under tensor parallelism,
         # where the ranks of one TP group share each batch (samplers, seeds, tokens/s use these).
-        self.dp_rank, self.dp_size = data_parallel(model)
+        self.dp_rank, self.dp_size = self.hooks.data_parallel(model)
+        # The data-parallel ranks whose rows this process loads (XLA: all, in one batch).
+        self.fed = range(self.dp_size) if self.hooks.feeds_every_rank else [self.dp_rank]
         self.train_set, self.val_set = train_set, val_set
         self.snapshot_meta = snapshot_meta
         # Loss, tokens/s, MFU, memory and TensorBoard: metrics.TrainLog's (rank 0 writes).
-        self.log = TrainLog(device, local_devices(model, device), run_dir, flops_per_token,
-                            cfg.precision, self.dp_size, cfg.profile_steps)
+        self.log = TrainLog(device, self.hooks.memory_devices(model, device), run_dir,
+                            flops_per_token, cfg.precision, self.dp_size, cfg.profile_steps)
         skip_gradient_sync(model, lambda: self.step)  # FAULT_SKIP_AT_STEP only (faults.py)
         self.scheduler = build_scheduler(optimizer, cfg)
         self.scaler = grad_scaler(device, cfg.precision)
@@ -82,8 +117,6 @@ class Trainer:
         n_val = max(1, n_val // self.dp_size) * self.dp_size
         chosen = torch.randperm(len(val_set), generator=torch.Generator().manual_seed(cfg.seed))
         self.val_subset = Subset(val_set, chosen[:n_val].tolist())
-        self.val_sampler = DistributedSampler(self.val_subset, self.dp_size, self.dp_rank,
-                                              shuffle=False)
         # Position in training: the next step to run, and where in which epoch its data starts.
         self.step, self.epoch, self.samples_in_epoch = 0, 0, 0
         # The newest validation loss and its step: (step, loss), or None before the first.
@@ -153,14 +186,14 @@ class Trainer:
         snapshot.save(self.cfg.snapshot_path, self.cfg.distributed_method, self.model,
                       self.optimizer, {**self.state_dict(), **self.snapshot_meta},
                       before_commit=partial(inject_fault, self.step, during_save=True),
-                      keep_last=self.cfg.keep_last)
+                      keep_last=self.cfg.keep_last, gather=self.hooks.gather)
         print0(f"step {self.step}: snapshot saved to {self.cfg.snapshot_path}")
 
     def _run_batch(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """One optimizer step over `grad_accum_steps` micro-batches."""
         for loss, tokens in self.runner.forward_backward(micro_batches, self.scaler,
                                                          self.log.timer.mark):
-            self.log.add(loss, tokens)
+            self.log.add(loss, tokens // len(self.fed))  # tokens per data-parallel rank
             if self.cfg.precision != "fp16":  # fp16: GradScaler skips such a step by design
                 bad = ~torch.isfinite(loss) & (self.first_bad_step == 0)
                 self.first_bad_step = torch.where(bad, self.step + 1, self.first_bad_step)
@@ -174,20 +207,18 @@ class Trainer:
         self.log.count_state(self.model, self.optimizer)  # before zero_grad frees gradients
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        self.hooks.step_end()  # XLA: the step's traced program runs here
         self.log.timer.end_step()  # the optimizer's part ends the step's breakdown
 
     def _run_epoch(self) -> None:
         """Optimizer steps over the rest of the current epoch, or until max_steps."""
         cfg = self.cfg
         # A new shuffle each epoch; samples before samples_in_epoch were trained on already.
-        indices = rank_indices(len(self.train_set), self.epoch, cfg.seed, self.samples_in_epoch,
-                               self.dp_rank, self.dp_size)
-        loader = DataLoader(
-            self.train_set, batch_size=cfg.batch_size, sampler=indices, drop_last=True,
-            num_workers=cfg.data_loader_workers, pin_memory=self.device.type == "cuda",
-            # Its own generator: creating the iterator must not draw from the global RNG.
-            generator=torch.Generator().manual_seed(cfg.seed + self.epoch * 1000 + self.dp_rank))
-        batches = iter(loader)
+        batches = iter(self._loader(
+            self.train_set, lambda r: rank_indices(len(self.train_set), self.epoch, cfg.seed,
+                                                   self.samples_in_epoch, r, self.dp_size),
+            drop_last=True, workers=cfg.data_loader_workers,
+            seed=cfg.seed + self.epoch * 1000 + self.dp_rank))
         while self.step < cfg.max_steps:
             forensics.mark_step(self.step)  # which step a collective belongs to, for a dump
             self.log.timer.start()  # waiting for data is the step's first phase
@@ -201,6 +232,20 @@ class Trainer:
             self.step += 1
             self.samples_in_epoch += cfg.grad_accum_steps * cfg.batch_size * self.dp_size
             self._after_step()
+
+    def _loader(self, dataset: Dataset, rows: Callable[[int], list[int]], drop_last: bool,
+                workers: int, seed: int) -> Iterable:
+        """Batches of `rows(r)`, the sample indices of data-parallel rank r, for each rank this
+        process feeds (self.fed), on their way to the device (hooks.to_device)."""
+        per_rank, b = [rows(r) for r in self.fed], self.cfg.batch_size
+        n = min(map(len, per_rank))  # the same for every rank (DistributedSampler's deal)
+        batches = [[i for own in per_rank for i in own[start:start + b]]
+                   for start in range(0, n - b + 1 if drop_last else n, b)]
+        return self.hooks.to_device(DataLoader(
+            dataset, batch_sampler=batches, num_workers=workers,
+            pin_memory=self.device.type == "cuda",
+            # Its own generator: creating the iterator must not draw from the global RNG.
+            generator=torch.Generator().manual_seed(seed)))
 
     def _after_step(self) -> None:
         cfg, step, last = self.cfg, self.step, self.step == self.cfg.max_steps
@@ -234,9 +279,13 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean loss over the fixed validation sequences (the same ones every time)."""
         self.model.eval()  # dropout off
-        loader = DataLoader(self.val_subset, batch_size=self.cfg.batch_size,
-                            sampler=self.val_sampler,
-                            generator=torch.Generator().manual_seed(self.cfg.seed))
+        # Evaluating must leave every RNG stream where it was, or a resumed run (which
+        # evaluates where the saved one may not have) would draw other dropout masks: XLA's
+        # seed moves on with every program it runs, evaluation's too.
+        rng = snapshot.rng_state(self.device)
+        loader = self._loader(self.val_subset, lambda r: list(DistributedSampler(
+            self.val_subset, self.dp_size, r, shuffle=False)), drop_last=False, workers=0,
+            seed=self.cfg.seed)
         totals = torch.zeros(2, device=self.device)  # loss sum over tokens, token count
         for x, y in loader:  # every rank runs the same number of batches (FSDP needs that)
             # A pipeline's last stage holds the sums, its other ranks zeros: each pipeline
@@ -245,7 +294,9 @@ class Trainer:
                                                        self.cfg.batch_size))
         dist.all_reduce(totals)  # sums over ranks: the mean over every evaluated token
         self.model.train()
-        return (totals[0] / totals[1]).item()
+        loss = (totals[0] / totals[1]).item()
+        snapshot.set_rng_state(rng, self.device)
+        return loss
 
     def _log_eval(self) -> float:
         loss = self.evaluate()
@@ -260,6 +311,7 @@ class Trainer:
         print0(f"training steps {self.step}..{cfg.max_steps}: {tokens} sequences per step "
                f"(batch_size {cfg.batch_size} x grad_accum_steps {cfg.grad_accum_steps} x "
                + (f"world size {self.world_size}" if self.dp_size == self.world_size else
+                  f"{self.dp_size} devices of one process" if self.hooks.feeds_every_rank else
                   f"data-parallel size {self.dp_size}; {self.world_size // self.dp_size} "
                   f"processes per model replica: {describe(self.model)}")
                + f"), {len(self.train_set):,} training samples")
