@@ -61,14 +61,14 @@ def test_late_gloo_worker_cannot_abort_a_finished_fsdp_run(tmp_path, late_worker
 
 @linux_only
 def test_a_refused_run_leaves_no_gloo_thread_either(tmp_path):
-    """The error path (exit 2 after the model exists: here a file where FSDP expects a
-    directory of shards) releases FSDP and its meshes before destroy_process_group, as a
-    finished run does."""
+    """The error path (exit 2 after the model exists: here a file that is no snapshot, which
+    FSDP would read into its shards) releases FSDP and its meshes before
+    destroy_process_group, as a finished run does."""
     mingpt = copy_mingpt(tmp_path)
     (mingpt / "bad.pt").write_bytes(b"not a snapshot")
     proc = run([TORCHRUN, "--standalone", "--nproc_per_node=2", TEARDOWN_PROBE, "main.py",
                 *tiny("run_name=bad", "trainer_config.distributed_method=fsdp",
                       "trainer_config.snapshot_path=bad.pt")], cwd=mingpt, check=False)
     assert TEARDOWN_ABORT not in proc.stderr, proc.stderr[-3000:]
-    assert "error: bad.pt holds a ddp snapshot" in proc.stderr, proc.stderr[-3000:]
+    assert "error: cannot load snapshot bad.pt" in proc.stderr, proc.stderr[-3000:]
     assert gloo_threads_at_exit(proc.stdout) == ["0", "0"], proc.stdout
