@@ -87,8 +87,6 @@ def parallelize(model: nn.Module, device: torch.device, method: str = "ddp",
     s = Settings(**settings)
     lay = resolve(method, dist.get_world_size(), s.tp_size, s.pp_size, s.cp_size)
     axes = lay.sizes()  # the axes that are on: a degree > 1, or named by a shorthand
-    if "tp" in axes:  # before any process group is split: heads and width per TP rank
-        tensor.check_tp(model.config.n_head, model.config.n_embd, lay.tp)
     mesh = layout.build_mesh(lay, device)
     parts = pipeline.split(model, mesh, s) if "pp" in axes else [model]
     wrapped = [_apply_axes(part, device, s, lay, mesh) for part in parts]

@@ -379,8 +379,6 @@ def check_config(t: DictConfig) -> None:
     """The pipeline's own rules, one line each (config.validate calls it for pp methods)."""
     require(t.pp_schedule in SCHEDULES, "trainer_config.pp_schedule",
             f"one of {', '.join(SCHEDULES)}", t.pp_schedule)
-    require(t.pp_size >= 0, "trainer_config.pp_size", "an integer >= 0 (0: every rank)",
-            t.pp_size)
     require(t.distributed_method != "fsdp_tp_pp" or t.tp_size >= 1, "trainer_config.tp_size",
             ">= 1 with fsdp_tp_pp (processes per TP group inside each stage)", t.tp_size)
     require(t.microbatches >= 1 and t.batch_size % t.microbatches == 0,

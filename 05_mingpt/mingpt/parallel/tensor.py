@@ -116,8 +116,7 @@ def apply(part: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     in place; each rank's heads draw their own attention dropout (HeadDropoutStream). The
     ranks of one TP group see the same batch: the trainer deals data out over the mesh's dp
     dimension only (data_parallel())."""
-    check_tp(part.config.n_head, part.config.n_embd, tp_mesh.size())
-    apply_tp(part, tp_mesh)
+    apply_tp(part, tp_mesh)  # checks the heads and the width per TP rank first
     device = torch.device(tp_mesh.device_type, torch.cuda.current_device()) \
         if tp_mesh.device_type == "cuda" else torch.device("cpu")
     for block in part.blocks:
