@@ -215,7 +215,7 @@ def export(url: str, out_dir: str) -> Path:
             tokenizer.save_pretrained(tmp)  # tokenizer.json and tokenizer_config.json
             # And GPT-2's own vocab.json + merges.txt (tokenizers' BPE writes them), which
             # transformers 5 no longer saves: older versions, tiktoken (prepare.py,
-            # sample.py --init-from) and other tools read those.
+            # sample.py --init_from) and other tools read those.
             tokenizer.backend_tokenizer.model.save(str(tmp))
         os.replace(tmp, out)  # an empty OUT_DIR is replaced; one filled meanwhile: OSError
     except OSError as e:  # a full disk, say

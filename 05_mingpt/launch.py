@@ -2,7 +2,7 @@
 
     python launch.py                                          # every GPU (or CPU processes)
     python launch.py "trainer_config.distributed_method=fsdp" trainer_config.precision=bf16
-    python launch.py --nproc 2 --max-restarts 3 trainer_config.max_steps=2000
+    python launch.py --nproc 2 --max_restarts 3 trainer_config.max_steps=2000
 
 Everything that is not a launch.py option is passed on to main.py as a hydra override. The
 process is replaced by `python -m torch.distributed.run` (torchrun), so signals and the exit
@@ -71,7 +71,7 @@ def main(argv: list[str]) -> None:
     parser = one_line_errors(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     parser.add_argument("--nproc", type=int, default=None,
                         help="processes to start (default: GPUs, else 2 to 4 CPU processes)")
-    parser.add_argument("--max-restarts", type=int, default=0,
+    parser.add_argument("--max_restarts", "--max-restarts", type=int, default=0,
                         help="times torchrun restarts all workers after one fails (default 0)")
     parser.add_argument("overrides", nargs="*", help="hydra overrides for main.py")
     args = parser.parse_args(argv)
@@ -81,7 +81,7 @@ def main(argv: list[str]) -> None:
     except ValueError as e:
         parser.error(str(e))
     if args.max_restarts < 0:
-        parser.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
+        parser.error(f"--max_restarts must be >= 0, got {args.max_restarts}")
     overrides = args.overrides
     if not any(o.startswith("run_name=") for o in overrides):
         # A readable run directory (plain torchrun --standalone names it by a random id).

@@ -21,11 +21,11 @@ from omegaconf import DictConfig, OmegaConf
 from mingpt import config, distributed, errors, forensics, profiling, snapshot, storage
 from mingpt.data import data_module
 from mingpt.errors import fail
-from mingpt.metrics import print0, print_versions
+from mingpt.log import print0, print_versions
 from mingpt.model import GPT
 from mingpt.optim import build_optimizer
 from mingpt.parallel import Settings, fsdp, parallelize
-from mingpt.parallel.common import data_parallel, unwrap
+from mingpt.parallel.wrappers import data_parallel, unwrap
 from mingpt.trainer import NonFiniteLoss, Trainer
 from sample import generate_text
 

@@ -2,11 +2,11 @@
 
     python prepare.py data/input.txt --out data/shakespeare_bpe           # tiny Shakespeare
     python prepare.py a.txt b.txt --out data/mine --tokenizer ~/models/gpt2 --workers 8
-    python prepare.py --hf-dataset ~/owt_saved --text-column text --out data/owt
+    python prepare.py --hf_dataset ~/owt_saved --text_column text --out data/owt
 
 Inputs are UTF-8 text files (each one document) or a Hugging Face dataset (a directory written
 by `save_to_disk`, or anything `datasets.load_dataset` reads from a local path or its cache;
-each row one document). Every document ends with `<|endoftext|>`. The first `--train-fraction`
+each row one document). Every document ends with `<|endoftext|>`. The first `--train_fraction`
 of the input (by bytes, or by rows) trains, the rest validates: a positional split, as for the
 char data. Encoding runs in `--workers` processes, chunk by chunk; the position after every
 written chunk is saved, so an interrupted run continues where it stopped. meta.json, written
@@ -147,7 +147,7 @@ def dataset_chunks(dataset, column: str, split_row: int, start: list[int], rows:
 
 def load_hf_dataset(source: str, split: str, column: str):
     """A datasets.Dataset from a save_to_disk directory, or a local path / cached name."""
-    import datasets  # only for --hf-dataset
+    import datasets  # only for --hf_dataset
 
     try:
         # save_to_disk writes one of these two files; anything else is for load_dataset.
@@ -162,7 +162,7 @@ def load_hf_dataset(source: str, split: str, column: str):
                          f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}") from None
     if column not in data.column_names:
         raise ValueError(f"dataset {source} has no column {column!r}; columns: "
-                         f"{', '.join(data.column_names)} (set --text-column)")
+                         f"{', '.join(data.column_names)} (set --text_column)")
     return data
 
 
@@ -285,22 +285,24 @@ def prepare(out: str, tokenizer: str = "gpt2", files: list[str] | None = None, d
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = one_line_errors(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     parser.add_argument("files", nargs="*", help="UTF-8 text files, each one document")
-    parser.add_argument("--hf-dataset", help="a Hugging Face dataset: save_to_disk directory, "
+    parser.add_argument("--hf_dataset", "--hf-dataset",
+                        help="a Hugging Face dataset: save_to_disk directory, "
                         "local path or cached name (instead of files)")
     parser.add_argument("--split", default="train", help="the dataset's split to read")
-    parser.add_argument("--text-column", default="text", help="the dataset's text column")
+    parser.add_argument("--text_column", "--text-column", default="text",
+                        help="the dataset's text column")
     parser.add_argument("--out", required=True, help="output directory (data_config.path)")
     parser.add_argument("--tokenizer", default="gpt2",
                         help="a directory with vocab.json + merges.txt, or a model id (gpt2)")
-    parser.add_argument("--train-fraction", type=float, default=0.9,
+    parser.add_argument("--train_fraction", "--train-fraction", type=float, default=0.9,
                         help="the first part of the input that trains; the rest validates")
     parser.add_argument("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)),
                         help="encoding processes")
     args = parser.parse_args(argv)
     if bool(args.files) == bool(args.hf_dataset):
-        parser.error("give text files or --hf-dataset (one of the two)")
+        parser.error("give text files or --hf_dataset (one of the two)")
     if not 0 < args.train_fraction < 1:
-        parser.error(f"--train-fraction must be between 0 and 1, got {args.train_fraction}")
+        parser.error(f"--train_fraction must be between 0 and 1, got {args.train_fraction}")
     if args.workers < 1:
         parser.error(f"--workers must be >= 1, got {args.workers}")
     return args

@@ -4,10 +4,10 @@ Any strategy's snapshot loads into one plain model: the ddp layout (ddp, zero, d
 the fsdp layout (fsdp, tp, fsdp_tp, pp, fsdp_pp, fsdp_tp_pp) is a DCP directory, whose tensors
 are global (unsharded) in GPT-2's layout.
 
-    python sample.py --prompt "ROMEO:" --num-tokens 300 --temperature 0.8 --top-k 20
+    python sample.py --prompt "ROMEO:" --num_tokens 300 --temperature 0.8 --top_k 20
     python sample.py --snapshot runs/<run_name>/snapshot --prompt "O God, O God!"
     python sample.py --snapshot s3://bucket/run1/snapshot   # AWS_* variables as for training
-    python sample.py --init-from gpt2 --prompt "Hello, I'm a language model,"  # GPT-2 itself
+    python sample.py --init_from gpt2 --prompt "Hello, I'm a language model,"  # GPT-2 itself
 
 Without --snapshot it uses the newest runs/*/snapshot under the current directory. The
 vocabulary comes from the snapshot itself, so the text file is not needed (BPE snapshots name
@@ -89,20 +89,23 @@ def newest_snapshot() -> str:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = one_line_errors(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     parser.add_argument("--snapshot", help="snapshot path or URL (default: newest runs/*/snapshot)")
-    parser.add_argument("--init-from", help="GPT-2 weights instead of a snapshot: gpt2, "
+    parser.add_argument("--init_from", "--init-from",
+                        help="GPT-2 weights instead of a snapshot: gpt2, "
                         "gpt2-medium, ... or a save_pretrained directory with its tokenizer")
     parser.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
-    parser.add_argument("--num-tokens", type=int, default=500, help="tokens to generate")
+    parser.add_argument("--num_tokens", "--num-tokens", type=int, default=500,
+                        help="tokens to generate")
     parser.add_argument("--temperature", type=float, default=1.0, help="< 1: more conservative")
-    parser.add_argument("--top-k", type=int, default=None, help="sample from the k likeliest")
+    parser.add_argument("--top_k", "--top-k", type=int, default=None,
+                        help="sample from the k likeliest")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.num_tokens < 0:
-        parser.error(f"--num-tokens must be >= 0, got {args.num_tokens}")
+        parser.error(f"--num_tokens must be >= 0, got {args.num_tokens}")
     if not args.temperature > 0:
         parser.error(f"--temperature must be > 0, got {args.temperature}")
     if args.top_k is not None and args.top_k < 1:
-        parser.error(f"--top-k must be >= 1, got {args.top_k}")
+        parser.error(f"--top_k must be >= 1, got {args.top_k}")
     return args
 
 

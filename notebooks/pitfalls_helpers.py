@@ -49,11 +49,11 @@ for folder in (MINGPT, STEP02):
 
 import analyze_hang  # noqa: E402, F401  the notebook reads the hang's traces with it
 import model_size  # noqa: E402
-from mingpt import distributed, forensics, metrics, snapshot  # noqa: E402
+from mingpt import distributed, forensics, memory, snapshot  # noqa: E402
 from mingpt.model import GPT, GPTConfig  # noqa: E402
 from mingpt.parallel import parallelize  # noqa: E402
-from mingpt.parallel.common import set_grad_sync  # noqa: E402
 from mingpt.parallel.fsdp import init_sharded  # noqa: E402
+from mingpt.parallel.grads import set_grad_sync  # noqa: E402
 from mingpt.trainer import rank_indices  # noqa: E402
 
 
@@ -468,7 +468,7 @@ def reshard_load(rank: int, world_size: int, folder: str, naive: bool) -> dict:
 
 def fit(rank: int, world_size: int, batch: int = 3) -> dict:
     """05's ddp and fsdp on the tiny GPT, one AdamW step each: the bytes of parameters,
-    gradients and optimizer state this rank holds (metrics.model_state_bytes, counted from
+    gradients and optimizer state this rank holds (memory.model_state_bytes, counted from
     its tensors) and what model_size.memory_row predicts for it."""
     with torch.device("meta"):
         shapes = GPT(GPTConfig(**TINY))  # shapes only, for the formulas
@@ -482,7 +482,7 @@ def fit(rank: int, world_size: int, batch: int = 3) -> dict:
         model(x, y)[1].backward()
         optimizer.step()  # gradients kept: model_state_bytes counts them until zero_grad
         row = model_size.memory_row(shapes, method, world_size, 1, batch, rank)
-        found[method] = {"measured": metrics.model_state_bytes(model, optimizer),
+        found[method] = {"measured": memory.model_state_bytes(model, optimizer),
                          "predicted": {k: row[k] for k in ("parameters", "gradients",
                                                            "optimizer")}}
         del model, optimizer

@@ -31,7 +31,7 @@ def main(rank: int, out: str, world: int, method: str) -> None:
     sys.path.insert(0, str(MINGPT))  # a fresh process: nothing of the steps' modules loaded
     from mingpt import distributed, optim, parallel  # noqa: PLC0415  (path set)
     from mingpt.model import GPT, GPTConfig  # noqa: PLC0415
-    from mingpt.parallel import common, strided  # noqa: PLC0415
+    from mingpt.parallel import grads, strided  # noqa: PLC0415
     dist.init_process_group("gloo", store=dist.FileStore(f"{out}/store", world), rank=rank,
                             world_size=world, timeout=timedelta(seconds=300))
     torch.manual_seed(0)
@@ -47,7 +47,7 @@ def main(rank: int, out: str, world: int, method: str) -> None:
         pipeline.start_step(1)
         pipeline.train_step(x[share], y[share])
         losses.append(pipeline.finish_step().tolist())
-        common.clip_grad_norm_(model.parameters(), 1.0, pipeline.group, pipeline.not_counted)
+        grads.clip_grad_norm_(model.parameters(), 1.0, pipeline.group, pipeline.not_counted)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     # Whole tensors, collectively (FSDP's shards over dp, TP's over tp): every rank gathers.

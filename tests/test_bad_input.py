@@ -444,8 +444,8 @@ def test_launch_py_nproc_zero(modules, mingpt):
 
 
 def test_sample_py_bad_argument(modules, mingpt):
-    proc = script_in_process(modules["sample"], mingpt, "--num-tokens", "-5")
-    one_error_line(proc, "--num-tokens must be >= 0, got -5")
+    proc = script_in_process(modules["sample"], mingpt, "--num_tokens", "-5")
+    one_error_line(proc, "--num_tokens must be >= 0, got -5")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -158,8 +158,8 @@ def test_mingpt_fsdp_built_on_meta_holds_the_plain_weights_on_the_gpu(cpu_offloa
             torch.testing.assert_close(loss.cpu(), reference(x, x)[1], rtol=1e-4, atol=1e-5)
             big = torch.ones(2**28, device=device)  # 1 GiB
             del big
-            m["metrics"].reset_peak_memory(device)
-            assert m["metrics"].peak_memory_mb(device)[0] < 512
+            m["memory"].reset_peak_memory(device)
+            assert m["memory"].peak_memory_mb(device)[0] < 512
             del model
     finally:
         # Free what holds the group first (tests/test_teardown.py: gloo threads at exit).
@@ -180,7 +180,7 @@ def test_mingpt_dp_one_process_drives_every_gpu(tmp_path):
     losses = val_losses(proc.stdout)
     assert losses[max(losses)] < losses[0]
     assert (mingpt / "runs/dp/snapshot").is_file()  # the ddp layout
-    sample = run([PYTHON, "sample.py", "--snapshot", "runs/dp/snapshot", "--num-tokens", "5"],
+    sample = run([PYTHON, "sample.py", "--snapshot", "runs/dp/snapshot", "--num_tokens", "5"],
                  cwd=mingpt, CUDA_VISIBLE_DEVICES=VISIBLE)
     assert "loaded runs/dp/snapshot (ddp, step 10" in sample.stderr
 
@@ -223,11 +223,11 @@ def test_mingpt_dp_replicas_compute_in_bf16_and_count_every_gpu(tmp_path):
         dtypes = []
         layer = torch.nn.Linear(8, 8).cuda()
         layer.register_forward_hook(lambda mod, args, out: dtypes.append(out.dtype))
-        model = m["dp"].DataParallel(layer)
+        model = m["dataparallel"].DataParallel(layer)
         with m["precision"].autocast(torch.device("cuda"), "bf16"):
             model(torch.ones(2 * GPUS, 8, device="cuda"))
         assert set(dtypes) == {torch.bfloat16} and len(dtypes) == GPUS, dtypes
-        assert len(m["common"].local_devices(model, torch.device("cuda"))) == GPUS
+        assert len(m["wrappers"].local_devices(model, torch.device("cuda"))) == GPUS
     proc = run([PYTHON, "main.py", *tiny("run_name=dp", "trainer_config.distributed_method=dp",
                                          "trainer_config.precision=bf16")],
                cwd=mods_dir, CUDA_VISIBLE_DEVICES=VISIBLE)

@@ -147,7 +147,7 @@ def test_prepare_reads_a_saved_hugging_face_dataset(mods, tokenizer_dir, tmp_pat
     with pytest.raises(ValueError) as info:
         prepare.load_hf_dataset(str(tmp_path / "ds"), "train", "body")
     assert str(info.value) == (f"dataset {tmp_path / 'ds'} has no column 'body'; columns: "
-                               "text, id (set --text-column)")
+                               "text, id (set --text_column)")
 
 
 def one_error_line(proc) -> str:

@@ -173,10 +173,10 @@ def activation_memory(m: dict) -> dict:
     gpt = m["model"].GPT(m["model"].GPTConfig(model_type=None, n_layer=2, n_head=2, n_embd=32,
                                               vocab_size=65, block_size=64, dropout=0.0))
     x, y = torch.randint(0, 65, (4, 64)), torch.randint(0, 65, (4, 64))
-    measured = [m["metrics"].saved_activation_bytes(gpt, x, y)]
+    measured = [m["memory"].saved_activation_bytes(gpt, x, y)]
     m["parallel"].context.apply(gpt, m["layout"].build_mesh(
         m["layout"].resolve("ddp", 2, cp_size=2), CPU)["cp"])
-    measured.append(m["metrics"].saved_activation_bytes(gpt, x, y))
+    measured.append(m["memory"].saved_activation_bytes(gpt, x, y))
     predict = m["model_size"].flash_activation_bytes
     return {"measured": measured, "predicted": [predict(gpt, 4), predict(gpt, 4, 2)]}
 

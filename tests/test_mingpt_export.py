@@ -164,7 +164,7 @@ def test_transformers_computes_our_logits_and_greedy_text(mods, mingpt, trained,
     # encoded with the characters the export carries in config.json (README).
     prompt = "ROMEO:"
     proc = script_in_process(mods["sample"], mingpt, "--snapshot", str(snapshot), "--prompt",
-                             prompt, "--num-tokens", "20", "--top-k", "1")
+                             prompt, "--num_tokens", "20", "--top_k", "1")
     assert proc.returncode == 0, proc.stderr
     chars = transformers.AutoConfig.from_pretrained(exported).characters
     with torch.no_grad():
@@ -220,7 +220,7 @@ def test_bpe_export_carries_its_tokenizer(mods, mingpt, bpe_run, tmp_path):
     assert tok.eos_token_id == meta["eot"]
     # Greedy text through transformers' tokenizer and generate equals sample.py's.
     sample = script_in_process(mods["sample"], mingpt, "--snapshot", str(snapshot), "--prompt",
-                               "ROMEO:", "--num-tokens", "20", "--top-k", "1")
+                               "ROMEO:", "--num_tokens", "20", "--top_k", "1")
     assert sample.returncode == 0, sample.stderr
     hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
     with torch.no_grad():
@@ -228,12 +228,12 @@ def test_bpe_export_carries_its_tokenizer(mods, mingpt, bpe_run, tmp_path):
                           do_sample=False)
     assert sample.stdout == tok.decode(ids[0]) + "\n"
     # GPT-2's vocab.json + merges.txt are the data's tokenizer (tiktoken's fingerprint), and
-    # sample.py --init-from the export (our model, that tokenizer) writes the same text.
+    # sample.py --init_from the export (our model, that tokenizer) writes the same text.
     fingerprint = mods["bpe_dataset"].fingerprint
     assert fingerprint(mods["bpe_dataset"].load_tokenizer(str(tmp_path / "hf"))) == \
         meta["tokenizer_sha"]
-    again = script_in_process(mods["sample"], mingpt, "--init-from", str(tmp_path / "hf"),
-                              "--prompt", "ROMEO:", "--num-tokens", "20", "--top-k", "1")
+    again = script_in_process(mods["sample"], mingpt, "--init_from", str(tmp_path / "hf"),
+                              "--prompt", "ROMEO:", "--num_tokens", "20", "--top_k", "1")
     assert again.returncode == 0, again.stderr
     assert again.stdout == sample.stdout
 

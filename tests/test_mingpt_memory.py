@@ -112,14 +112,14 @@ def test_init_weights_fill_sees_every_parameter_in_a_fixed_order(m):
 # --- the trainer's counters -------------------------------------------------------------------
 
 def test_model_state_bytes_counts_parameters_gradients_and_adamw_state(m, group):
-    metrics, model_size = m["metrics"], m["model_size"]
+    memory, model_size = m["memory"], m["model_size"]
     model = m["parallel"].parallelize(plain_gpt(m), CPU, "ddp")
-    optimizer = torch.optim.AdamW(m["common"].unwrap(model).optim_groups(0.1))
-    assert metrics.model_state_bytes(model, optimizer)["gradients"] == 0  # none before backward
+    optimizer = torch.optim.AdamW(m["wrappers"].unwrap(model).optim_groups(0.1))
+    assert memory.model_state_bytes(model, optimizer)["gradients"] == 0  # none before backward
     model(*batch(1))[1].backward()
     optimizer.step()
-    counted = metrics.model_state_bytes(model, optimizer)
-    n = m["common"].unwrap(model).num_params()  # the tied weight once
+    counted = memory.model_state_bytes(model, optimizer)
+    n = m["wrappers"].unwrap(model).num_params()  # the tied weight once
     n_tensors = len(list(model.parameters()))
     assert counted == {"parameters": 4 * n, "gradients": 4 * n,
                        "optimizer": 8 * n + 4 * n_tensors}  # two fp32 moments, a scalar step
@@ -128,12 +128,12 @@ def test_model_state_bytes_counts_parameters_gradients_and_adamw_state(m, group)
 
 
 def test_reset_peak_memory_starts_a_new_cpu_peak(m, group):
-    metrics = m["metrics"]
+    memory = m["memory"]
     big = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
-    before = metrics.peak_memory_mb(CPU)[0]
+    before = memory.peak_memory_mb(CPU)[0]
     del big
-    metrics.reset_peak_memory(CPU)
-    after = metrics.peak_memory_mb(CPU)[0]
+    memory.reset_peak_memory(CPU)
+    after = memory.peak_memory_mb(CPU)[0]
     # glibc returns a freed block this large to the kernel (mmap), so the new peak, the
     # current resident set, is lower by about the 64 MiB given back.
     assert before - after > 48, (before, after)
@@ -188,9 +188,9 @@ def _two_rank_worker(rank: int, store_path: str, out_dir: str, methods: list[str
     # the trainer's TensorBoard and hydra imports would double the start-up time.
     sys.path.insert(0, str(MINGPT))
     m = {name.rpartition(".")[2]: importlib.import_module(name) for name in (
-        "mingpt.model", "mingpt.parallel", "mingpt.optim", "mingpt.metrics", "mingpt.distributed",
+        "mingpt.model", "mingpt.parallel", "mingpt.optim", "mingpt.memory", "mingpt.distributed",
         "model_size")}
-    metrics, model_size = m["metrics"], m["model_size"]
+    memory, model_size = m["memory"], m["model_size"]
     result: dict = {"methods": methods}
     reference = plain_gpt(m, seed=5)
     result["n"] = reference.num_params()
@@ -213,7 +213,7 @@ def _two_rank_worker(rank: int, store_path: str, out_dir: str, methods: list[str
         model(x, y)[1].backward()
         optimizer.step()
         result[method] = {
-            "measured": metrics.model_state_bytes(model, optimizer),
+            "measured": memory.model_state_bytes(model, optimizer),
             "predicted": model_size.memory_row(shapes, method, 2, 2, BATCH, rank),
         }
         del model, optimizer

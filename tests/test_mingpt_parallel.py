@@ -80,7 +80,7 @@ def test_one_process_trains_the_plain_model_without_ddp(m, group):
     for method in ("ddp", "zero"):
         plain = tiny_gpt(m)
         model = m["parallel"].parallelize(plain, CPU, method)
-        assert model is plain and m["common"].unwrap(model) is plain
+        assert model is plain and m["wrappers"].unwrap(model) is plain
     optimizer = m["optim"].build_optimizer(model, "ddp", lr=1e-3)
     assert optimizer.defaults["fused"] is True  # one kernel for every parameter's update
 
@@ -103,7 +103,7 @@ def test_fsdp_shards_every_block_and_the_root(m, group):
     model = m["parallel"].parallelize(tiny_gpt(m), CPU, "fsdp")
     assert isinstance(model, FSDPModule)
     assert all(isinstance(block, FSDPModule) for block in model.blocks)
-    assert m["common"].unwrap(model) is model
+    assert m["wrappers"].unwrap(model) is model
     params = dict(model.named_parameters())
     assert params and all(isinstance(p, DTensor) for p in params.values()), [
         name for name, p in params.items() if not isinstance(p, DTensor)]
@@ -118,7 +118,7 @@ def test_wrapped_model_computes_the_plain_models_loss_and_gradients(m, group, me
     model = m["parallel"].parallelize(copy.deepcopy(plain), CPU, method,
                                       activation_checkpointing=checkpointing)
     # The wrapper hides itself from state_dict keys, so snapshots load with and without it.
-    assert list(m["common"].unwrap(model).state_dict()) == list(plain.state_dict())
+    assert list(m["wrappers"].unwrap(model).state_dict()) == list(plain.state_dict())
     x, y = batch(1)
     _, expected = plain(x, y)
     _, loss = model(x, y)
@@ -131,7 +131,7 @@ def test_wrapped_model_computes_the_plain_models_loss_and_gradients(m, group, me
     assert_close_ulps(loss, expected, 32)
     expected.backward()
     loss.backward()
-    unwrapped = m["common"].unwrap(model)
+    unwrapped = m["wrappers"].unwrap(model)
     for (name, a), b in zip(unwrapped.named_parameters(), plain.parameters(), strict=True):
         assert_close_ulps(full(a.grad), b.grad, 32, msg=name)
 
@@ -155,7 +155,7 @@ def test_fsdp_bf16_computes_in_bf16_and_keeps_fp32_shards(m, group):
 # --- set_grad_sync (one rank: the switches; two ranks: the gradients, further down) ----------
 
 def test_set_grad_sync_uses_ddp_no_sync_for_one_micro_step(m, group):
-    set_grad_sync = m["common"].set_grad_sync
+    set_grad_sync = m["grads"].set_grad_sync
     model = m["ddp"].wrap(tiny_gpt(m), CPU)  # parallelize: DDP from 2 ranks on
     assert model.require_backward_grad_sync
     with set_grad_sync(model, sync=False):
@@ -166,7 +166,7 @@ def test_set_grad_sync_uses_ddp_no_sync_for_one_micro_step(m, group):
 
 
 def test_set_grad_sync_switches_fsdp_gradient_reduction_until_changed(m, group):
-    set_grad_sync = m["common"].set_grad_sync
+    set_grad_sync = m["grads"].set_grad_sync
     model = m["parallel"].parallelize(tiny_gpt(m), CPU, "fsdp")
     groups = [module._get_fsdp_state()._fsdp_param_group for module in model.modules()
               if isinstance(module, FSDPModule)]
@@ -213,14 +213,14 @@ def _two_rank_worker(rank: int, store_path: str, out_dir: str) -> None:
             plain_model = tiny_gpt(m)
             model = m["parallel"].parallelize(plain_model, CPU, method)
             if method == "ddp":  # wrapped, and unwrap gives the model back
-                assert isinstance(model, DDP) and m["common"].unwrap(model) is plain_model
+                assert isinstance(model, DDP) and m["wrappers"].unwrap(model) is plain_model
                 # The "module." prefix is why snapshots save unwrap(model)'s state dict.
                 assert list(model.state_dict())[0].startswith("module.")
-            with m["common"].set_grad_sync(model, sync=False):
+            with m["grads"].set_grad_sync(model, sync=False):
                 model(*micro[0])[1].backward()
             grads = [full(g.grad).flatten() for g in model.parameters() if g.grad is not None]
             before = gathered(torch.cat(grads)) if grads else None
-            with m["common"].set_grad_sync(model, sync=True):
+            with m["grads"].set_grad_sync(model, sync=True):
                 model(*micro[1])[1].backward()
             after = gathered(torch.cat([full(g.grad).flatten() for g in model.parameters()]))
             result[method] = {
@@ -310,7 +310,7 @@ def test_data_keys_outside_match_keys_are_ignored(m):
 def trained(m, method: str, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """A wrapped tiny GPT and its AdamW after one step, so the optimizer has state to save."""
     model = m["parallel"].parallelize(tiny_gpt(m, seed), CPU, method)
-    optimizer = torch.optim.AdamW(m["common"].unwrap(model).optim_groups(0.1), lr=1e-2)
+    optimizer = torch.optim.AdamW(m["wrappers"].unwrap(model).optim_groups(0.1), lr=1e-2)
     model(*batch(seed))[1].backward()
     optimizer.step()
     optimizer.zero_grad()

@@ -58,7 +58,7 @@ def overrides(run_dir: Path, text: Path, max_steps: int, method: str = "pp",
 def part_weights(m: dict, model: torch.nn.Module) -> dict:
     """This rank's weights (its stages' parameters, full tensors)."""
     return {k: v.full_tensor() if hasattr(v, "full_tensor") else v.clone()
-            for k, v in m["common"].unwrap(model).state_dict().items()}
+            for k, v in m["wrappers"].unwrap(model).state_dict().items()}
 
 
 NORM_CONFIG = dict(model_type=None, n_layer=4, n_head=2, n_embd=16, vocab_size=11,
@@ -79,7 +79,7 @@ def clip_norm(m: dict) -> float:
     pipeline.start_step(1)
     pipeline.train_step(x, x)
     pipeline.finish_step()
-    return m["common"].clip_grad_norm_(model.parameters(), 1e9, pipeline.group,
+    return m["grads"].clip_grad_norm_(model.parameters(), 1e9, pipeline.group,
                                        pipeline.not_counted).item()
 
 
@@ -94,7 +94,7 @@ def _worker(rank: int, store: str, out: str, text: str) -> None:
                                                      schedule=schedule))
             result[schedule] = log
             if schedule == "1f1b":  # the bytes this rank holds, for model_size's prediction
-                model_state = m["metrics"].model_state_bytes(model, optimizer)
+                model_state = m["memory"].model_state_bytes(model, optimizer)
                 result["model_state"] = model_state | {"gradients": sum(
                     p.numel() * 4 for p in model.parameters())}  # zero_grad freed them
         log, *_ = run(m, overrides(out_dir / "one_step", text, 1))

@@ -298,16 +298,16 @@ def test_finetune_from_pretrained_ddp_fsdp_and_resume_slowest(mods, mingpt, gpt2
         assert torch.equal(tensor, b["model"][name]), name
     # The snapshot samples text through its BPE tokenizer (top-k 1: the likeliest tokens).
     sample = script_in_process(mods["sample"], mingpt, "--snapshot", "runs/ft_ddp/snapshot",
-                               "--prompt", "ROMEO:", "--num-tokens", "6", "--top-k", "1")
+                               "--prompt", "ROMEO:", "--num_tokens", "6", "--top_k", "1")
     assert sample.returncode == 0, sample.stderr
     assert sample.stdout.startswith("ROMEO:") and len(sample.stdout) > len("ROMEO:\n")
 
 
 def test_sample_py_from_pretrained_weights(mods, mingpt, gpt2_dir):
-    """sample.py --init-from: the released model and its tokenizer, no snapshot; top-k 1
+    """sample.py --init_from: the released model and its tokenizer, no snapshot; top-k 1
     gives Hugging Face's greedy continuation, decoded by Hugging Face's tokenizer."""
-    proc = script_in_process(mods["sample"], mingpt, "--init-from", str(gpt2_dir), "--prompt",
-                             "ROMEO: the", "--num-tokens", "10", "--top-k", "1")
+    proc = script_in_process(mods["sample"], mingpt, "--init_from", str(gpt2_dir), "--prompt",
+                             "ROMEO: the", "--num_tokens", "10", "--top_k", "1")
     assert proc.returncode == 0, proc.stderr
     # Hugging Face's greedy continuation, token by token, with its own tokenizer.
     tok = transformers.GPT2TokenizerFast.from_pretrained(gpt2_dir)
@@ -317,6 +317,6 @@ def test_sample_py_from_pretrained_weights(mods, mingpt, gpt2_dir):
         for _ in range(10):
             ids = torch.cat([ids, hf(ids).logits[:, -1:].argmax(-1)], dim=1)
     assert proc.stdout.rstrip("\n") == tok.decode(ids[0].tolist())
-    missing = script_in_process(mods["sample"], mingpt, "--init-from", "/nonexistent/model")
+    missing = script_in_process(mods["sample"], mingpt, "--init_from", "/nonexistent/model")
     assert one_error_line(missing) == ("error: gpt_config.init_from=/nonexistent/model: no such "
                                        "directory (/nonexistent/model)")

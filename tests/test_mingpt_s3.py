@@ -118,7 +118,7 @@ def test_snapshot_on_s3_saves_survives_a_kill_resumes_and_samples_slowest(mingpt
                                                                        "step_00000006"}
         assert f"mingpt/{method}/snapshot/step_00000006/train_state.pt" in objects
     sample = script_in_process(mingpt_modules["sample"], mingpt, "--snapshot", url, "--prompt",
-                               "KING:", "--num-tokens", "12")
+                               "KING:", "--num_tokens", "12")
     assert sample.returncode == 0, sample.stderr[-2000:]
     assert sample.stdout.startswith("KING:") and len(sample.stdout.rstrip("\n")) == 5 + 12
     assert f"({method}, step 6, " in sample.stderr

@@ -43,7 +43,7 @@ def mingpt(tmp_path_factory, modules):
 def sample(mingpt, path: str, check: bool = True):
     with mingpt_imported() as modules:  # the sample module of the fixture's import
         proc = script_in_process(modules["sample"], mingpt, "--snapshot", path, "--prompt",
-                                 "ROMEO:", "--num-tokens", "5")
+                                 "ROMEO:", "--num_tokens", "5")
     assert proc.returncode == 0 or not check, proc.stderr
     return proc
 

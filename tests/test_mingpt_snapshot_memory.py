@@ -127,7 +127,7 @@ def _qkv_worker(rank: int, out: str) -> None:
             snapshot.load_sharded(old, again, again_optimizer)
             # The global weights (collective), for the parent's single-process load.
             weights = {}
-            for key, value in m["common"].unwrap(model).state_dict().items():
+            for key, value in m["wrappers"].unwrap(model).state_dict().items():
                 value = tp.whole_strided(value)
                 weights[key] = value.full_tensor() if isinstance(value, DTensor) else value
             if rank == 0:

@@ -150,7 +150,7 @@ def fit(m: dict, args: list[str]) -> tuple[str, dict]:
 def full_weights(m: dict, model: torch.nn.Module) -> dict:
     """The model's whole weights, on every rank: collective for DTensors (tp, fsdp), every rank
     gathers each whole tensor in turn."""
-    return {k: full(m, v).clone() for k, v in m["common"].unwrap(model).state_dict().items()}
+    return {k: full(m, v).clone() for k, v in m["wrappers"].unwrap(model).state_dict().items()}
 
 
 def _worker(rank: int, store: str, out: str, text: str) -> None:
@@ -423,7 +423,7 @@ def test_tp_with_activation_checkpointing_computes_the_plain_models_loss_and_gra
         # The norm over plain and DTensor gradients (two meshes) equals torch's on the plain:
         # the same squares summed per kind, then together, in another order (positive terms: the
         # error is relative, n U for n terms, the ~30 per-tensor norms here). Measured: 1 ulp.
-        norm = m["common"].clip_grad_norm_(model.parameters(), 1e-3)
+        norm = m["grads"].clip_grad_norm_(model.parameters(), 1e-3)
         expected = torch.nn.utils.clip_grad_norm_(plain.parameters(), 1e-3)
         torch.testing.assert_close(norm, expected, rtol=32 * U, atol=0)
         # Both scaled by 1e-3 / norm: the norms' ulp, plus the product's rounding.

@@ -48,7 +48,7 @@ def _worker(rank: int, store: str, out: str, text: str) -> None:
             run(m, overrides(first, folder, text, HALF) + dropout)
             log, model, optimizer = run(m, overrides(then, folder, text, STEPS) + dropout)
             # ln_f is whole on every rank under tp: both ranks must hold the same values.
-            ln_f = m["common"].unwrap(model).ln_f.weight
+            ln_f = m["wrappers"].unwrap(model).ln_f.weight
             ln_f = ln_f.full_tensor() if hasattr(ln_f, "full_tensor") else ln_f.detach()
             both = [torch.empty_like(ln_f) for _ in range(2)]
             dist.all_gather(both, ln_f.contiguous())
@@ -198,11 +198,11 @@ def test_a_replica_thread_computes_in_the_callers_autocast_dtype(m):
 
 
 def test_dataparallel_counts_every_gpu_for_mfu(m):
-    model = m["dp"].DataParallel(nn.Linear(2, 2))  # no GPU here: DataParallel keeps no device ids
-    assert m["common"].local_devices(model, CPU) == [CPU]
+    model = m["dataparallel"].DataParallel(nn.Linear(2, 2))  # no GPU: no device ids
+    assert m["wrappers"].local_devices(model, CPU) == [CPU]
     model.device_ids = [0, 1]  # as on a 2-GPU machine
     cuda = torch.device("cuda")
     gpus = [torch.device("cuda", 0), torch.device("cuda", 1)]
-    assert m["common"].local_devices(model, cuda) == gpus
+    assert m["wrappers"].local_devices(model, cuda) == gpus
     # One process, two GPUs: the model's FLOP/s over both GPUs' peak, not one.
-    assert m["metrics"].mfu(6e9, 1e4, 1e14, devices=2) == pytest.approx(0.3)
+    assert m["mfu"].mfu(6e9, 1e4, 1e14, devices=2) == pytest.approx(0.3)

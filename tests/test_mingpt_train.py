@@ -109,13 +109,13 @@ def test_python_main_py_then_sample_py(mingpt, sample_py):
     assert not list(run_dir.glob("*.tmp"))
     # sample.py rebuilds the model and the vocabulary from the snapshot alone.
     proc = run([PYTHON, "sample.py", "--snapshot", "runs/single/snapshot", "--prompt", "ROMEO:",
-                "--num-tokens", "40", "--temperature", "0.8", "--top-k", "5"], cwd=mingpt)
+                "--num_tokens", "40", "--temperature", "0.8", "--top_k", "5"], cwd=mingpt)
     text = proc.stdout.rstrip("\n")
     assert text.startswith("ROMEO:") and len(text) == len("ROMEO:") + 40
     assert "(ddp, step 10, " in proc.stderr
     # Without --snapshot: the newest runs/*/snapshot (in this process: one launch is enough).
-    again = sample_py("--prompt", "ROMEO:", "--num-tokens", "40", "--temperature", "0.8",
-                      "--top-k", "5")
+    again = sample_py("--prompt", "ROMEO:", "--num_tokens", "40", "--temperature", "0.8",
+                      "--top_k", "5")
     assert again.returncode == 0, again.stderr
     assert again.stdout == proc.stdout  # same seed, same text
 
@@ -282,7 +282,7 @@ def test_fsdp_kill_resume_and_world_size_change_slowest(mingpt, ddp_reference, m
     assert log_units(val_losses(c.stdout)[10], final_a) <= 1
     assert (mingpt / "runs/fsdp_k/snapshot/latest").read_text() == "step_00000012"
     # sample.py reads the sharded snapshot into one process.
-    s = sample_py("--snapshot", "runs/fsdp_k/snapshot", "--prompt", "JULIET:", "--num-tokens",
+    s = sample_py("--snapshot", "runs/fsdp_k/snapshot", "--prompt", "JULIET:", "--num_tokens",
                   "25")
     assert s.returncode == 0, s.stderr
     assert s.stdout.startswith("JULIET:") and len(s.stdout.rstrip("\n")) == len("JULIET:") + 25

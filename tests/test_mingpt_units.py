@@ -57,7 +57,7 @@ def test_resume_on_another_world_size_trains_each_sample_once(m, before, after):
     (None, "fp32", None),  # a CPU
 ])
 def test_peak_flops_match_whole_names_and_the_precision(m, name, precision, peak):
-    assert m["metrics"].peak_flops(name, precision) == peak
+    assert m["mfu"].peak_flops(name, precision) == peak
 
 
 def test_cpu_offload_on_a_gpu_gets_gloo_beside_nccl(m):

@@ -278,8 +278,8 @@ def test_sample_reads_the_xla_snapshot(runs):
     end of its run (torch 2.9): the same weights, the same seeded draws."""
     out, log = runs["out"], runs["logs"]["xla"]
     sampled = log.split("sample:\n", 1)[1].strip()
-    proc = run([PYTHON, "sample.py", "--snapshot", str(out / "xla/snapshot"), "--num-tokens",
-                "30", "--temperature", "0.8", "--top-k", "10"], cwd=runs["folder"])
+    proc = run([PYTHON, "sample.py", "--snapshot", str(out / "xla/snapshot"), "--num_tokens",
+                "30", "--temperature", "0.8", "--top_k", "10"], cwd=runs["folder"])
     assert proc.stdout.strip() == sampled and len(sampled) > 20, (proc.stdout, sampled)
 
 

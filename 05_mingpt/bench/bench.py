@@ -158,7 +158,8 @@ def worker(args: argparse.Namespace) -> None:
 
     import main
     from mingpt import config, distributed, errors, snapshot
-    from mingpt.metrics import device_name, peak_flops, peak_memory_mb
+    from mingpt.memory import peak_memory_mb
+    from mingpt.mfu import device_name, peak_flops
     from mingpt.trainer import Trainer
 
     strategy = args.worker
@@ -279,7 +280,7 @@ def row(r: dict) -> str:
     line = (f"{r['strategy'] + ':' + str(r['ranks']):9} {r['threads']:>3} thr | "
             f"{r['median_step_ms']:8.1f} ms/step | {r['tokens_per_s']:9,.0f} tokens/s "
             f"({r['tokens_per_s_per_rank']:,.0f}/rank) | ")
-    # MFU only where the device's peak is known (metrics.py); CPUs have none.
+    # MFU only where the device's peak is known (mfu.py); CPUs have none.
     line += f"MFU {100 * r['mfu']:.1f}% | " if r["mfu"] is not None else ""
     line += (f"peak {max(r['training_peak_mb']):,.0f} MB | state "
              f"{max(r['model_state_mb']):,.1f} MB | save {r['save_s']:.2f} s | load "

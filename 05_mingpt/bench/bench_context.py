@@ -60,7 +60,7 @@ def worker(rank: int, cp: int, store: str, args: argparse.Namespace, out: str) -
 
     import model_size
     from mingpt import distributed
-    from mingpt.metrics import peak_memory_mb, reset_peak_memory, saved_activation_bytes
+    from mingpt.memory import peak_memory_mb, reset_peak_memory, saved_activation_bytes
     from mingpt.model import GPT, GPTConfig
     from mingpt.optim import build_optimizer
     from mingpt.parallel import parallelize

@@ -73,7 +73,7 @@ def worker(args: argparse.Namespace, strategy: str) -> None:
 
     import main
     from mingpt import config, distributed, errors
-    from mingpt.metrics import model_state_bytes, peak_memory_mb, reset_peak_memory
+    from mingpt.memory import model_state_bytes, peak_memory_mb, reset_peak_memory
     from mingpt.trainer import Trainer, rank_indices
 
     try:

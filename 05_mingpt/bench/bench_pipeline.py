@@ -74,7 +74,7 @@ def worker(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
     from torch.distributed.pipelining import schedules  # noqa: PLC0415
 
     import model_size  # noqa: PLC0415
-    from mingpt import distributed, metrics, optim, parallel  # noqa: PLC0415
+    from mingpt import distributed, memory, optim, parallel  # noqa: PLC0415
     from mingpt.model import GPT, GPTConfig  # noqa: PLC0415
     dist.init_process_group("gloo", store=dist.FileStore(store, args.ranks), rank=rank,
                             world_size=args.ranks, timeout=timedelta(seconds=600))
@@ -112,7 +112,7 @@ def worker(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
                 pipe.finish_step()
                 optimizer.step()
                 if step == 0:  # the model state, while the gradients exist
-                    state = metrics.model_state_bytes(model, optimizer)
+                    state = memory.model_state_bytes(model, optimizer)
                 optimizer.zero_grad(set_to_none=True)
                 if step:
                     times.append(time.perf_counter() - start)

@@ -9,7 +9,7 @@ use it; each module owns one concern (README: Reading order):
     parallel/    one module per strategy, and the registry of strategies (parallel/__init__.py)
     optim        AdamW and the learning-rate schedule
     precision    autocast, the fp16 loss scaler, FSDP's mixed-precision policy
-    trainer      the training loop; metrics: what its logs report
+    trainer      the training loop; log: what its logs report (mfu, memory: their probes)
     snapshot     the snapshot formats and their commit; storage: local disk or S3
     errors       one `error:` line, agreed by every rank
     devices, faults, pretrained: the device and backend, fault injection, GPT-2 weights

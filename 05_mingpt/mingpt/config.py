@@ -29,7 +29,7 @@ from mingpt import ROOT
 from mingpt.data import KINDS, data_module
 from mingpt.errors import require
 from mingpt.model import GPTConfig, resolve_config
-from mingpt.parallel import STRATEGIES, context, dp, layout, pipeline, tensor
+from mingpt.parallel import STRATEGIES, context, dataparallel, layout, pipeline, tensor
 from mingpt.parallel.tensor import check_tp
 from mingpt.precision import PRECISIONS
 
@@ -226,7 +226,7 @@ def _check_layout(t: DictConfig) -> None:
     layout.check_axes(method, t.tp_size, t.pp_size, t.cp_size)
     flavour, on = layout.SHORTHANDS.get(method, (method, ()))
     if flavour == "dp":  # CUDA GPUs, one process
-        dp.check_config(t)
+        dataparallel.check_config(t)
     if (t.tp_size > 1 or "tp" in on) and flavour != "fsdp":  # fp16 and TP's mixed gradients
         tensor.check_config(t)
     if t.pp_size > 1 or "pp" in on:  # schedules, micro-batches, no fp16

@@ -17,8 +17,8 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from mingpt.parallel import zero
-from mingpt.parallel.common import unwrap
 from mingpt.parallel.layout import grad_mesh
+from mingpt.parallel.wrappers import unwrap
 
 # The settings that shape the lr schedule besides the base lr (LambdaLR saves none of them).
 SCHEDULE_KEYS = ("max_steps", "warmup_steps", "min_lr_ratio")

@@ -45,8 +45,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from mingpt import storage
 from mingpt.optim import keep_own_optimizer_settings, own_settings, restore_settings
 from mingpt.parallel import snapshot_layout
-from mingpt.parallel.common import unwrap
 from mingpt.parallel.strided import checkpointable
+from mingpt.parallel.wrappers import unwrap
 
 TRAIN_STATE = "train_state.pt"
 LATEST = "latest"

@@ -23,10 +23,10 @@ from tqdm import tqdm
 
 from mingpt import forensics, snapshot
 from mingpt.faults import inject_fault, skip_gradient_sync
-from mingpt.metrics import TrainLog, print0
+from mingpt.log import TrainLog, print0
 from mingpt.optim import SCHEDULE_KEYS, build_scheduler, resume_scheduler
 from mingpt.parallel import describe, runner
-from mingpt.parallel.common import data_parallel, local_devices
+from mingpt.parallel.wrappers import data_parallel, local_devices
 from mingpt.precision import grad_scaler
 
 
@@ -96,7 +96,7 @@ class Trainer:
         self.fed = range(self.dp_size) if self.hooks.feeds_every_rank else [self.dp_rank]
         self.train_set, self.val_set = train_set, val_set
         self.snapshot_meta = snapshot_meta
-        # Loss, tokens/s, MFU, memory and TensorBoard: metrics.TrainLog's (rank 0 writes).
+        # Loss, tokens/s, MFU, memory and TensorBoard: log.TrainLog's (rank 0 writes).
         self.log = TrainLog(device, self.hooks.memory_devices(model, device), run_dir,
                             flops_per_token, cfg.precision, self.dp_size, cfg.profile_steps)
         skip_gradient_sync(model, lambda: self.step)  # FAULT_SKIP_AT_STEP only (faults.py)

@@ -11,7 +11,7 @@ mesh and applies each axis in one order, as torchtitan does:
 1. pipeline.split: the blocks into stages; this rank keeps its own (pp_size).
 2. then on each part (the whole GPT, or each of this rank's stages):
    tensor.apply (each block's matmuls over the tp ranks), context.apply (the sequences over
-   the cp ranks), and the flavour's apply (ddp.py, fsdp.py, dp.py; zero is ddp plus
+   the cp ranks), and the flavour's apply (ddp.py, fsdp.py, dataparallel.py; zero is ddp plus
    zero.py's optimizer), which also takes activation checkpointing and compile per block.
 3. pipeline.schedule: the stages and their schedule (the trainer's step under pp).
 
@@ -26,10 +26,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mingpt.parallel import context, ddp, dp, fsdp, layout, pipeline, tensor
-from mingpt.parallel.common import unwrap, wrap_blocks
+from mingpt.parallel import context, dataparallel, ddp, fsdp, layout, pipeline, tensor
 from mingpt.parallel.layout import FLAVOURS, METHODS, SHORTHANDS, Layout, Settings, resolve
 from mingpt.parallel.runner import Runner
+from mingpt.parallel.wrappers import unwrap, wrap_blocks
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ def _apply_axes(part: nn.Module, device: torch.device, s: Settings, lay: Layout,
         # off with PP too); the stage's weights stay gathered until the round's last backward.
         return fsdp.apply(part, device, s, grads, reshard_after_forward="pp" not in axes)
     if lay.flavour == "dp":
-        return dp.apply(part, device, s)
+        return dataparallel.apply(part, device, s)
     wrap_blocks(part, s.activation_checkpointing, s.compile)  # tp, pp: no data-parallel axis
     return part
 

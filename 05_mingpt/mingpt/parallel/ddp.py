@@ -11,8 +11,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mingpt.parallel.common import wrap_blocks
 from mingpt.parallel.layout import Settings
+from mingpt.parallel.wrappers import wrap_blocks
 from mingpt.precision import fsdp_policy
 
 

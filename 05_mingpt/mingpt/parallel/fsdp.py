@@ -17,8 +17,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from mingpt.parallel.common import wrap_blocks
 from mingpt.parallel.layout import Settings
+from mingpt.parallel.wrappers import wrap_blocks
 from mingpt.precision import fsdp_policy
 
 

@@ -68,7 +68,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor
 
 from mingpt.errors import require
-from mingpt.parallel.common import clip_grad_norm_
+from mingpt.parallel.grads import clip_grad_norm_
 from mingpt.parallel.layout import Settings
 from mingpt.precision import autocast
 

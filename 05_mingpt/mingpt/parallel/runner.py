@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from mingpt.parallel.common import clip_grad_norm_, set_grad_sync
+from mingpt.parallel.grads import clip_grad_norm_, set_grad_sync
 from mingpt.precision import autocast
 
 
@@ -45,7 +45,7 @@ class Runner:
         return out
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Clip to `max_norm` over every gradient, wherever its shards live (common.py)."""
+        """Clip to `max_norm` over every gradient, wherever its shards live (grads.py)."""
         return clip_grad_norm_(self.model.parameters(), max_norm)
 
     @torch.no_grad()

@@ -10,8 +10,8 @@ from omegaconf import DictConfig
 from torch import nn
 
 from mingpt.errors import require
-from mingpt.parallel.common import wrap_blocks
 from mingpt.parallel.layout import Settings
+from mingpt.parallel.wrappers import wrap_blocks
 from mingpt.precision import keep_autocast
 
 

@@ -1,0 +1,115 @@
+"""What a rank holds, measured: peak memory, model state from its tensors, saved activations.
+
+    setup = peak_memory_mb(device); reset_peak_memory(device)  # then train: a training peak
+    model_state_bytes(model, optimizer)  # this rank's parameters, gradients, optimizer state
+    saved_activation_bytes(model, x, y)  # what autograd keeps for backward in one forward
+model_size.py predicts each of these; its tests compare the two.
+"""
+import resource
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+
+def reset_peak_memory(device: torch.device | list[torch.device]) -> None:
+    """Start a new peak, so that training's peak is not the setup's (building, loading).
+
+    CUDA: the allocator's counter, of each device given (nn.DataParallel drives several). CPU
+    (Linux): writing 5 to /proc/self/clear_refs resets the kernel's high-water mark of the
+    resident set (VmHWM) to the current RSS.
+    Elsewhere the CPU peak stays the peak since the process started.
+    """
+    devices = device if isinstance(device, list) else [device]
+    if devices[0].type == "cuda":
+        for d in devices:  # the caching allocator's own counter: what tensors used
+            torch.cuda.reset_peak_memory_stats(d)
+        return
+    try:
+        # 5: "reset the peak resident set size" (man 5 proc); the process's own file, no root.
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass  # not Linux (or /proc not mounted): the peak goes on from the process start
+
+
+def _peak_rss_kib() -> int:
+    """The process's peak resident set since the last reset, in KiB.
+
+    Linux: VmHWM, the high-water mark that /proc/self/clear_refs resets. Not ru_maxrss: the
+    kernel also folds the peak into it whenever a thread exits, and a reset cannot undo that.
+    Elsewhere ru_maxrss (KiB on Linux, bytes on macOS) is all there is.
+    """
+    try:
+        # "VmHWM:    123456 kB"
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        # macOS reports bytes, Linux KiB.
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return rss // 1024 if sys.platform == "darwin" else rss
+
+
+def peak_memory_mb(device: torch.device | list[torch.device]) -> list[float]:
+    """Peak memory since the last reset_peak_memory, one value per GPU of every rank (per rank
+    on a CPU), a collective: CUDA allocations of each device given (nn.DataParallel drives
+    several from one process), or peak RSS on a CPU (what the process touched; see README)."""
+    devices = device if isinstance(device, list) else [device]
+    if devices[0].type == "cuda":
+        mb = [torch.cuda.max_memory_allocated(d) / 2**20 for d in devices]
+    else:
+        mb = [_peak_rss_kib() / 1024]
+    # Every rank's values on every rank: rank 0 logs them all (one TensorBoard curve per GPU).
+    mine = torch.tensor(mb, device=devices[0])
+    gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    return torch.cat(gathered).tolist()
+
+
+def local_bytes(tensor: torch.Tensor) -> int:
+    """Bytes this rank stores for `tensor`: a DTensor's numel() is the global size, its
+    to_local() the rank's own shard."""
+    if hasattr(tensor, "to_local"):  # a DTensor (FSDP, TP)
+        tensor = tensor.to_local()
+    return tensor.numel() * tensor.element_size()
+
+
+def saved_activation_bytes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
+    """The bytes autograd keeps for backward in one forward of (x, y), counted from the tensors
+    it saves: every storage once (views share one), parameters left out (Linear layers save
+    their weight: model state, not activations). model_size.py predicts these."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept: dict[int, int] = {}  # storage address -> bytes
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    # Every tensor autograd saves passes through pack, including a custom Function's own.
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x, y)
+    return sum(kept.values())
+
+
+def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer
+                      ) -> dict[str, int]:
+    """This rank's bytes of parameters, gradients and optimizer state, counted from the
+    tensors it holds (local shards), not from a formula: model_size.py predicts these.
+
+    Gradients count only while they exist (between backward and zero_grad). ZeRO's optimizer
+    keeps the state of this rank's parameters in its local optimizer (`.optim`).
+    """
+    local_optimizer = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) \
+        else optimizer
+    # DDP and FSDP wrap the model: their parameters() are the ones the optimizer updates.
+    params = list(model.parameters())  # each tied tensor once
+    return {
+        "parameters": sum(local_bytes(p) for p in params),
+        "gradients": sum(local_bytes(p.grad) for p in params if p.grad is not None),
+        # AdamW: exp_avg and exp_avg_sq (each the parameter's size) and a scalar step.
+        "optimizer": sum(local_bytes(v) for state in local_optimizer.state.values()
+                         for v in state.values() if isinstance(v, torch.Tensor)),
+    }
