@@ -310,10 +310,10 @@ def test_sample_loads_a_cp_snapshot(pair):
     (["trainer_config.cp_size=2", "gpt_config.block_size=30"],
      "gpt_config.block_size=30 must divide by 2 x cp_size = 4 (each rank keeps 2 of the "
      "2 x cp_size equal chunks of a sequence); change block_size or trainer_config.cp_size"),
-    # Any flavour takes cp; a pipeline does not (yet), nor nn.DataParallel's one process.
-    (["trainer_config.cp_size=2", "trainer_config.distributed_method=pp"],
-     "cp_size=2 with a pipeline (pp_size=0): the stages pass whole sequences between them, "
-     "and splitting them inside the schedule is not built; use one of the two"),
+    # Any flavour takes cp, and a pipeline (test_mingpt_layouts); nn.DataParallel does not.
+    (["trainer_config.cp_size=2", "trainer_config.distributed_method=dp"],
+     "distributed_method=dp (nn.DataParallel, one process) combines with no other axis, got "
+     "cp_size=2; use ddp or fsdp with it"),
     (["trainer_config.cp_size=2", "gpt_config.dropout=0.1"],
      "trainer_config.cp_size=2 needs gpt_config.dropout=0 (the ring attention has no "
      "attention dropout), got 0.1"),

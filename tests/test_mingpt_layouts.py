@@ -32,6 +32,7 @@ LAYOUTS = {
     "ddp_tp2": ("ddp", 2, 0, 0),       # replicas of TP groups: dp 2 x tp 2
     "ddp_pp2": ("ddp", 0, 2, 0),       # replicas of pipelines: pp 2 x dp 2
     "fsdp_tp2_cp2": ("fsdp", 2, 0, 2),  # dp 1 x cp 2 x tp 2
+    "fsdp_pp2_cp2": ("fsdp", 0, 2, 2),  # pp 2 x dp 1 x cp 2: stages pass T / cp tokens
 }
 # Resumed into, from ddp's one-file snapshot: pp 2 x dp 2, FSDP over each stage's dp ranks.
 MOVED = ("fsdp", 0, 2, 0)
@@ -118,7 +119,8 @@ def test_the_start_line_names_the_axes_of_a_replica(spawned):
     assert "world size 4)" in result["ddp"]["log"]
     for name, axes in (("ddp_tp2", "tensor-parallel 2"),
                        ("fsdp_tp2_cp2", "context-parallel 2 x tensor-parallel 2"),
-                       ("ddp_pp2", "pipeline-parallel 2")):
+                       ("ddp_pp2", "pipeline-parallel 2"),
+                       ("fsdp_pp2_cp2", "pipeline-parallel 2 x context-parallel 2")):
         assert f"processes per model replica: {axes})" in result[name]["log"], name
 
 
@@ -164,9 +166,9 @@ def test_every_layouts_breakdown_marks_forward_and_backward(spawned):
      "cp_size=2 x tp_size=2 = 4 must divide the world size 6 (each model replica takes that "
      "many ranks)"),
     (["trainer_config.distributed_method=fsdp", "trainer_config.pp_size=2",
-      "trainer_config.cp_size=2"], "8",
-     "cp_size=2 with a pipeline (pp_size=2): the stages pass whole sequences between them, "
-     "and splitting them inside the schedule is not built; use one of the two"),
+      "trainer_config.cp_size=2"], "6",
+     "pp_size=2 x cp_size=2 = 4 must divide the world size 6 (each model replica takes that "
+     "many ranks)"),
     (["trainer_config.distributed_method=zero", "trainer_config.pp_size=2"], "4",
      "distributed_method=zero cannot take pp_size=2: its ZeroRedundancyOptimizer broadcasts "
      "plain tensors, and with tp_size or pp_size the weights are DTensors (ddp's replicas "

@@ -1,6 +1,7 @@
 """Context parallelism (cp): every sequence split over the cp_size ranks of a group, attention as
 a ring over the group, composed with a data-parallel strategy (ddp, zero, fsdp) over a
-(dp, cp) mesh.
+(dp, cp) mesh, with TP, and with a pipeline (each stage's cp ranks keep the same tokens, and the
+stages pass on the kept tokens' residual stream).
 
     python main.py trainer_config.cp_size=2 ...      # parallelize(): after TP, before the flavour
     apply(model, mesh["cp"])                          # then ddp.apply / fsdp.apply as usual
@@ -60,6 +61,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from mingpt.model import causal_attention
+from mingpt.parallel.pipeline import Stage
 
 aten = torch.ops.aten
 
@@ -224,7 +226,8 @@ def _shard_sequences(switch: _Switch, cp_rank: int, cp_size: int, model: nn.Modu
 
 
 def apply(model: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
-    """Split every sequence of `model` (a GPT, not yet wrapped) over the ranks of `cp_mesh`.
+    """Split every sequence of `model` (a GPT or a pipeline stage, not yet wrapped) over the
+    ranks of `cp_mesh`.
 
     parallelize() builds the mesh (layout.py): consecutive ranks form a cp group (inside TP's
     groups, if any), so the ring (which sends K and V at every layer) stays inside a node and
@@ -235,6 +238,16 @@ def apply(model: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
     attend = ContextParallelAttention(cp_mesh, switch)
     for block in model.blocks:
         block.attn.attend = attend
+    if isinstance(model, Stage):
+        # A pipeline stage only trains and evaluates (generate runs on the whole GPT): always
+        # the ring. The stages pass on the kept tokens' residual stream, (B, T / cp, C); the
+        # first keeps its tokens (Stage.forward) and the schedule's loss their targets
+        # (Pipeline), both by these positions. The cp ranks of one stage run the same
+        # schedule, so their rings meet in the same order.
+        switch.active = True
+        model.positions = lambda seq_len, device: zigzag_positions(seq_len, cp_size, cp_rank,
+                                                                    device)
+        return model
     # Before any wrapper: DDP calls the GPT itself, FSDP2 keeps the GPT's hooks.
     model.register_forward_pre_hook(
         lambda module, args, kwargs: _shard_sequences(switch, cp_rank, cp_size, module, args,

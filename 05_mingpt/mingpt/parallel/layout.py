@@ -156,10 +156,6 @@ def check_axes(method: str, tp_size: int = 0, pp_size: int = 0, cp_size: int = 0
                          "ZeroRedundancyOptimizer broadcasts plain tensors, and with tp_size or "
                          "pp_size the weights are DTensors (ddp's replicas there are FSDP2's "
                          "replicate); use fsdp, which shards the optimizer state too")
-    if (pp_size > 1 or "pp" in on) and cp_size > 1:
-        raise ValueError(f"cp_size={cp_size} with a pipeline (pp_size={pp_size}): the stages "
-                         "pass whole sequences between them, and splitting them inside the "
-                         "schedule is not built; use one of the two")
 
 
 def build_mesh(layout: Layout, device: torch.device) -> DeviceMesh:

@@ -119,6 +119,10 @@ class Stage(nn.Module):
     LayerNorm and the head (last stage). It registers the GPT's own modules (shared, not
     copied), so the optimizer, the snapshot and this see the same parameters."""
 
+    # The positions of the tokens this rank computes, (seq_len, device) -> (T_kept,); None:
+    # all of them. context.apply sets it where cp splits each sequence over ranks.
+    positions: Callable[[int, torch.device], torch.Tensor] | None = None
+
     def __init__(self, gpt: nn.Module, blocks: range, first: bool, last: bool) -> None:
         super().__init__()
         self.first, self.last = first, last
@@ -136,9 +140,14 @@ class Stage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """First stage: token ids (B, T); others: the residual stream (B, T, C). Returns the
-        residual stream (B, T, C), or the last stage's logits (B, T, vocab_size)."""
+        residual stream (B, T, C), or the last stage's logits (B, T, vocab_size). Under cp,
+        T is the kept tokens' count (T / cp) after the first stage."""
         if self.first:  # as GPT.forward, without a KV cache
-            pos = torch.arange(x.size(1), dtype=torch.long, device=x.device)  # (T,)
+            if self.positions is None:
+                pos = torch.arange(x.size(1), dtype=torch.long, device=x.device)  # (T,)
+            else:  # this cp rank's tokens only, at their places in the sequence
+                pos = self.positions(x.size(1), x.device)  # (T / cp,)
+                x = x[:, pos]  # (B, T / cp)
             x = self.drop(self.wte(x) + self.wpe(pos))  # (B, T, C)
         for block in self.blocks:
             x = block(x)  # (B, T, C)
@@ -179,6 +188,7 @@ class Pipeline:
         self.last_rank = last_rank  # the pp rank of the last stage
         self.has_first = any(s.is_first for s in stages)
         self.has_last = any(s.is_last for s in stages)
+        self.positions = stages[0].submod.positions  # cp: the tokens this rank keeps
         self.tied, self.tied_group = tied, tied_group
         # The tied weight's gradient lives on two ranks: the clip norm counts one of them.
         self.not_counted = set() if tied_counted or tied is None else {id(tied)}
@@ -262,8 +272,15 @@ class Pipeline:
         """The round's inputs, pre-split into micro-batches for the stages this rank runs."""
         # Consecutive rows: micro-batch i is what a one-process run's micro-step i would see.
         xs, ys = x.tensor_split(self.microbatches), y.tensor_split(self.microbatches)
+        # The first stage keeps its own tokens of x (Stage.forward); the loss takes the
+        # targets of the same positions.
+        ys = [self._kept(c) for c in ys]
         return {"arg_mbs": [(c,) for c in xs] if self.has_first else None,
                 "target_mbs": list(ys) if self.has_last else None}
+
+    def _kept(self, y: torch.Tensor) -> torch.Tensor:
+        """The targets of the tokens this rank computes: all, or cp's share (B, T / cp)."""
+        return y if self.positions is None else y[:, self.positions(y.size(1), y.device)]
 
     def start_step(self, rounds: int) -> None:
         """Before a step of `rounds` rounds (the trainer's grad_accum_steps)."""
@@ -318,7 +335,7 @@ class Pipeline:
         if not self.has_last:
             zero = torch.zeros((), device=x.device)
             return zero, zero
-        return torch.stack(self.losses).sum(), (y != -1).sum().float()
+        return torch.stack(self.losses).sum(), (self._kept(y) != -1).sum().float()
 
 
 # --- split and schedule: parallelize's two calls ------------------------------------------------
