@@ -2,11 +2,11 @@
 trains what DDP trains on the same global batch, resumes bit for bit, and resumes under other
 degrees; every layout's step-time breakdown marks its forward and backward.
 
-All runs share ONE group of 4 spawned gloo processes, trained in-process through
-main.load_train_objs and the Trainer as main.py runs them (test_mingpt_strategies.run). The
-reference is ddp over the 4 ranks (dp 4), whose arithmetic is one process's on the same 8
-sequences per step up to the order of the all-reduce's sum (test_mingpt_strategies compares
-them). Config-level refusals run in this process.
+The runs of each world size share ONE group of spawned gloo processes (4, and 8 for the 3-D
+layouts), trained in-process through main.load_train_objs and the Trainer as main.py runs them
+(test_mingpt_strategies.run). The reference is ddp over every rank, whose arithmetic is one
+process's on the same 8 sequences per step up to the order of the all-reduce's sum
+(test_mingpt_strategies compares them on 2 ranks). Config-level refusals run in this process.
 """
 import json
 import re
@@ -36,6 +36,12 @@ LAYOUTS = {
 }
 # Resumed into, from ddp's one-file snapshot: pp 2 x dp 2, FSDP over each stage's dp ranks.
 MOVED = ("fsdp", 0, 2, 0)
+# On 8 ranks: the 3-D layouts, against ddp over the 8 (dp 8, one sequence per rank).
+LAYOUTS_8 = {
+    "ddp": ("ddp", 0, 0, 0),
+    "fsdp_pp2_tp2": ("fsdp", 2, 2, 0),  # pp 2 x dp 2 x tp 2
+    "ddp_pp2_cp2_tp2": ("ddp", 2, 2, 2),  # pp 2 x cp 2 x tp 2, replicas of one (dp 1)
+}
 # The weights after STEPS steps against ddp's: test_mingpt_strategies derives the bound for
 # sums in another order (FSDP's reduce-scatter, TP's split matmuls; here also the pipeline's
 # tied-embedding sum over two stages and cp's ring, both a few ulps per term): rounding moves
@@ -45,9 +51,10 @@ BREAKDOWN = re.compile(r"^step (\d+)/\d+ \| .* ms: data (\d+)% forward (\d+)% ba
                        r"optimizer (\d+)%$", re.M)
 
 
-def overrides(name: str, run_dir: Path, text: Path, max_steps: int) -> list[str]:
-    method, tp, pp, cp = LAYOUTS.get(name, MOVED)
-    dp = WORLD // (max(tp, 1) * max(pp, 1) * max(cp, 1))
+def overrides(name: str, run_dir: Path, text: Path, max_steps: int, world: int = WORLD
+              ) -> list[str]:
+    method, tp, pp, cp = (LAYOUTS if world == WORLD else LAYOUTS_8).get(name, MOVED)
+    dp = world // (max(tp, 1) * max(pp, 1) * max(cp, 1))
     return tiny(f"run_dir={run_dir}", f"data_config.path={text}",
                 f"trainer_config.distributed_method={method}", f"trainer_config.tp_size={tp}",
                 f"trainer_config.pp_size={pp}", f"trainer_config.cp_size={cp}",
@@ -63,12 +70,19 @@ def overrides(name: str, run_dir: Path, text: Path, max_steps: int) -> list[str]
                 "trainer_config.eval_batches=2", "trainer_config.sample_tokens=0")
 
 
-def _worker(rank: int, store: str, out: str, text: str) -> None:
-    torch.set_num_threads(1)  # four processes share the cores
-    dist.init_process_group("gloo", store=dist.FileStore(store, WORLD), rank=rank,
-                            world_size=WORLD, timeout=timedelta(seconds=120))
+def _worker(rank: int, store: str, out: str, text: str, world: int = WORLD) -> None:
+    torch.set_num_threads(1)  # four (eight) processes share the cores
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank,
+                            world_size=world, timeout=timedelta(seconds=120))
     out_dir, text, result = Path(out), Path(text), {}
     with mingpt_imported("main") as m:
+        if world != WORLD:  # the 3-D layouts only
+            for name in LAYOUTS_8:
+                result[name] = {"log": run(m, overrides(name, out_dir / name, text, STEPS,
+                                                        world))[0]}
+            (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+            m["distributed"].release()
+            return
         # Each run saves its final snapshot (the weights the tests compare: whole, as
         # sample.py reads them, whatever the layout held on each rank).
         for name in LAYOUTS:
@@ -84,15 +98,24 @@ def _worker(rank: int, store: str, out: str, text: str) -> None:
     m["distributed"].release()  # every reference dropped first: gloo's threads are joined
 
 
-@pytest.fixture(scope="module")
-def spawned(tmp_path_factory):
+def spawn(tmp_path_factory, world: int) -> tuple[Path, dict]:
     """Rank 0's results; each run's snapshot in out/<name>/snapshot."""
-    out = tmp_path_factory.mktemp("layouts")
+    out = tmp_path_factory.mktemp(f"layouts{world}")
     text = out / "input.txt"  # 40,000 characters of the usual text: fast to read, same vocab
     text.write_text((REPO / "05_mingpt/data/input.txt").read_text()[:40_000])
-    mp.start_processes(_worker, args=(str(out / "store"), str(out), str(text)), nprocs=WORLD,
-                       start_method="spawn")  # any failure, an abort at exit too, raises
+    mp.start_processes(_worker, args=(str(out / "store"), str(out), str(text), world),
+                       nprocs=world, start_method="spawn")  # any failure, an abort too, raises
     return out, json.loads((out / "rank0.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    return spawn(tmp_path_factory, WORLD)
+
+
+@pytest.fixture(scope="module")
+def spawned8(tmp_path_factory):
+    return spawn(tmp_path_factory, 8)
 
 
 def weights(run_dir: Path) -> dict:
@@ -102,11 +125,12 @@ def weights(run_dir: Path) -> dict:
             .state_dict()
 
 
-def test_every_layout_follows_ddps_losses_and_weights(spawned):
-    out, result = spawned
+@pytest.mark.parametrize("world", [WORLD, 8])
+def test_every_layout_follows_ddps_losses_and_weights(world, request):
+    out, result = request.getfixturevalue("spawned" if world == WORLD else "spawned8")
     ddp, ddp_weights = train_losses(result["ddp"]["log"]), weights(out / "ddp")
     assert sorted(ddp) == list(range(1, STEPS + 1)) and ddp[STEPS] < ddp[1] - 0.1, ddp
-    for name in LAYOUTS:
+    for name in (LAYOUTS if world == WORLD else LAYOUTS_8):
         losses = train_losses(result[name]["log"])
         assert sorted(losses) == sorted(ddp), (name, losses)
         assert all(log_units(losses[s], ddp[s]) <= LOSS_UNITS for s in ddp), (name, losses, ddp)
