@@ -11,7 +11,7 @@ every rank and writes files from every rank; here nothing is written until the c
 and only global rank 0 writes (main.py).
 """
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields, make_dataclass
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,7 @@ from mingpt.data import KINDS, data_module
 from mingpt.errors import require
 from mingpt.model import GPTConfig, resolve_config
 from mingpt.parallel import STRATEGIES, context, dataparallel, layout, pipeline, tensor
+from mingpt.parallel.layout import Settings
 from mingpt.parallel.tensor import check_tp
 from mingpt.precision import PRECISIONS
 
@@ -40,25 +41,21 @@ DISTRIBUTED_METHODS = tuple(STRATEGIES)
 DEVICES = ("auto", "cpu", "cuda")
 
 
+# The layout's keys (the degrees tp_size, pp_size, cp_size, ..., precision, compile, ...) are
+# the fields of parallel.layout.Settings, which every axis's apply reads: an axis declares its
+# degree there, and here it only becomes a key of trainer_config, typed, with no default.
+LayoutKeys = make_dataclass("LayoutKeys", [(name, hint, field(default=MISSING))
+                                           for name, hint in Settings.__annotations__.items()])
+
+
 @dataclass
-class TrainerConfig:
+class TrainerConfig(LayoutKeys):
     """Types of `trainer_config`; the values and their meaning live in gpt2_train_cfg.yaml."""
 
     max_steps: int = MISSING
     batch_size: int = MISSING
     grad_accum_steps: int = MISSING
     distributed_method: str = MISSING
-    tp_size: int = MISSING
-    cp_size: int = MISSING
-    pp_size: int = MISSING
-    pp_schedule: str = MISSING
-    microbatches: int = MISSING
-    pp_stages_per_rank: int = MISSING
-    pp_split: list[int] | None = MISSING
-    precision: str = MISSING
-    cpu_offload: bool = MISSING
-    activation_checkpointing: bool = MISSING
-    compile: bool = MISSING
     grad_clip: float = MISSING
     warmup_steps: int = MISSING
     min_lr_ratio: float = MISSING
