@@ -50,6 +50,7 @@ class TrainerConfig:
     distributed_method: str = MISSING
     tp_size: int = MISSING
     cp_size: int = MISSING
+    ep_size: int = MISSING
     pp_size: int = MISSING
     pp_schedule: str = MISSING
     microbatches: int = MISSING
