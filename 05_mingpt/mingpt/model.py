@@ -272,8 +272,9 @@ class MoE(nn.Module):
     Load balancing (Switch Transformer eq. 4): aux = n_expert * sum_e f_e * P_e, f_e the
     fraction of the (token, choice) pairs routed to expert e, P_e the mean router probability
     of e; 1 when the load is uniform. GPT.forward adds aux_loss_coef times its mean over the
-    blocks to the training loss. After each forward `aux_loss` (a tensor) and `counts` (rows
-    per expert, this rank's tokens) stay here for the log (mingpt/log.py)."""
+    blocks to the training loss's gradient (AuxLossGrad). After each forward `aux_loss` (a
+    tensor) and `counts` (rows per expert, this rank's tokens) stay here for the log
+    (mingpt/log.py)."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -303,6 +304,25 @@ class MoE(nn.Module):
         f = counts_t.float() / flat_e.numel()  # (E,)
         self.aux_loss = self.n_expert * (f * probs.mean(dim=0)).sum()
         return self.dropout(y.view(B, T, C))
+
+
+class AuxLossGrad(torch.autograd.Function):
+    """carrier unchanged; in backward, `aux` also gets a gradient: scale times the carrier's
+    where the carrier is the (scalar) loss, so that the loss's scaling (gradient accumulation,
+    fp16's scaler) applies to it too; `scale` itself where the carrier is an activation (a
+    pipeline stage, whose blocks never see the loss: parallel/pipeline.py). Megatron-LM's
+    MoEAuxLossAutoScaler does the same: the training loss keeps its cross-entropy value."""
+
+    @staticmethod
+    def forward(ctx, carrier: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale, ctx.scalar = scale, carrier.dim() == 0
+        return carrier.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple:
+        aux_grad = grad.float() * ctx.scale if ctx.scalar else \
+            torch.tensor(ctx.scale, device=grad.device)
+        return grad, aux_grad, None
 
 
 class Block(nn.Module):
@@ -412,9 +432,11 @@ class GPT(nn.Module):
                                    ignore_index=-1)
             moe = self.moe_layers()
             if moe and self.training and self.config.aux_loss_coef:
-                # The experts' load-balancing loss, in training only (validation: cross-entropy).
+                # The experts' load-balancing loss, in training only: its gradient joins the
+                # loss's, and the loss keeps the value of the cross-entropy (what the log and a
+                # dense model report).
                 aux = torch.stack([m.aux_loss for m in moe]).mean()
-                loss = loss + self.config.aux_loss_coef * aux
+                loss = AuxLossGrad.apply(loss, aux, self.config.aux_loss_coef)
         return logits, loss
 
     def moe_layers(self) -> list["MoE"]:
