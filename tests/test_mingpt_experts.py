@@ -37,6 +37,7 @@ LAYOUTS = {
     "to_ddp": ("ddp", 0, 0),       # ddp_ep2's snapshot at HALF, resumed here
     "to_fsdp": ("fsdp", 0, 0),
 }
+MEMORY = ("ddp", "ddp_ep2", "fsdp_ep4")  # model_size.py's per-rank bytes checked on these
 GRAD_CASES = (("ddp", 2), ("fsdp", 4), ("ddp", 4))
 # The first step's gradients against the one-process reference, every entry within
 # GRAD_REL of its tensor's largest magnitude. Both sum the same token terms, in another order
@@ -89,16 +90,35 @@ def _gradients(m: dict, method: str, ep: int) -> dict:
     return apart
 
 
+def _memory(m: dict, name: str, model, optimizer, rank: int) -> dict:
+    """This rank's parameter, gradient and AdamW bytes, counted and as model_size.py predicts
+    them from the shapes alone (one more forward and backward first: gradients exist)."""
+    method, ep, _ = LAYOUTS[name]
+    config = m["wrappers"].unwrap(model).config
+    x = torch.randint(config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(rank))
+    model(x, x)[1].backward()
+    with torch.device("meta"):
+        shapes = m["model"].GPT(config)
+    predicted = m["model_size"].memory_row(shapes, method, WORLD, 1, GLOBAL_BATCH // WORLD,
+                                           rank, ep_size=max(ep, 1))
+    return {"measured": m["memory"].model_state_bytes(model, optimizer),
+            "predicted": {key: predicted[key] for key in ("parameters", "gradients",
+                                                          "optimizer")}}
+
+
 def _worker(rank: int, store: str, out: str, text: str) -> None:
     torch.set_num_threads(1)  # four processes share the cores
     dist.init_process_group("gloo", store=dist.FileStore(store, WORLD), rank=rank,
                             world_size=WORLD, timeout=timedelta(seconds=120))
     out_dir, text, result = Path(out), Path(text), {"grads": {}}
-    with mingpt_imported("main") as m:
+    with mingpt_imported("main", "model_size") as m:
         for method, ep in GRAD_CASES:
             result["grads"][f"{method}_ep{ep}"] = _gradients(m, method, ep)
         for name in ("ddp", "ddp_ep2", "fsdp_ep4", "ddp_pp2", "ddp_ep2_pp2"):
-            result[name] = {"log": run(m, overrides(name, out_dir / name, text, STEPS))[0]}
+            log, model, optimizer = run(m, overrides(name, out_dir / name, text, STEPS))
+            result[name] = {"log": log}
+            if name in MEMORY:
+                result[name]["memory"] = _memory(m, name, model, optimizer, rank)
         # Stopped halfway and resumed under the same layout: bit for bit.
         run(m, overrides("ddp_ep2", out_dir / "half", text, HALF))
         run(m, overrides("ddp_ep2", out_dir / "half", text, STEPS))
@@ -123,6 +143,19 @@ def spawned(tmp_path_factory):
     mp.start_processes(_worker, args=(str(out / "store"), str(out), str(text)), nprocs=WORLD,
                        start_method="spawn")  # any failure, an abort at exit too, raises
     return out, json.loads((out / "rank0.json").read_text())
+
+
+def test_model_size_predicts_every_ranks_expert_bytes(spawned):
+    """model_size.py's bytes per rank, to the byte, on every rank (FSDP's chunks differ)."""
+    out, _ = spawned
+    for rank in range(WORLD):
+        result = json.loads((out / f"rank{rank}.json").read_text())
+        for name in MEMORY:
+            counted = result[name]["memory"]
+            assert counted["measured"] == counted["predicted"], (rank, name, counted)
+        # ep 2 holds half the experts of ep 1, ep 4 (fsdp) a quarter, dense weights alike.
+        assert result["ddp_ep2"]["memory"]["measured"]["parameters"] < \
+            result["ddp"]["memory"]["measured"]["parameters"]
 
 
 def weights(run_dir: Path) -> dict:
@@ -187,3 +220,20 @@ def test_a_resume_is_bitwise_and_ep1_layouts_resume_it(spawned):
         assert beyond <= OUTLIERS, (moved, worst, beyond)
     # ddp writes its one file beside the shards it resumed from.
     assert (out / "to_ddp/snapshot").is_file() or (out / "to_ddp/snapshot.ddp").is_file()
+
+
+def test_ep_size_must_divide_the_data_parallel_degree(monkeypatch):
+    """torchrun's WORLD_SIZE is known before any group: ep groups are cut out of dp ranks."""
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    with mingpt_imported() as m:
+        with pytest.raises(ValueError) as e:
+            m["config"].load(tiny(*MOE, "trainer_config.ep_size=4"))
+        assert str(e.value) == (
+            "trainer_config.ep_size=4 must divide the data-parallel degree 6 (world size 6 / "
+            "(pp x cp x tp)): the experts are split over groups of ep_size data-parallel ranks")
+        # pp 2 of 4 ranks leaves dp 2: ep 2 fits, ep 4 does not.
+        resolve = m["layout"].resolve
+        assert resolve("fsdp", 4, pp_size=2, ep_size=2).sizes() == {"pp": 2, "edp": 1, "ep": 2}
+        assert resolve("ddp", 8, ep_size=2).dp == 8  # ep does not reduce the data degree
+        with pytest.raises(ValueError, match="ep_size=4 must divide the data-parallel degree 2"):
+            resolve("fsdp", 4, pp_size=2, ep_size=4)

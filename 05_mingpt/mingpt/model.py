@@ -230,7 +230,10 @@ def expert_mlp(x: torch.Tensor, counts: list[int], c_fc: ExpertLinear | tuple,
     e -> (N, C). c_fc and c_proj give (weight, bias) per expert along dim 0 of their tensors.
 
     A loop over the experts (a handful here); a GPU kernel would use one grouped matmul."""
-    (w_fc, b_fc), (w_proj, b_proj) = c_fc, c_proj
+    # unbind: one view per expert, whose backward stacks the experts' gradients once (indexing
+    # w[e] would give each expert a zero-filled gradient of the whole stack).
+    (w_fc, b_fc), (w_proj, b_proj) = ((t.unbind(0) if t is not None else None for t in pair)
+                                      for pair in (c_fc, c_proj))
     out, start = [], 0
     for e, n in enumerate(counts):
         h = x[start:start + n] @ w_fc[e]  # (n, 4C)

@@ -44,7 +44,6 @@ class ShardedExperts(Experts):
 
     group: dist.ProcessGroup  # the ep group (set by apply)
     ep: int
-    sent_bytes: int = 0  # the rows this rank sent through both all-to-alls, since reset
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         E, C = len(counts), x.size(1)
@@ -69,12 +68,8 @@ class ShardedExperts(Experts):
         y = expert_mlp(got[order], recv.sum(0).tolist(), *weights)
         y = y[order.argsort()]  # (rows received, C), in arrival order
         # 4. back to where each row came from, in the order it was sent.
-        out = dist_fn.all_to_all_single(x.new_empty(x.size(0), C), y, send_splits,
-                                        recv_splits, group=self.group)
-        me = dist.get_rank(self.group)
-        rows = x.size(0) - send_splits[me] + y.size(0) - recv_splits[me]  # to other ranks
-        self.sent_bytes += rows * C * x.element_size()
-        return out
+        return dist_fn.all_to_all_single(x.new_empty(x.size(0), C), y, send_splits,
+                                         recv_splits, group=self.group)
 
 
 def check_config(t: DictConfig, n_expert: int) -> None:
@@ -133,16 +128,4 @@ def _wrap(experts: nn.Module, flavour: str, s: Settings, edp: DeviceMesh, divide
     experts.set_gradient_divide_factor(float(divide))
 
 
-def sent_bytes(model: nn.Module, reset: bool = True) -> int:
-    """The bytes this rank's experts sent to other ranks through the all-to-alls (forward;
-    backward sends as many again), since the last reset."""
-    total = 0
-    for module in model.modules():
-        if isinstance(module, ShardedExperts):
-            total += module.sent_bytes
-            if reset:
-                module.sent_bytes = 0
-    return total
-
-
-__all__ = ["ShardedExperts", "apply", "check_config", "sent_bytes"]
+__all__ = ["ShardedExperts", "apply", "check_config"]
