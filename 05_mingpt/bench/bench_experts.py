@@ -62,10 +62,14 @@ def measure(preset: str, ep: int, args: argparse.Namespace) -> dict:
         calls.append((rows - own) * (input.numel() // max(rows, 1)) * input.element_size())
         return real(output, input, output_split_sizes, input_split_sizes, group=group, **kwargs)
 
+    # Swapped in for the timed rows only: expert.py's exchange and torch's autograd
+    # all-to-all look the function up on torch.distributed at each call.
     times = []
     dist.all_to_all_single = counted
     try:
         for step in range(2 + args.steps):
+            # Random tokens: an untrained router spreads them about evenly, as a trained
+            # one with the balancing loss does; each rank its own batch, as ddp's data.
             x = torch.randint(0, 65, (args.batch_size, args.block_size), generator=generator)
             dist.barrier()  # every rank starts the step together: the slowest sets the pace
             start = time.perf_counter()
@@ -87,9 +91,10 @@ def measure(preset: str, ep: int, args: argparse.Namespace) -> dict:
 
 
 def _worker(rank: int, store: str, args: argparse.Namespace, out: str) -> None:
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # four processes share the cores: one thread each
     dist.init_process_group("gloo", store=dist.FileStore(store, WORLD), rank=rank,
                             world_size=WORLD, timeout=timedelta(seconds=300))
+    # Every row in the same processes, one after the other: the same data and machine state.
     rows = [measure(preset, ep, args) for preset, ep in ROWS]
     if rank == 0:
         Path(out).write_text(json.dumps({

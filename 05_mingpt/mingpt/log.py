@@ -83,8 +83,10 @@ class TrainLog:
         self.loss_count += 1
         self.tokens += tokens
         if self.moe and self.moe[0].aux_loss is not None:
+            # The layers' mean balancing loss (a device tensor: summed there, no sync) and
+            # the rows each expert of each layer got (host lists: MoE.forward synced them).
             self.aux_sum += torch.stack([m.aux_loss.detach() for m in self.moe]).mean()
-            counts = torch.tensor([m.counts for m in self.moe])  # host lists: no sync
+            counts = torch.tensor([m.counts for m in self.moe])  # (layers, experts)
             self.expert_tokens = counts if self.expert_tokens is None \
                 else self.expert_tokens + counts
 
@@ -156,6 +158,8 @@ class TrainLog:
         rank 0 routed them (its own tokens and layers: no collective)."""
         if self.expert_tokens is None or not self.loss_count:
             return ""
+        # Per micro-step, as the counts were summed over the interval's micro-steps; the
+        # extremes over every layer and expert: an expert starved or swamped shows in one.
         per_step = self.expert_tokens / self.loss_count  # (layers, experts)
         self.expert_values = {"aux_loss": self.aux_sum.item() / self.loss_count,
                               "tokens_min": per_step.min().item(),
