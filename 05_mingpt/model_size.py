@@ -7,6 +7,8 @@ with --memory, what one rank holds in training under each strategy.
     python model_size.py --memory --preset gpt2-medium --vocab_size 65 --block_size 256 \
         --world_size 2 --tp_size 2 --batch_size 4   # per-rank bytes: ddp, zero, fsdp, tp, fsdp_tp
     python model_size.py --memory --preset gpt-mini --block_size 2048 --cp_size 4  # and cp
+    python model_size.py --memory --preset gpt-micro-moe --vocab_size 65 --world_size 4
+        # and a MoE preset's expert parameters per rank under each ep_size (MOE.md)
 
 The models are built on the `meta` device: modules get shapes but no storage, so counting the
 parameters of the 1.5B-parameter gpt2-xl takes no memory and no time. The memory predictions
@@ -117,6 +119,8 @@ def size_row(preset: str, vocab_size: int, block_size: int) -> dict[str, object]
         "L/H/C": f"{cfg.n_layer}/{cfg.n_head}/{cfg.n_embd}",
         "params": f"{n_params:,}",
         "non-emb": human_count(model.num_params(non_embedding=True)),
+        # A MoE model computes each token with expert_top_k of its experts (model.py).
+        "active": human_count(model.num_active_params()),
         "GFLOP/tok": f"{model.flops_per_token() / 1e9:.3f}",
         # bf16: what a bf16 copy for inference needs; fp32: the master weights training keeps.
         "bf16": human_bytes(n_params * BYTES_BF16),
@@ -161,18 +165,24 @@ def chunk(n: int, parts: int, index: int) -> int:
 
 
 def local_shape(name: str, shape: tuple[int, ...], strategy: str, world_size: int,
-                tp_size: int, rank: int) -> tuple[int, ...]:
-    """The shape of parameter `name` that `rank` stores under `strategy`."""
+                tp_size: int, rank: int, ep_size: int = 1) -> tuple[int, ...]:
+    """The shape of parameter `name` that `rank` stores under `strategy` (with `ep_size`:
+    each MoE block's experts split over groups of ep_size consecutive dp ranks, expert.py)."""
     shape, s = list(shape), MEMORY[strategy]
     dp_rank, tp_rank = divmod(rank, tp_size)  # a (dp, tp) mesh: TP groups are neighbours
     if s.tp:
         dim = next((d for suffix, d in TP_DIM.items() if name.endswith(suffix)), None)
         if dim is not None:
             shape[dim] = chunk(shape[dim], tp_size, tp_rank)
+    ep = ep_size if ".mlp.experts." in name else 1
+    edp_rank, ep_rank = divmod(dp_rank, ep)  # dp = edp x ep
+    shape[0] = chunk(shape[0], ep, ep_rank)  # the experts (dim 0) over the ep group
+    # FSDP shards dim 0 of what is left over the ranks that hold the same part: every rank
+    # (fsdp), the dp ranks (fsdp_tp and the pipelines), each over ep fewer for the experts.
     if s.memory.shards_over == "world":  # fsdp: dim 0 over all ranks
-        shape[0] = chunk(shape[0], world_size, rank)
+        shape[0] = chunk(shape[0], world_size // ep, rank // ep)
     if s.memory.shards_over == "dp":  # fsdp_tp: TP inside, then dim 0 of the TP shard over dp
-        shape[0] = chunk(shape[0], world_size // tp_size, dp_rank)
+        shape[0] = chunk(shape[0], world_size // tp_size // ep, edp_rank)
     return tuple(shape)
 
 
@@ -280,9 +290,11 @@ def buffer_bytes(model: GPT, strategy: str, tp_size: int) -> int:
 
 
 def memory_row(model: GPT, strategy: str, world_size: int, tp_size: int, batch_size: int,
-               rank: int = 0, pp_size: int = 1, microbatches: int = 4) -> dict[str, int]:
+               rank: int = 0, pp_size: int = 1, microbatches: int = 4, ep_size: int = 1
+               ) -> dict[str, int]:
     """Bytes `rank` holds under `strategy`: fp32 parameters and gradients, AdamW's state (two
-    moments per element and a 4-byte step per parameter it updates), buffers, activations."""
+    moments per element and a 4-byte step per parameter it updates), buffers, activations;
+    the experts split over ep_size ranks (buffers and activations: as without)."""
     named = list(model.named_parameters())  # the tied wte/lm_head weight once
     pp = pp_size if MEMORY[strategy].pipeline else 1
     # A (pp, dp, tp) mesh: each pipeline rank holds its stage's parameters, which tp and dp
@@ -296,7 +308,7 @@ def memory_row(model: GPT, strategy: str, world_size: int, tp_size: int, batch_s
     # Gradients have their parameters' shapes (and shards); AdamW's moments too, but ZeRO
     # keeps them only for the parameters this rank owns.
     local = {name: math.prod(local_shape(name, tuple(p.shape), strategy, world_size, tp_size,
-                                         rank)) for name, p in named}
+                                         rank, ep_size)) for name, p in named}
     sharded = MEMORY[strategy].memory.sharded_optimizer  # zero
     updated = zero_partition(model, world_size)[rank] if sharded else set(local)
     row = {
@@ -327,6 +339,23 @@ def cp_rows(model: GPT, batch_size: int, cp_size: int) -> list[dict[str, object]
         rows.append({"cp_size": cp, "tokens per rank": batch_size * model.config.block_size // cp,
                      "activations": human_bytes(flash_activation_bytes(model, batch_size, cp))})
         cp *= 2
+    return rows
+
+
+def expert_rows(model: GPT, world_size: int, batch_size: int) -> list[dict[str, object]]:
+    """A MoE model under ddp and fsdp with its experts over ep_size = 1, 2, 4, ... ranks (those
+    dividing n_expert and the world size): rank 0's expert parameters and model state."""
+    rows, ep = [], 1
+    experts = [name for name, _ in model.named_parameters() if ".mlp.experts." in name]
+    while ep <= world_size and model.config.n_expert % ep == 0 and world_size % ep == 0:
+        for strategy in ("ddp", "fsdp"):
+            held = sum(math.prod(local_shape(name, tuple(p.shape), strategy, world_size, 1, 0,
+                                             ep))
+                       for name, p in model.named_parameters() if name in experts)
+            state = memory_row(model, strategy, world_size, 1, batch_size, ep_size=ep)
+            rows.append({"strategy": strategy, "ep_size": ep, "expert params": f"{held:,}",
+                         "model state": human_bytes(state["model state"])})
+        ep *= 2
     return rows
 
 
@@ -369,6 +398,10 @@ def main(argv: list[str] | None = None) -> int:
                 print("\ncontext parallelism (ddp, zero or fsdp x cp_size; dropout 0): "
                       "activations per rank")
                 print_table(cp_rows(model, args.batch_size, args.cp_size))
+                if model.config.n_expert:  # expert parallelism splits the experts' state
+                    print(f"\nexpert parallelism ({model.config.n_expert} experts per block, "
+                          f"{args.world_size} ranks): rank 0's share")
+                    print_table(expert_rows(model, args.world_size, args.batch_size))
                 print()
             print("model state = parameters + gradients + optimizer (exp_avg, exp_avg_sq); "
                   "buffers: DDP's gradient buckets, FSDP's gathered blocks; activations: a "
@@ -383,7 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"vocab_size={args.vocab_size}  block_size={args.block_size}")
     print_table(rows)
     print("L/H/C: layers / heads / embedding width; params: tied wte/lm_head counted once")
-    print("non-emb: params without the position embedding (N below)")
+    print("non-emb: params without the position embedding; active: of those, what one token "
+          "computes with (MoE: expert_top_k experts per block; N below)")
     print("GFLOP/tok: training FLOPs per token, forward + backward: 6*N + 12*L*C*block_size")
     print("bf16, fp32: weights only; train snapshot: fp32 weights + AdamW's two fp32 moments "
           f"= {BYTES_TRAIN_SNAPSHOT} bytes/param")

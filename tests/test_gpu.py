@@ -5,6 +5,7 @@ The rest of the suite forces the CPU (CUDA_VISIBLE_DEVICES=""); these tests give
 import os
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -406,3 +407,69 @@ def test_a_ranks_nccl_dump_is_torchs_and_never_replaces_the_watchdogs(tmp_path):
     assert kept == "True", proc.stdout
     assert "nccl:all_reduce" in ops, ops
     assert files == "['rank0', 'where0.json']"  # no .tmp left behind either time
+
+
+# Rows each rank sends to rank 0 and rank 1: uneven, one split empty (the experts' exchange).
+A2A_SEND = ((1, 3), (2, 0))
+
+
+def _a2a_rows(rank: int, device) -> torch.Tensor:
+    """Rank `rank`'s rows to send, 4 values each, distinct on every rank."""
+    rows = sum(A2A_SEND[rank])
+    return torch.arange(rows * 4, dtype=torch.float32, device=device).view(rows, 4) + 100 * rank
+
+
+def _a2a_worker(rank: int, store: str, out: str, backend: str = "nccl") -> None:
+    """(backend gloo: the same check on the CPU, where the expected values were checked.)"""
+    import json
+
+    import torch.distributed as dist
+    import torch.distributed.nn.functional as dist_fn
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, store=dist.FileStore(store, 2), rank=rank, world_size=2,
+                            device_id=device if backend == "nccl" else None)
+    send = list(A2A_SEND[rank])
+    recv = [A2A_SEND[src][rank] for src in (0, 1)]
+    x = _a2a_rows(rank, device).requires_grad_()
+    y = dist_fn.all_to_all_single(x.new_empty(sum(recv), 4), x, recv, send)
+    # A loss whose gradient is a different number per received row and rank: each sent row's
+    # gradient must come back from the rank (and the place) it went to.
+    weight = lambda r: torch.arange(sum(A2A_SEND[s][r] for s in (0, 1)) * 4,  # noqa: E731
+                                    dtype=torch.float32, device=device).view(-1, 4) + 1000 * r
+    (y * weight(rank)).sum().backward()
+    expected_y = torch.cat([_a2a_rows(src, device)[sum(A2A_SEND[src][:rank]):][:recv[src]]
+                            for src in (0, 1)])
+    grad = []
+    for dst in (0, 1):  # my rows to dst sit after the rows of the ranks before me there
+        before = sum(A2A_SEND[src][dst] for src in range(rank))
+        grad.append(weight(dst)[before:before + send[dst]])
+    result = {"y": torch.equal(y.detach(), expected_y),
+              "grad": torch.equal(x.grad, torch.cat(grad))}
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(GPUS < 2, reason="expert parallelism's all-to-all needs 2 GPUs")
+def test_mingpt_experts_all_to_all_on_gpus(tmp_path):
+    """NCCL's all_to_all_single with uneven splits (one empty) and its autograd backward, as
+    05_mingpt/mingpt/parallel/expert.py sends tokens to their experts; then main.py trains a
+    MoE with ep_size=2 over NCCL."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_a2a_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2,
+                       start_method="spawn")
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == \
+            {"y": True, "grad": True}, rank
+    mingpt = copy_mingpt(tmp_path)
+    proc = run([TORCHRUN, "--standalone", "--nproc_per_node=2", "main.py",
+                *tiny("run_name=ep", "gpt_config.n_expert=4", "gpt_config.expert_top_k=2",
+                      "trainer_config.ep_size=2", "trainer_config.eval_every=5")],
+               cwd=mingpt, CUDA_VISIBLE_DEVICES=VISIBLE)
+    assert "backend nccl" in proc.stdout and "tokens/expert" in proc.stdout
+    losses = val_losses(proc.stdout)
+    assert losses[max(losses)] < losses[0]

@@ -57,6 +57,25 @@ def one_error_line(proc, *fragments: str) -> str:
     (["optimizer_config.lr=0"], ["optimizer_config.lr must be > 0"]),
     (["data_config=nope"], ["data_config/nope.yaml", "char"]),
     (["trainer_config.batch_size=["], ["no viable alternative"]),
+    # Experts (MOE.md): each rank holds n_expert / ep_size of them; top-k picks among them.
+    (["gpt_config.n_expert=4", "trainer_config.ep_size=3"],
+     ["trainer_config.ep_size must be a divisor of gpt_config.n_expert=4", "got 3"]),
+    (["gpt_config.n_expert=4", "gpt_config.expert_top_k=5"],
+     ["expert_top_k must be between 1 and n_expert (4), got 5"]),
+    (["trainer_config.ep_size=2"], ["ep_size must be 0 or 1 for a dense model"]),
+    (["gpt_config.n_expert=4", "trainer_config.ep_size=2", "trainer_config.distributed_method=dp"],
+     ["distributed_method=dp (nn.DataParallel, one process) combines with no other axis, got "
+      "ep_size=2"]),
+    (["gpt_config.n_expert=4", "trainer_config.ep_size=2",
+      "trainer_config.distributed_method=zero"], ["zero cannot take ep_size=2"]),
+    (["gpt_config.n_expert=4", "trainer_config.ep_size=2", "trainer_config.distributed_method=fsdp",
+      "trainer_config.tp_size=2"], ["ep_size=2 with tensor parallelism (tp_size=2)"]),
+    (["gpt_config.n_expert=4", "trainer_config.ep_size=2", "trainer_config.cp_size=2"],
+     ["ep_size=2 with cp_size=2"]),
+    (["gpt_config.n_expert=4", "trainer_config.ep_size=2", "trainer_config.distributed_method=pp"],
+     ["ep_size=2 splits the data-parallel ranks, and distributed_method=pp has none"]),
+    (["gpt_config.n_expert=4", "trainer_config.distributed_method=fsdp_tp"],
+     ["a layout without tensor parallelism for a MoE model"]),
 ])
 def test_config_mistakes_are_one_line(mingpt_modules, overrides, fragments):
     config = mingpt_modules["config"]

@@ -234,8 +234,12 @@ def test_resolve_config_presets():
     own = M.resolve_config(M.GPTConfig(model_type=None, n_layer=2, n_head=2, n_embd=8,
                                        vocab_size=5, block_size=4))
     assert (own.n_layer, own.n_head, own.n_embd) == (2, 2, 8)
-    assert list(M.PRESETS) == ["gpt-nano", "gpt-micro", "gpt-mini", "gopher-44m", "gpt2",
-                               "gpt2-medium", "gpt2-large", "gpt2-xl"]
+    assert list(M.PRESETS) == ["gpt-nano", "gpt-micro", "gpt-mini", "gpt-micro-moe",
+                               "gopher-44m", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"]
+    # A MoE preset sets its experts; the dense presets keep the dense MLP.
+    moe = M.resolve_config(M.GPTConfig(model_type="gpt-micro-moe", vocab_size=5, block_size=4))
+    assert (moe.n_layer, moe.n_embd, moe.n_expert, moe.expert_top_k) == (4, 128, 4, 1)
+    assert M.resolve_config(cfg).n_expert == 0
 
 
 def test_optim_groups():
@@ -336,6 +340,18 @@ def test_model_size_script():
     assert str(independent_param_count(50257, 1024, 12, 768)) == "124439808"
     # Every preset's count equals Hugging Face's GPT2 with the same shapes (built on meta).
     for name, sizes in M.PRESETS.items():
+        if "n_expert" in sizes:  # no Hugging Face GPT2 has experts: the module's own count
+            with torch.device("meta"):
+                moe = M.GPT(M.GPTConfig(model_type=name, vocab_size=50257, block_size=1024))
+            assert f"{moe.num_params():,}" in rows[name], rows[name]
+            # top-1 of 4 experts the size of gpt-micro's MLP: gpt-micro's active parameters
+            # and each block's router (4 x 128).
+            with torch.device("meta"):
+                dense = M.GPT(M.GPTConfig(model_type="gpt-micro", vocab_size=50257,
+                                          block_size=1024))
+            assert moe.num_active_params() == dense.num_active_params() + 4 * 4 * 128
+            assert moe.flops_per_token() == dense.flops_per_token() + 6 * 4 * 4 * 128
+            continue
         with torch.device("meta"):
             hf = hf_gpt2(**sizes, vocab=50257, block=1024)
         n_hf = sum(p.numel() for p in hf.parameters())
@@ -350,8 +366,8 @@ def test_model_size_script():
         bad = script_in_process(size_script, MINGPT, "--preset", "gpt5")
         assert bad.returncode != 0 and bad.stdout == ""
         assert bad.stderr.strip() == (
-            "error: unknown preset 'gpt5'; allowed: gpt-nano, gpt-micro, gpt-mini, gopher-44m, "
-            "gpt2, gpt2-medium, gpt2-large, gpt2-xl")
+            "error: unknown preset 'gpt5'; allowed: gpt-nano, gpt-micro, gpt-mini, "
+            "gpt-micro-moe, gopher-44m, gpt2, gpt2-medium, gpt2-large, gpt2-xl")
         bad = script_in_process(size_script, MINGPT, "--block_size", "0")
     assert bad.returncode != 0 and bad.stderr.startswith("error: ")
     assert "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1

@@ -29,7 +29,7 @@ from mingpt import ROOT
 from mingpt.data import KINDS, data_module
 from mingpt.errors import require
 from mingpt.model import GPTConfig, resolve_config
-from mingpt.parallel import STRATEGIES, context, dataparallel, layout, pipeline, tensor
+from mingpt.parallel import STRATEGIES, context, dataparallel, expert, layout, pipeline, tensor
 from mingpt.parallel.layout import Settings
 from mingpt.parallel.tensor import check_tp
 from mingpt.precision import PRECISIONS
@@ -211,16 +211,18 @@ def validate(cfg: DictConfig) -> None:
         check_tp(sizes.n_head, sizes.n_embd, t.tp_size)
     # Sequences split over cp_size ranks: the method, block_size, dropout (context.py).
     context.check_config(t, sizes.block_size, sizes.dropout)
+    # Experts against the layout: ep_size divides n_expert; no TP plan for experts (expert.py).
+    expert.check_config(t, sizes.n_expert)
 
 
 def _check_layout(t: DictConfig) -> None:
     """The layout: a flavour plus degrees (parallel/layout.py), each axis's own rules, and,
     where torchrun has set WORLD_SIZE, the degrees against the world size: all before any
     process group exists (parallelize checks the world size again, with the same lines)."""
-    for key in ("tp_size", "pp_size"):
+    for key in ("tp_size", "pp_size", "ep_size"):
         require(t[key] >= 0, f"trainer_config.{key}", "an integer >= 0 (0: every rank)", t[key])
     method = t.distributed_method
-    layout.check_axes(method, t.tp_size, t.pp_size, t.cp_size)
+    layout.check_axes(method, t.tp_size, t.pp_size, t.cp_size, t.ep_size)
     flavour, on = layout.SHORTHANDS.get(method, (method, ()))
     if flavour == "dp":  # CUDA GPUs, one process
         dataparallel.check_config(t)
@@ -229,7 +231,8 @@ def _check_layout(t: DictConfig) -> None:
     if t.pp_size > 1 or "pp" in on:  # schedules, micro-batches, no fp16
         pipeline.check_config(t)
     if "WORLD_SIZE" in os.environ and t.cp_size >= 0:
-        layout.resolve(method, int(os.environ["WORLD_SIZE"]), t.tp_size, t.pp_size, t.cp_size)
+        layout.resolve(method, int(os.environ["WORLD_SIZE"]), t.tp_size, t.pp_size, t.cp_size,
+                       t.ep_size)
 
 
 def _check_debugging(t: DictConfig) -> None:

@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from mingpt.memory import model_state_bytes, peak_memory_mb, reset_peak_memory
 from mingpt.mfu import device_name, mfu, peak_flops
+from mingpt.model import MoE
 from mingpt.profiling import StepTimer, breakdown
 
 
@@ -52,8 +53,13 @@ class TrainLog:
 
     def __init__(self, device: torch.device, devices: list[torch.device], run_dir: str,
                  flops_per_token: float, precision: str, dp_size: int,
-                 profile_steps: int = 0) -> None:
+                 profile_steps: int = 0, model: torch.nn.Module | None = None) -> None:
         self.device, self.devices, self.dp_size = device, devices, dp_size
+        # A mixture of experts: this rank's MoE layers (a pipeline stage: its own blocks'),
+        # their load-balancing loss and tokens per expert, summed over the interval.
+        self.moe = [m for m in model.modules() if isinstance(m, MoE)] if model else []
+        self.aux_sum = torch.zeros((), device=device)
+        self.expert_tokens: torch.Tensor | None = None  # (layers, experts)
         # Time per phase of a step (this rank's), and a profile of profile_steps steps.
         self.timer = StepTimer(device, profile_steps, run_dir)
         self.flops_per_token, self.precision = flops_per_token, precision
@@ -76,6 +82,13 @@ class TrainLog:
         self.loss_sum += loss.detach().float()
         self.loss_count += 1
         self.tokens += tokens
+        if self.moe and self.moe[0].aux_loss is not None:
+            # The layers' mean balancing loss (a device tensor: summed there, no sync) and
+            # the rows each expert of each layer got (host lists: MoE.forward synced them).
+            self.aux_sum += torch.stack([m.aux_loss.detach() for m in self.moe]).mean()
+            counts = torch.tensor([m.counts for m in self.moe])  # (layers, experts)
+            self.expert_tokens = counts if self.expert_tokens is None \
+                else self.expert_tokens + counts
 
     def count_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """This rank's parameter, gradient and optimizer bytes, once (call before zero_grad)."""
@@ -117,7 +130,8 @@ class TrainLog:
                               self.world_size * len(self.devices))
             line += f" | MFU {100 * utilisation:.1f}%"
         phases = self.timer.report()  # rank 0's own; on a GPU, waits for its events
-        print0(" | ".join(filter(None, [line, f"peak memory {max(memory):,.0f} MB",
+        experts = self._experts_line()
+        print0(" | ".join(filter(None, [line, experts, f"peak memory {max(memory):,.0f} MB",
                                         breakdown(phases)])))
         if self.writer:
             self.writer.add_scalar("train/loss", loss, step)
@@ -129,9 +143,30 @@ class TrainLog:
                 self.writer.add_scalar(f"memory/peak_mb_rank{r}", mb, step)
             for phase, ms in phases.items():
                 self.writer.add_scalar(f"time/{phase}_ms", ms, step)
+            if experts:
+                for name, value in self.expert_values.items():
+                    self.writer.add_scalar(f"experts/{name}", value, step)
+        self.aux_sum.zero_()
+        self.expert_tokens = None
         self.loss_sum.zero_()
         self.loss_count, self.tokens = 0, 0
         self.t_log = time.perf_counter()
+
+    def _experts_line(self) -> str:
+        """`aux 1.012 | tokens/expert 28-61`: the interval's mean load-balancing loss (1: even)
+        and the fewest and most tokens any expert of any layer got per micro-step, as global
+        rank 0 routed them (its own tokens and layers: no collective)."""
+        if self.expert_tokens is None or not self.loss_count:
+            return ""
+        # Per micro-step, as the counts were summed over the interval's micro-steps; the
+        # extremes over every layer and expert: an expert starved or swamped shows in one.
+        per_step = self.expert_tokens / self.loss_count  # (layers, experts)
+        self.expert_values = {"aux_loss": self.aux_sum.item() / self.loss_count,
+                              "tokens_min": per_step.min().item(),
+                              "tokens_max": per_step.max().item()}
+        v = self.expert_values
+        return (f"aux {v['aux_loss']:.3f} | tokens/expert "
+                f"{v['tokens_min']:.0f}-{v['tokens_max']:.0f}")
 
     def val_line(self, step: int, loss: float) -> None:
         print0(f"step {step} | val loss {loss:.4f}")

@@ -22,6 +22,9 @@ PRESETS: dict[str, dict[str, int]] = {
     "gpt-nano": dict(n_layer=3, n_head=3, n_embd=48),
     "gpt-micro": dict(n_layer=4, n_head=4, n_embd=128),
     "gpt-mini": dict(n_layer=6, n_head=6, n_embd=192),
+    # gpt-micro with 4 experts per block, one per token: gpt-micro's active parameters per
+    # token (plus each router's 4 x 128), four times its MLP weights (MOE.md).
+    "gpt-micro-moe": dict(n_layer=4, n_head=4, n_embd=128, n_expert=4, expert_top_k=1),
     "gopher-44m": dict(n_layer=8, n_head=16, n_embd=512),
     "gpt2": dict(n_layer=12, n_head=12, n_embd=768),  # 124M parameters
     "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),  # 350M
@@ -29,6 +32,7 @@ PRESETS: dict[str, dict[str, int]] = {
     "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),  # 1558M
 }
 SIZE_KEYS = ("n_layer", "n_head", "n_embd")
+EXPERT_KEYS = ("n_expert", "expert_top_k")  # a preset may set these too (0, 1 when it doesn't)
 
 
 @dataclass
@@ -41,6 +45,12 @@ class GPTConfig:
     block_size: int | None = None  # longest context the model sees; set from the dataset
     dropout: float = 0.1  # embedding, attention and residual dropout
     bias: bool = True  # biases in Linear and LayerNorm layers, as in GPT-2
+    # Mixture of experts (MOE.md): n_expert MLPs per block instead of one (0: the dense MLP),
+    # expert_top_k of them per token, picked by a learned softmax router; aux_loss_coef weighs
+    # the Switch Transformer load-balancing loss added to the training loss.
+    n_expert: int = 0
+    expert_top_k: int = 1
+    aux_loss_coef: float = 0.01
 
 
 def _is_positive_int(value: object) -> bool:
@@ -64,7 +74,13 @@ def resolve_config(cfg: GPTConfig) -> GPTConfig:
             if value is not None and value != preset[key]:
                 raise ValueError(f"model_type={cfg.model_type} sets {key}={preset[key]}, got "
                                  f"{key}={value}; set model_type=null to choose sizes yourself")
-        sizes = dict(preset)
+        sizes = {key: preset[key] for key in SIZE_KEYS}
+        for key in EXPERT_KEYS:  # a MoE preset's experts, unless the config says otherwise
+            default = GPTConfig.__dataclass_fields__[key].default
+            if key in preset and getattr(cfg, key) not in (default, preset[key]):
+                raise ValueError(f"model_type={cfg.model_type} sets {key}={preset[key]}, got "
+                                 f"{key}={getattr(cfg, key)}; set model_type=null to choose")
+            sizes[key] = preset.get(key, getattr(cfg, key))
     missing = [key for key, value in sizes.items() if value is None]
     if missing:
         raise ValueError(f"model_type is null, so {', '.join(missing)} must be set "
@@ -81,6 +97,16 @@ def resolve_config(cfg: GPTConfig) -> GPTConfig:
     if isinstance(cfg.dropout, bool) or not isinstance(cfg.dropout, int | float) \
             or not 0.0 <= cfg.dropout < 1.0:
         raise ValueError(f"dropout must be in [0, 1), got {cfg.dropout!r}")
+    n_expert = sizes.get("n_expert", cfg.n_expert)
+    top_k = sizes.get("expert_top_k", cfg.expert_top_k)
+    if not (isinstance(n_expert, int) and not isinstance(n_expert, bool) and n_expert >= 0):
+        raise ValueError(f"n_expert must be an integer >= 0 (0: the dense MLP), got {n_expert!r}")
+    if n_expert and not (_is_positive_int(top_k) and top_k <= n_expert):
+        raise ValueError(f"expert_top_k must be between 1 and n_expert ({n_expert}), got "
+                         f"{top_k!r}")
+    if isinstance(cfg.aux_loss_coef, bool) or not isinstance(cfg.aux_loss_coef, int | float) \
+            or cfg.aux_loss_coef < 0:
+        raise ValueError(f"aux_loss_coef must be >= 0, got {cfg.aux_loss_coef!r}")
     return replace(cfg, **sizes)
 
 
@@ -187,6 +213,121 @@ class MLP(nn.Module):
         return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))  # (B, T, C)
 
 
+class ExpertLinear(nn.Module):
+    """n_expert Linear layers stacked: weight (E, in, out), bias (E, out). One tensor per kind,
+    so that expert parallelism can cut the experts over ranks along dim 0 (parallel/expert.py)."""
+
+    def __init__(self, n_expert: int, fan_in: int, fan_out: int, bias: bool) -> None:
+        super().__init__()
+        # Uninitialised: init_weights draws every value (no draws here, as on the meta device).
+        self.weight = nn.Parameter(torch.empty(n_expert, fan_in, fan_out))
+        self.bias = nn.Parameter(torch.empty(n_expert, fan_out)) if bias else None
+
+
+def expert_mlp(x: torch.Tensor, counts: list[int], c_fc: ExpertLinear | tuple,
+               c_proj: ExpertLinear | tuple) -> torch.Tensor:
+    """Each expert's MLP on its own rows: x (N, C) sorted by expert, counts[e] rows for expert
+    e -> (N, C). c_fc and c_proj give (weight, bias) per expert along dim 0 of their tensors.
+
+    A loop over the experts (a handful here); a GPU kernel would use one grouped matmul."""
+    # unbind: one view per expert, whose backward stacks the experts' gradients once (indexing
+    # w[e] would give each expert a zero-filled gradient of the whole stack).
+    (w_fc, b_fc), (w_proj, b_proj) = ((t.unbind(0) if t is not None else None for t in pair)
+                                      for pair in (c_fc, c_proj))
+    out, start = [], 0
+    for e, n in enumerate(counts):
+        h = x[start:start + n] @ w_fc[e]  # (n, 4C)
+        if b_fc is not None:
+            h = h + b_fc[e]
+        h = F.gelu(h, approximate="tanh") @ w_proj[e]  # (n, C)
+        out.append(h + b_proj[e] if b_proj is not None else h)
+        start += n
+    return torch.cat(out) if out else x[:0]
+
+
+class Experts(nn.Module):
+    """n_expert MLPs (widen 4x, GELU, project back), each on the tokens routed to it.
+
+    forward(x, counts): x (N, C) sorted by expert id, counts (n_expert,) on the host. Expert
+    parallelism replaces this module's class with one that sends the rows to the ranks holding
+    their experts and back (parallel/expert.py): the same inputs, the same outputs."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        C, E = config.n_embd, config.n_expert
+        self.c_fc = ExpertLinear(E, C, 4 * C, config.bias)
+        self.c_proj = ExpertLinear(E, 4 * C, C, config.bias)
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        return expert_mlp(x, counts, (self.c_fc.weight, self.c_fc.bias),
+                          (self.c_proj.weight, self.c_proj.bias))
+
+
+class MoE(nn.Module):
+    """A mixture of experts in the MLP's place (Switch Transformer, GShard), dropless.
+
+    Router: a Linear to n_expert logits and a softmax over them; each token goes to its
+    expert_top_k most probable experts, their outputs weighted by those probabilities
+    renormalised to sum to 1 (top-1: the weight is 1 but keeps the gradient of p / p). No
+    capacity limit: every token reaches its experts, none is dropped, so an expert's rows vary
+    from batch to batch (the expert loop and the all-to-all take any counts).
+
+    Load balancing (Switch Transformer eq. 4): aux = n_expert * sum_e f_e * P_e, f_e the
+    fraction of the (token, choice) pairs routed to expert e, P_e the mean router probability
+    of e; 1 when the load is uniform. GPT.forward adds aux_loss_coef times its mean over the
+    blocks to the training loss's gradient (AuxLossGrad). After each forward `aux_loss` (a
+    tensor) and `counts` (rows per expert, this rank's tokens) stay here for the log
+    (mingpt/log.py)."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_expert, self.top_k = config.n_expert, config.expert_top_k
+        self.router = nn.Linear(config.n_embd, config.n_expert, bias=False)
+        self.experts = Experts(config)
+        self.dropout = nn.Dropout(config.dropout)
+        self.aux_loss: torch.Tensor | None = None
+        self.counts: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        x = x.view(B * T, C)  # (N, C): routing is per token
+        probs = F.softmax(self.router(x).float(), dim=-1)  # (N, E), in fp32 under autocast
+        top_p, top_e = probs.topk(self.top_k, dim=-1)  # (N, k) each
+        top_p = top_p / top_p.sum(dim=-1, keepdim=True)  # the chosen experts' weights sum to 1
+        # Sort the N * k (token, expert) pairs by expert, so each expert's rows are contiguous.
+        flat_e = top_e.view(-1)  # (N * k,)
+        order = flat_e.argsort(stable=True)  # pair positions, expert by expert
+        counts_t = torch.bincount(flat_e, minlength=self.n_expert)  # (E,)
+        self.counts = counts_t.tolist()  # host sync: the loop and the all-to-all need them
+        rows = x[order // self.top_k]  # (N * k, C): pair i is token i // k's choice i % k
+        out = self.experts(rows, self.counts)  # (N * k, C), in the same order
+        weighted = out * top_p.view(-1)[order].unsqueeze(1).to(out.dtype)  # (N * k, C)
+        y = torch.zeros_like(x).index_add_(0, order // self.top_k, weighted)  # (N, C)
+        # Switch's balancing loss: f_e (no gradient, from the hard choices) times P_e.
+        f = counts_t.float() / flat_e.numel()  # (E,)
+        self.aux_loss = self.n_expert * (f * probs.mean(dim=0)).sum()
+        return self.dropout(y.view(B, T, C))
+
+
+class AuxLossGrad(torch.autograd.Function):
+    """carrier unchanged; in backward, `aux` also gets a gradient: scale times the carrier's
+    where the carrier is the (scalar) loss, so that the loss's scaling (gradient accumulation,
+    fp16's scaler) applies to it too; `scale` itself where the carrier is an activation (a
+    pipeline stage, whose blocks never see the loss: parallel/pipeline.py). Megatron-LM's
+    MoEAuxLossAutoScaler does the same: the training loss keeps its cross-entropy value."""
+
+    @staticmethod
+    def forward(ctx, carrier: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale, ctx.scalar = scale, carrier.dim() == 0
+        return carrier.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple:
+        aux_grad = grad.float() * ctx.scale if ctx.scalar else \
+            torch.tensor(ctx.scale, device=grad.device)
+        return grad, aux_grad, None
+
+
 class Block(nn.Module):
     """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
@@ -195,7 +336,7 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = MLP(config)
+        self.mlp = MoE(config) if config.n_expert else MLP(config)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), cache)  # (B, T, C)
@@ -249,11 +390,12 @@ class GPT(nn.Module):
         # them in the order they were built, so the draws come in a fixed order. The tied
         # wte/lm_head weight is drawn twice (as wte, then as lm_head): the second draw stays.
         for module in self.modules():
-            if isinstance(module, nn.Linear | nn.Embedding):
+            if isinstance(module, nn.Linear | nn.Embedding | ExpertLinear):
                 fill(module.weight, partial(nn.init.normal_, mean=0.0, std=0.02))
             elif isinstance(module, nn.LayerNorm):
                 fill(module.weight, nn.init.ones_)
-            if isinstance(module, nn.Linear | nn.LayerNorm) and module.bias is not None:
+            if isinstance(module, nn.Linear | nn.LayerNorm | ExpertLinear) \
+                    and module.bias is not None:
                 fill(module.bias, nn.init.zeros_)
         # GPT-2: each block adds two residual projections to the stream; scale them down so the
         # variance of the residual stream does not grow with depth.
@@ -291,7 +433,18 @@ class GPT(nn.Module):
             # Flatten batch and time: cross_entropy wants (N, vocab) scores and (N,) labels.
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1),
                                    ignore_index=-1)
+            moe = self.moe_layers()
+            if moe and self.training and self.config.aux_loss_coef:
+                # The experts' load-balancing loss, in training only: its gradient joins the
+                # loss's, and the loss keeps the value of the cross-entropy (what the log and a
+                # dense model report).
+                aux = torch.stack([m.aux_loss for m in moe]).mean()
+                loss = AuxLossGrad.apply(loss, aux, self.config.aux_loss_coef)
         return logits, loss
+
+    def moe_layers(self) -> list["MoE"]:
+        """The blocks' MoE layers (none in a dense model), in block order."""
+        return [m for m in self.modules() if isinstance(m, MoE)]
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
@@ -335,8 +488,10 @@ class GPT(nn.Module):
     def describe(self) -> str:
         """One line for the log: size and shape."""
         c = self.config
+        experts = (f", {c.n_expert} experts, top {c.expert_top_k}: "
+                   f"{self.num_active_params():,} active") if c.n_expert else ""
         return (f"{self.num_params():,} parameters ({c.n_layer} layers, {c.n_head} heads, "
-                f"{c.n_embd} wide, vocab {c.vocab_size}, block {c.block_size})")
+                f"{c.n_embd} wide, vocab {c.vocab_size}, block {c.block_size}{experts})")
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Number of parameters (the tied embedding / lm_head weight counts once).
@@ -349,14 +504,22 @@ class GPT(nn.Module):
             n -= self.wpe.weight.numel()
         return n
 
+    def num_active_params(self) -> int:
+        """The non-embedding parameters one token computes with: of each block's experts only
+        expert_top_k (the router and everything else whole). A dense model: all of them."""
+        c = self.config
+        experts = sum(p.numel() for m in self.moe_layers() for p in m.experts.parameters())
+        inactive = experts - experts // c.n_expert * c.expert_top_k if c.n_expert else 0
+        return self.num_params(non_embedding=True) - inactive
+
     def flops_per_token(self) -> float:
         """Training FLOPs per token (forward + backward), PaLM paper appendix B.
 
-        6 FLOPs per weight per token (2 forward, 4 backward) plus attention's score and
-        weighted-sum matmuls over a full context: 12 * n_layer * n_embd * block_size.
+        6 FLOPs per active weight per token (2 forward, 4 backward) plus attention's score
+        and weighted-sum matmuls over a full context: 12 * n_layer * n_embd * block_size.
         """
         cfg = self.config
-        return 6.0 * self.num_params(non_embedding=True) + 12.0 * cfg.n_layer * cfg.n_embd \
+        return 6.0 * self.num_active_params() + 12.0 * cfg.n_layer * cfg.n_embd \
             * cfg.block_size
 
     def optim_groups(self, weight_decay: float) -> list[dict]:
@@ -371,7 +534,7 @@ class GPT(nn.Module):
         no_decay: set[int] = set()
         for module in self.modules():
             for name, param in module.named_parameters(recurse=False):
-                if isinstance(module, nn.Linear) and name == "weight":
+                if isinstance(module, nn.Linear | ExpertLinear) and name == "weight":
                     decay.add(id(param))
                 else:
                     no_decay.add(id(param))

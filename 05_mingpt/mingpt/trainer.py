@@ -98,7 +98,7 @@ class Trainer:
         self.snapshot_meta = snapshot_meta
         # Loss, tokens/s, MFU, memory and TensorBoard: log.TrainLog's (rank 0 writes).
         self.log = TrainLog(device, self.hooks.memory_devices(model, device), run_dir,
-                            flops_per_token, cfg.precision, self.dp_size, cfg.profile_steps)
+                            flops_per_token, cfg.precision, self.dp_size, cfg.profile_steps, model)
         skip_gradient_sync(model, lambda: self.step)  # FAULT_SKIP_AT_STEP only (faults.py)
         self.scheduler = build_scheduler(optimizer, cfg)
         self.scaler = grad_scaler(device, cfg.precision)

@@ -11,7 +11,8 @@ mesh and applies each axis in one order, as torchtitan does:
 1. pipeline.split: the blocks into stages; this rank keeps its own (pp_size).
 2. then on each part (the whole GPT, or each of this rank's stages):
    tensor.apply (each block's matmuls over the tp ranks), context.apply (the sequences over
-   the cp ranks), and the flavour's apply (ddp.py, fsdp.py, dataparallel.py; zero is ddp plus
+   the cp ranks), expert.apply (each MoE block's experts over the ep ranks), and the
+   flavour's apply (ddp.py, fsdp.py, dataparallel.py; zero is ddp plus
    zero.py's optimizer), which also takes activation checkpointing and compile per block.
 3. pipeline.schedule: the stages and their schedule (the trainer's step under pp).
 
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mingpt.parallel import context, dataparallel, ddp, fsdp, layout, pipeline, tensor
+from mingpt.parallel import context, dataparallel, ddp, expert, fsdp, layout, pipeline, tensor
 from mingpt.parallel.layout import FLAVOURS, METHODS, SHORTHANDS, Layout, Settings, resolve
 from mingpt.parallel.runner import Runner
 from mingpt.parallel.wrappers import unwrap, wrap_blocks
@@ -85,7 +86,7 @@ def parallelize(model: nn.Module, device: torch.device, method: str = "ddp",
 
     ValueError (one line) where the world size or the model does not fit the layout."""
     s = Settings(**settings)
-    lay = resolve(method, dist.get_world_size(), s.tp_size, s.pp_size, s.cp_size)
+    lay = resolve(method, dist.get_world_size(), s.tp_size, s.pp_size, s.cp_size, s.ep_size)
     axes = lay.sizes()  # the axes that are on: a degree > 1, or named by a shorthand
     mesh = layout.build_mesh(lay, device)
     parts = pipeline.split(model, mesh, s) if "pp" in axes else [model]
@@ -106,6 +107,8 @@ def _apply_axes(part: nn.Module, device: torch.device, s: Settings, lay: Layout,
         tensor.apply(part, mesh["tp"])
     if "cp" in axes:
         context.apply(part, mesh["cp"])
+    if "ep" in axes:  # the experts over ep, their gradients averaged over edp
+        expert.apply(part, mesh, lay.flavour, s)
     grads = layout.grad_mesh(mesh)  # the ranks that average gradients: dp (x cp)
     if lay.flavour in ("ddp", "zero"):
         return ddp.apply(part, device, s, grads, pipeline="pp" in axes)
@@ -126,7 +129,8 @@ def runner(model: nn.Module, device: torch.device, precision: str):
     return getattr(unwrap(model), "pipeline", None) or Runner(model, device, precision)
 
 
-AXIS_NAMES = {"pp": "pipeline-parallel", "cp": "context-parallel", "tp": "tensor-parallel"}
+AXIS_NAMES = {"pp": "pipeline-parallel", "cp": "context-parallel", "tp": "tensor-parallel",
+              "ep": "expert-parallel"}
 
 
 def describe(model: nn.Module) -> str:
@@ -136,7 +140,7 @@ def describe(model: nn.Module) -> str:
     if not isinstance(lay, Layout):
         return "none"
     return " x ".join(f"{AXIS_NAMES[axis]} {size}" for axis, size in lay.sizes().items()
-                      if axis != "dp") or "none"
+                      if axis not in ("dp", "edp")) or "none"
 
 
 def snapshot_layout(model: nn.Module, method: str) -> str:

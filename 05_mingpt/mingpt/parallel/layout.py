@@ -10,7 +10,11 @@ sharded), fsdp (parameters, gradients and optimizer state sharded) or dp (nn.Dat
 process, every GPU; it combines with nothing). The degrees say how many ranks split each model
 replica, axis by axis: tp_size (each block's matmuls), pp_size (the blocks, into stages),
 cp_size (each sequence); 0 or 1 is off. The data-parallel degree is what the world size leaves:
-dp = world / (pp x cp x tp).
+dp = world / (pp x cp x tp). ep_size (expert parallelism, expert.py) is no such axis: it
+cuts each MoE block's experts over groups of ep data-parallel ranks, which still read their
+own data (torchtitan's and DeepSpeed-MoE's way), so it splits dp instead of adding to it:
+mesh dims edp x ep where dp was, flattened back into "dp" for the data and the dense
+gradients; the experts' gradients average over "edp" (the ranks holding the same experts).
 
 The older names stay shorthands for degrees: tp and pp are one tensor-parallel group or one
 pipeline over every rank (no data-parallel axis; tp_size or pp_size 0 means every rank),
@@ -42,6 +46,7 @@ class Settings(NamedTuple):
     tp_size: int = 0  # ranks per tensor-parallel group (0: every rank)
     cp_size: int = 0  # ranks per context-parallel group (0, 1: off; context.py)
     # Pipeline parallelism (pipeline.py): stages, schedule, micro-batches per round.
+    ep_size: int = 0  # data-parallel ranks per expert-parallel group (0, 1: off; expert.py)
     pp_size: int = 0  # ranks per pipeline (0: every rank, or every rank of a TP group)
     pp_schedule: str = "1f1b"  # gpipe, 1f1b, interleaved_1f1b, looped_bfs, interleaved_zb, ...
     microbatches: int = 1  # micro-batches each micro-step's batch is cut into
@@ -76,6 +81,7 @@ class Layout:
     pp: int = 1
     cp: int = 1
     tp: int = 1
+    ep: int = 1  # splits dp: dp / ep groups (edp) of ep ranks, each group all the experts
     # Axes a shorthand turns on even at size 1 (tp on one process: TP over a group of one).
     on: tuple[str, ...] = field(default=(), compare=False)
 
@@ -88,14 +94,20 @@ class Layout:
     def snapshot(self) -> str:
         """The snapshot layout: "ddp" (one file, global rank 0 writes it) where every rank
         holds the whole model, else "fsdp" (DCP shards, every rank writes its own)."""
-        whole = self.flavour in ("ddp", "zero", "dp") and self.tp == self.pp == 1
+        whole = self.flavour in ("ddp", "zero", "dp") and self.tp == self.pp == self.ep == 1
         return "ddp" if whole else "fsdp"
 
     def sizes(self) -> dict[str, int]:
-        """The mesh's dimensions, outermost first: dp always, the other axes where on."""
+        """The mesh's dimensions, outermost first: dp always (edp x ep with experts split),
+        the other axes where on."""
         every = {"pp": self.pp, "dp": self.dp, "cp": self.cp, "tp": self.tp}
-        return {axis: size for axis, size in every.items()
-                if axis == "dp" or size > 1 or axis in self.on}
+        sizes = {axis: size for axis, size in every.items()
+                 if axis == "dp" or size > 1 or axis in self.on}
+        if self.ep > 1:  # in dp's place, in this order: an ep group is ep consecutive dp ranks
+            sizes = {k: v for axis, size in sizes.items() for k, v in
+                     ({"edp": self.dp // self.ep, "ep": self.ep} if axis == "dp"
+                      else {axis: size}).items()}
+        return sizes
 
     def describe(self) -> str:
         """One line for the log: `fsdp: pp 2 x dp 2 x tp 2` (8 ranks)."""
@@ -103,12 +115,12 @@ class Layout:
             f"{axis} {size}" for axis, size in self.sizes().items())
 
 
-def resolve(method: str, world: int, tp_size: int = 0, pp_size: int = 0, cp_size: int = 0
-            ) -> Layout:
+def resolve(method: str, world: int, tp_size: int = 0, pp_size: int = 0, cp_size: int = 0,
+            ep_size: int = 0) -> Layout:
     """The layout `method` names with these degrees on `world` ranks; ValueError (one line)
     where they do not fit. main.py calls it with torchrun's WORLD_SIZE before any process
     group exists, parallelize() again with the group's size: the same checks, the same line."""
-    check_axes(method, tp_size, pp_size, cp_size)
+    check_axes(method, tp_size, pp_size, cp_size, ep_size)
     flavour, on = SHORTHANDS.get(method, (method, ()))
     cp = max(cp_size, 1)
     tp = (tp_size or world) if "tp" in on else max(tp_size, 1)
@@ -136,16 +148,22 @@ def resolve(method: str, world: int, tp_size: int = 0, pp_size: int = 0, cp_size
                          if what == f"cp_size={cp}" else
                          f"{what} = {pp * cp * tp} must divide the world size {world} (each "
                          "model replica takes that many ranks)")
-    return Layout(method, flavour, world, pp=pp, cp=cp, tp=tp, on=on)
+    ep, dp = max(ep_size, 1), world // (pp * cp * tp)
+    if dp % ep:
+        raise ValueError(f"trainer_config.ep_size={ep} must divide the data-parallel degree "
+                         f"{dp} (world size {world} / (pp x cp x tp)): the experts are split "
+                         "over groups of ep_size data-parallel ranks")
+    return Layout(method, flavour, world, pp=pp, cp=cp, tp=tp, ep=ep, on=on)
 
 
-def check_axes(method: str, tp_size: int = 0, pp_size: int = 0, cp_size: int = 0) -> None:
+def check_axes(method: str, tp_size: int = 0, pp_size: int = 0, cp_size: int = 0,
+               ep_size: int = 0) -> None:
     """The pairs of a flavour and an axis, or of two axes, that cannot work: ValueError, one
     line saying which and why. Needs no world size: config.py calls it for every run."""
     if method not in METHODS:
         raise ValueError(f"unknown distributed_method {method!r}")
     flavour, on = SHORTHANDS.get(method, (method, ()))
-    sizes = {"pp": pp_size, "cp": cp_size, "tp": tp_size}
+    sizes = {"pp": pp_size, "cp": cp_size, "tp": tp_size, "ep": ep_size}
     axes = [f"{axis}_size={size}" for axis, size in sizes.items() if size > 1 or axis in on]
     if flavour == "dp" and axes:
         raise ValueError(f"distributed_method=dp (nn.DataParallel, one process) combines with "
@@ -156,6 +174,29 @@ def check_axes(method: str, tp_size: int = 0, pp_size: int = 0, cp_size: int = 0
                          "ZeroRedundancyOptimizer broadcasts plain tensors, and with tp_size or "
                          "pp_size the weights are DTensors (ddp's replicas there are FSDP2's "
                          "replicate); use fsdp, which shards the optimizer state too")
+    if ep_size > 1:
+        _check_ep(flavour, on, tp_size, cp_size, ep_size)
+
+
+def _check_ep(flavour: str | None, on: tuple[str, ...], tp_size: int, cp_size: int,
+              ep_size: int) -> None:
+    """Expert parallelism's refusals (nn.DataParallel's is check_axes' own)."""
+    if flavour is None:  # tp, pp: one group or pipeline, no data-parallel ranks to split
+        raise ValueError(f"ep_size={ep_size} splits the data-parallel ranks, and "
+                         f"distributed_method={'pp' if 'pp' in on else 'tp'} has none; use "
+                         "ddp or fsdp (with pp_size)")
+    if flavour == "zero":
+        raise ValueError(f"distributed_method=zero cannot take ep_size={ep_size}: its "
+                         "ZeroRedundancyOptimizer broadcasts plain tensors, and the split "
+                         "experts are DTensors; use fsdp, which shards the optimizer state too")
+    if tp_size > 1 or "tp" in on:
+        raise ValueError(f"ep_size={ep_size} with tensor parallelism (tp_size={tp_size}): "
+                         "the experts would need a TP plan of their own (torchtitan's ETP), "
+                         "which is not built; use one of the two")
+    if cp_size > 1:
+        raise ValueError(f"ep_size={ep_size} with cp_size={cp_size}: the experts' gradients "
+                         "would average over the cp ranks too, which is not built; use one of "
+                         "the two")
 
 
 def build_mesh(layout: Layout, device: torch.device) -> DeviceMesh:
@@ -168,6 +209,8 @@ def build_mesh(layout: Layout, device: torch.device) -> DeviceMesh:
     mesh = init_device_mesh(device.type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
     if layout.cp > 1:
         mesh["dp", "cp"]._flatten("dp_cp")  # private API, as torchtitan uses it
+    if layout.ep > 1:  # the data-reading ranks again, for the data and the dense gradients
+        mesh["edp", "ep"]._flatten("dp")
     return mesh
 
 

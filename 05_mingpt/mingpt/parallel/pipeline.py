@@ -68,6 +68,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor
 
 from mingpt.errors import require
+from mingpt.model import AuxLossGrad, MoE
 from mingpt.parallel.grads import clip_grad_norm_
 from mingpt.parallel.layout import Settings
 from mingpt.precision import autocast
@@ -135,6 +136,7 @@ class Stage(nn.Module):
         if first:
             self.wpe, self.drop = gpt.wpe, gpt.drop
         self.blocks = nn.ModuleList(gpt.blocks[i] for i in blocks)
+        self.aux_scale = 1.0  # 1 / micro-batches per step (Pipeline.start_step)
         if last:
             self.ln_f = gpt.ln_f
 
@@ -151,6 +153,14 @@ class Stage(nn.Module):
             x = self.drop(self.wte(x) + self.wpe(pos))  # (B, T, C)
         for block in self.blocks:
             x = block(x)  # (B, T, C)
+        moe = [m for m in self.blocks.modules() if isinstance(m, MoE)]
+        if moe and self.training and self.config.aux_loss_coef:
+            # The experts' balancing loss never reaches the last stage's loss: its gradient
+            # rides on this stage's output, with the weight GPT.forward gives it (a mean over
+            # every block, divided by the step's micro-batches as _loss divides the loss).
+            aux = torch.stack([m.aux_loss for m in moe]).sum()
+            x = AuxLossGrad.apply(x, aux, self.config.aux_loss_coef / self.config.n_layer
+                                  * self.aux_scale)
         if self.last:
             x = self.lm_head(self.ln_f(x))  # (B, T, vocab_size)
         return x
@@ -285,6 +295,8 @@ class Pipeline:
     def start_step(self, rounds: int) -> None:
         """Before a step of `rounds` rounds (the trainer's grad_accum_steps)."""
         self.scale, self.losses = rounds * self.microbatches, []
+        for stage in self.stages:
+            stage.submod.aux_scale = 1.0 / self.scale
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """One round: forward and backward of `microbatches` micro-batches of (x, y)."""

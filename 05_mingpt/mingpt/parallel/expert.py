@@ -1,0 +1,131 @@
+"""Expert parallelism (EP): each MoE block's experts split over the ranks of an ep group, the
+tokens sent to the ranks holding their experts and back with two all-to-alls.
+
+    apply(part, mesh, "fsdp", settings)   # parallelize: after TP and CP, before the flavour
+
+An ep group is ep_size data-parallel ranks (layout.py: the mesh's dp dimension is edp x ep,
+flattened back into "dp"). They still read their own data, as torchtitan and DeepSpeed-MoE
+do: EP divides the experts, not the batch. Rank j of a group holds experts
+[j * E / ep, (j + 1) * E / ep) of every MoE block, as DTensors sharded on dim 0 over "ep", so
+snapshots (DCP) hold each expert tensor whole under its usual name, in any layout.
+
+Forward of one block's experts (ShardedExperts): the rows arrive sorted by expert (model.MoE);
+1. the counts: every rank tells every other how many rows it sends to each of its experts
+   (an all_to_all_single of E integers);
+2. the rows: all_to_all_single with uneven splits (torch.distributed.nn.functional's, which
+   has a backward: each row's gradient goes back to the rank it came from);
+3. the local experts run on the rows they received, regrouped expert by expert;
+4. the outputs go back by the reverse all-to-all, in the order they came.
+
+Gradients. A dense weight's gradient is averaged over every data-parallel rank (the flavour,
+over "dp"). An expert's rows came from every rank of its ep group, so its local gradient
+already sums what the group's losses give it; the flavour averages it over "edp" only (the
+ranks holding the same expert) with the divide factor set to the dp degree: the sum over all
+dp ranks / dp, the same mean a dense weight gets (torchtitan sets FSDP's divide factor too).
+"""
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
+from omegaconf import DictConfig
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from mingpt.errors import require
+from mingpt.model import Experts, expert_mlp
+from mingpt.parallel.layout import Settings
+from mingpt.precision import fsdp_policy
+
+
+class ShardedExperts(Experts):
+    """Experts whose weights are this rank's E / ep experts (DTensors over the ep group):
+    forward takes and returns what Experts.forward does, all E experts' rows."""
+
+    group: dist.ProcessGroup  # the ep group (set by apply)
+    ep: int
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        E, C = len(counts), x.size(1)
+        local = E // self.ep  # experts per rank
+        # 1. rows per (source rank, local expert): recv[j, e] from rank j for my expert e.
+        send = torch.tensor(counts, device=x.device)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)  # no gradient: integers
+        recv = recv.view(self.ep, local)
+        send_splits = send.view(self.ep, local).sum(1).tolist()  # rows to each rank
+        recv_splits = recv.sum(1).tolist()  # rows from each rank
+        # 2. the rows, rank by rank (each rank's own rows for my experts, expert by expert).
+        got = dist_fn.all_to_all_single(x.new_empty(sum(recv_splits), C), x, recv_splits,
+                                        send_splits, group=self.group)
+        # 3. regroup expert by expert (stable: the order within an expert does not matter
+        # for the result, but keeps it reproducible), run them, restore the arrival order.
+        expert_of_row = torch.arange(local, device=x.device).repeat(self.ep) \
+            .repeat_interleave(recv.flatten())  # (rows received,)
+        order = expert_of_row.argsort(stable=True)
+        weights = [(m.weight.to_local(), m.bias.to_local() if m.bias is not None else None)
+                   for m in (self.c_fc, self.c_proj)]
+        y = expert_mlp(got[order], recv.sum(0).tolist(), *weights)
+        y = y[order.argsort()]  # (rows received, C), in arrival order
+        # 4. back to where each row came from, in the order it was sent.
+        return dist_fn.all_to_all_single(x.new_empty(x.size(0), C), y, send_splits,
+                                         recv_splits, group=self.group)
+
+
+def check_config(t: DictConfig, n_expert: int) -> None:
+    """The experts against the layout: ep_size needs experts and must divide their number;
+    TP's plan names the dense MLP's matmuls (no plan for experts)."""
+    if t.ep_size > 1:
+        require(n_expert > 0, "trainer_config.ep_size",
+                "0 or 1 for a dense model (gpt_config.n_expert=0)", t.ep_size)
+        require(n_expert % t.ep_size == 0, "trainer_config.ep_size",
+                f"a divisor of gpt_config.n_expert={n_expert} (each rank holds n_expert / "
+                "ep_size experts)", t.ep_size)
+    if n_expert:
+        require(t.tp_size <= 1 and t.distributed_method not in ("tp", "fsdp_tp", "fsdp_tp_pp"),
+                "trainer_config.distributed_method",
+                "a layout without tensor parallelism for a MoE model (TP's plan splits the "
+                "dense MLP; experts have none)", t.distributed_method)
+
+
+def apply(part: nn.Module, mesh: DeviceMesh, flavour: str, s: Settings) -> nn.Module:
+    """Every MoE block of `part` (the GPT, or a pipeline stage) with its experts split over
+    mesh["ep"] and wrapped by the flavour over mesh["edp"], in place; the flavour's apply then
+    wraps the rest over mesh["dp"] (FSDP and replicate leave modules already wrapped alone)."""
+    ep, edp = mesh["ep"], mesh["edp"]
+    for block in part.blocks:
+        experts = getattr(getattr(block, "mlp", None), "experts", None)  # an Identity: none
+        if experts is None:
+            continue
+        n_expert = experts.c_fc.weight.size(0)
+        if n_expert % ep.size():
+            raise ValueError(f"trainer_config.ep_size={ep.size()} must divide "
+                             f"gpt_config.n_expert={n_expert}")
+        for module in (experts.c_fc, experts.c_proj):
+            for name, param in list(module.named_parameters(recurse=False)):
+                # src_data_rank=None: every rank built the same weights from the same seed (or
+                # none yet, on the meta device), so each keeps its own experts, no traffic.
+                module.register_parameter(name, nn.Parameter(distribute_tensor(
+                    param.data, ep, [Shard(0)], src_data_rank=None)))
+        experts.__class__ = ShardedExperts  # forward: the exchange (the class FSDP will wrap)
+        experts.group, experts.ep = ep.get_group(), ep.size()
+        _wrap(experts, flavour, s, edp, divide=mesh["dp"].size())
+    return part
+
+
+def _wrap(experts: nn.Module, flavour: str, s: Settings, edp: DeviceMesh, divide: int) -> None:
+    """The flavour on one block's experts over the ranks holding the same experts: FSDP2's
+    fully_shard (fsdp) or replicate (ddp: DDP cannot take DTensors, ddp.py), the gradient
+    sum divided by the dp degree."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate  # noqa: PLC0415
+    kwargs: dict = {"mesh": edp}
+    if s.precision != "fp32":
+        kwargs["mp_policy"] = fsdp_policy(s.precision)
+    if flavour == "fsdp":
+        fully_shard(experts, reshard_after_forward=s.pp_size <= 1, **kwargs)
+    else:
+        replicate(experts, **kwargs)
+    experts.set_gradient_divide_factor(float(divide))
+
+
+__all__ = ["ShardedExperts", "apply", "check_config"]

@@ -1,0 +1,239 @@
+"""05_mingpt's mixture of experts and expert parallelism (MOE.md, mingpt/parallel/expert.py):
+with its experts split over ep ranks the MoE model computes the gradients, losses and weights
+of one process on the same global batch, resumes bit for bit, and its snapshots resume where
+the experts are not split (ddp's one file, fsdp's shards).
+
+All runs share ONE group of 4 spawned gloo processes (as test_mingpt_layouts). The gradient
+reference is one plain GPT on every rank, run on the global batch as a one-process run with
+gradient accumulation does (4 micro-batches of 2 sequences, loss / 4 each: the arithmetic of
+ddp over 4 ranks of 2, whose losses the trainer runs then follow). Refusals run in this process.
+"""
+import json
+import shutil
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from conftest import REPO
+from mingpt_helpers import log_units, mingpt_imported, tiny, train_losses, weights_apart
+from test_mingpt_layouts import WEIGHT_TOLERANCE
+from test_mingpt_strategies import HALF, LOSS_UNITS, OUTLIERS, STEPS, run
+
+WORLD = 4
+GLOBAL_BATCH = 8  # sequences per step, whatever the layout: batch_size x dp
+MOE = ("gpt_config.n_expert=4", "gpt_config.expert_top_k=2")
+# name -> (distributed_method, ep_size, pp_size). ep does not reduce dp: batch_size is
+# GLOBAL_BATCH / (world / pp) whatever ep_size is.
+LAYOUTS = {
+    "ddp": ("ddp", 0, 0),          # dp 4, experts whole on every rank: the reference
+    "ddp_ep2": ("ddp", 2, 0),      # dp 4 = edp 2 x ep 2 (FSDP2's replicate)
+    "fsdp_ep4": ("fsdp", 4, 0),    # dp 4 = edp 1 x ep 4, FSDP from the meta device
+    "ddp_pp2": ("ddp", 0, 2),      # pp 2 x dp 2, experts whole: ddp_ep2_pp2's reference
+    "ddp_ep2_pp2": ("ddp", 2, 2),  # pp 2 x (edp 1 x ep 2)
+    "to_ddp": ("ddp", 0, 0),       # ddp_ep2's snapshot at HALF, resumed here
+    "to_fsdp": ("fsdp", 0, 0),
+}
+MEMORY = ("ddp", "ddp_ep2", "fsdp_ep4")  # model_size.py's per-rank bytes checked on these
+GRAD_CASES = (("ddp", 2), ("fsdp", 4), ("ddp", 4))
+# The first step's gradients against the one-process reference, every entry within
+# GRAD_REL of its tensor's largest magnitude. Both sum the same token terms, in another order
+# (another batch shape per matmul, the all-to-all's regrouping, DDP's and FSDP's sums over
+# ranks): each rounding moves a sum by U = 6e-8 of its terms' size, and a sum over the
+# ~2^9 token terms of a batch accumulates at most ~log2(2^9) = 9 levels of it in a blocked
+# reduction, ~1e-6 of the largest gradient. A bug (a row sent to the wrong expert, an
+# expert's gradient averaged over the wrong ranks: off by a factor ep) changes entries by
+# their own size. 1e-4 sits two orders above the one and four below the other.
+GRAD_REL = 1e-4
+
+
+def overrides(name: str, run_dir: Path, text: Path, max_steps: int) -> list[str]:
+    method, ep, pp = LAYOUTS[name]
+    dp = WORLD // max(pp, 1)
+    return tiny(f"run_dir={run_dir}", f"data_config.path={text}", *MOE,
+                f"trainer_config.distributed_method={method}", f"trainer_config.ep_size={ep}",
+                f"trainer_config.pp_size={pp}", f"trainer_config.batch_size={GLOBAL_BATCH // dp}",
+                f"trainer_config.microbatches={2 if pp else 1}",
+                f"trainer_config.max_steps={max_steps}",
+                f"trainer_config.snapshot_path={run_dir}/snapshot",
+                "gpt_config.dropout=0.0", "trainer_config.min_lr_ratio=1.0",
+                "trainer_config.log_every=1", "trainer_config.save_every=0",
+                "trainer_config.eval_batches=2", "trainer_config.sample_tokens=0")
+
+
+def _gradients(m: dict, method: str, ep: int) -> dict:
+    """The largest |gradient - reference| / max |reference| per parameter after one forward
+    and backward of the global batch, split over the data-parallel ranks."""
+    GPT, GPTConfig = m["model"].GPT, m["model"].GPTConfig
+    config = GPTConfig(model_type=None, n_layer=2, n_head=2, n_embd=32, vocab_size=65,
+                       block_size=16, dropout=0.0, n_expert=4, expert_top_k=2)
+    data = torch.randint(65, (GLOBAL_BATCH, 17), generator=torch.Generator().manual_seed(7))
+    x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
+    torch.manual_seed(0)
+    reference = GPT(config)
+    for rows in range(0, GLOBAL_BATCH, 2):  # one process, 4 micro-steps of 2 sequences
+        (reference(x[rows:rows + 2], y[rows:rows + 2])[1] / 4).backward()
+    torch.manual_seed(0)
+    model = m["parallel"].parallelize(GPT(config), torch.device("cpu"), method, ep_size=ep)
+    rank, size = m["wrappers"].data_parallel(model)
+    assert size == WORLD  # ep does not reduce the data-parallel degree
+    share = GLOBAL_BATCH // size
+    model(x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share])[1].backward()
+    apart = {}
+    for name, param in model.named_parameters():
+        grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
+        expected = dict(reference.named_parameters())[name].grad
+        apart[name] = ((grad - expected).abs().max() / expected.abs().max()).item()
+    return apart
+
+
+def _memory(m: dict, name: str, model, optimizer, rank: int) -> dict:
+    """This rank's parameter, gradient and AdamW bytes, counted and as model_size.py predicts
+    them from the shapes alone (one more forward and backward first: gradients exist)."""
+    method, ep, _ = LAYOUTS[name]
+    config = m["wrappers"].unwrap(model).config
+    x = torch.randint(config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(rank))
+    model(x, x)[1].backward()
+    with torch.device("meta"):
+        shapes = m["model"].GPT(config)
+    predicted = m["model_size"].memory_row(shapes, method, WORLD, 1, GLOBAL_BATCH // WORLD,
+                                           rank, ep_size=max(ep, 1))
+    return {"measured": m["memory"].model_state_bytes(model, optimizer),
+            "predicted": {key: predicted[key] for key in ("parameters", "gradients",
+                                                          "optimizer")}}
+
+
+def _worker(rank: int, store: str, out: str, text: str) -> None:
+    torch.set_num_threads(1)  # four processes share the cores
+    dist.init_process_group("gloo", store=dist.FileStore(store, WORLD), rank=rank,
+                            world_size=WORLD, timeout=timedelta(seconds=120))
+    out_dir, text, result = Path(out), Path(text), {"grads": {}}
+    with mingpt_imported("main", "model_size") as m:
+        for method, ep in GRAD_CASES:
+            result["grads"][f"{method}_ep{ep}"] = _gradients(m, method, ep)
+        for name in ("ddp", "ddp_ep2", "fsdp_ep4", "ddp_pp2", "ddp_ep2_pp2"):
+            log, model, optimizer = run(m, overrides(name, out_dir / name, text, STEPS))
+            result[name] = {"log": log}
+            if name in MEMORY:
+                result[name]["memory"] = _memory(m, name, model, optimizer, rank)
+        # Stopped halfway and resumed under the same layout: bit for bit.
+        run(m, overrides("ddp_ep2", out_dir / "half", text, HALF))
+        run(m, overrides("ddp_ep2", out_dir / "half", text, STEPS))
+        # ep 2's snapshot at HALF (DCP shards) resumed with the experts whole: ddp (one file
+        # from then on) and fsdp.
+        run(m, overrides("ddp_ep2", out_dir / "to_ddp", text, HALF))
+        if rank == 0:
+            shutil.copytree(out_dir / "to_ddp", out_dir / "to_fsdp")
+        dist.barrier()
+        for moved in ("to_ddp", "to_fsdp"):
+            result[moved] = {"log": run(m, overrides(moved, out_dir / moved, text, STEPS))[0]}
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+    m["distributed"].release()  # every reference dropped first: gloo's threads are joined
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    """Rank 0's results; each run's snapshot in out/<name>/snapshot."""
+    out = tmp_path_factory.mktemp("experts")
+    text = out / "input.txt"  # 40,000 characters of the usual text: fast to read, same vocab
+    text.write_text((REPO / "05_mingpt/data/input.txt").read_text()[:40_000])
+    mp.start_processes(_worker, args=(str(out / "store"), str(out), str(text)), nprocs=WORLD,
+                       start_method="spawn")  # any failure, an abort at exit too, raises
+    return out, json.loads((out / "rank0.json").read_text())
+
+
+def test_model_size_predicts_every_ranks_expert_bytes(spawned):
+    """model_size.py's bytes per rank, to the byte, on every rank (FSDP's chunks differ)."""
+    out, _ = spawned
+    for rank in range(WORLD):
+        result = json.loads((out / f"rank{rank}.json").read_text())
+        for name in MEMORY:
+            counted = result[name]["memory"]
+            assert counted["measured"] == counted["predicted"], (rank, name, counted)
+        # ep 2 holds half the experts of ep 1, ep 4 (fsdp) a quarter, dense weights alike.
+        assert result["ddp_ep2"]["memory"]["measured"]["parameters"] < \
+            result["ddp"]["memory"]["measured"]["parameters"]
+
+
+def weights(run_dir: Path) -> dict:
+    """The final snapshot's weights, whole (sample.py's reader: one file or DCP shards)."""
+    with mingpt_imported() as m:
+        return m["sample"].load_model(str(run_dir / "snapshot"), torch.device("cpu"))[0] \
+            .state_dict()
+
+
+def test_the_first_gradients_are_one_process_gradients(spawned):
+    _, result = spawned
+    for case, apart in result["grads"].items():
+        assert any("experts" in name for name in apart), case
+        worst = max(apart, key=apart.get)
+        assert apart[worst] <= GRAD_REL, (case, worst, apart[worst])
+
+
+def test_every_ep_layout_follows_one_process_losses_and_weights(spawned):
+    """The balancing loss is a product of two means over a micro-batch's tokens, so it
+    depends on which sequences share a micro-batch: dp 4 x 2 sequences groups the global
+    batch as a one-process run with 4 micro-steps of 2 does, a pipeline over dp 2 as one with
+    2 x 2 micro-batches of 2 (measured: 5 log units apart after 4 steps at aux_loss_coef 0.01,
+    equal at 0). So the pipeline's reference is the same pipeline with the experts whole."""
+    out, result = spawned
+    for name, reference in (("ddp_ep2", "ddp"), ("fsdp_ep4", "ddp"), ("ddp_pp2", "ddp"),
+                            ("ddp_ep2_pp2", "ddp_pp2")):
+        ddp, ddp_weights = train_losses(result[reference]["log"]), weights(out / reference)
+        assert sorted(ddp) == list(range(1, STEPS + 1)) and ddp[STEPS] < ddp[1] - 0.1, ddp
+        if name == "ddp_pp2":  # the grouping only: the same cross-entropy at step 1
+            assert train_losses(result[name]["log"])[1] == ddp[1]
+            continue
+        losses = train_losses(result[name]["log"])
+        assert sorted(losses) == sorted(ddp), (name, losses)
+        assert all(log_units(losses[s], ddp[s]) <= LOSS_UNITS for s in ddp), (name, losses, ddp)
+        worst, beyond = weights_apart(weights(out / name), ddp_weights, WEIGHT_TOLERANCE)
+        assert beyond <= OUTLIERS, (name, worst, beyond)
+
+
+def test_ep_keeps_the_batch_and_the_log_shows_the_experts_load(spawned):
+    _, result = spawned
+    # ep keeps every rank a data-parallel one: 2 sequences x 4 ranks per step.
+    for name in ("ddp_ep2", "fsdp_ep4"):
+        assert "8 sequences per step (batch_size 2 x grad_accum_steps 1 x world size 4)" \
+            in result[name]["log"], name
+    for name in ("ddp", "ddp_ep2", "fsdp_ep4"):
+        lines = [line for line in result[name]["log"].splitlines() if line.startswith("step ")
+                 and "| loss " in line]
+        assert len(lines) == STEPS and all("| aux " in line and "tokens/expert " in line
+                                           for line in lines), (name, lines)
+
+
+def test_a_resume_is_bitwise_and_ep1_layouts_resume_it(spawned):
+    out, result = spawned
+    whole, resumed = weights(out / "ddp_ep2"), weights(out / "half")
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+    ddp, ddp_weights = train_losses(result["ddp"]["log"]), weights(out / "ddp")
+    for moved in ("to_ddp", "to_fsdp"):
+        losses = train_losses(result[moved]["log"])
+        assert sorted(losses) == list(range(HALF + 1, STEPS + 1)), (moved, losses)
+        assert all(log_units(losses[s], ddp[s]) <= LOSS_UNITS for s in losses), (moved, losses)
+        worst, beyond = weights_apart(weights(out / moved), ddp_weights, WEIGHT_TOLERANCE)
+        assert beyond <= OUTLIERS, (moved, worst, beyond)
+    # ddp writes its one file beside the shards it resumed from.
+    assert (out / "to_ddp/snapshot").is_file() or (out / "to_ddp/snapshot.ddp").is_file()
+
+
+def test_ep_size_must_divide_the_data_parallel_degree(monkeypatch):
+    """torchrun's WORLD_SIZE is known before any group: ep groups are cut out of dp ranks."""
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    with mingpt_imported() as m:
+        with pytest.raises(ValueError) as e:
+            m["config"].load(tiny(*MOE, "trainer_config.ep_size=4"))
+        assert str(e.value) == (
+            "trainer_config.ep_size=4 must divide the data-parallel degree 6 (world size 6 / "
+            "(pp x cp x tp)): the experts are split over groups of ep_size data-parallel ranks")
+        # pp 2 of 4 ranks leaves dp 2: ep 2 fits, ep 4 does not.
+        resolve = m["layout"].resolve
+        assert resolve("fsdp", 4, pp_size=2, ep_size=2).sizes() == {"pp": 2, "edp": 1, "ep": 2}
+        assert resolve("ddp", 8, ep_size=2).dp == 8  # ep does not reduce the data degree
+        with pytest.raises(ValueError, match="ep_size=4 must divide the data-parallel degree 2"):
+            resolve("fsdp", 4, pp_size=2, ep_size=4)
