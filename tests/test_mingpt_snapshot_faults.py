@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import PYTHON
+from conftest import PYTHON, TORCHRUN, run
 from mingpt_helpers import copy_mingpt, load_ddp_snapshot, script_in_process, tiny
 from step_helpers import node_envs, peer_process
 
@@ -111,10 +111,12 @@ def previous(ref_snap: Path, snap: Path) -> Path:
 
 
 def assert_same_snapshot(step_dir: Path, ref_dir: Path, tmp_path: Path) -> None:
-    """Weights, AdamW's state, the RNG streams and the schedule, bit for bit."""
+    """Weights, AdamW's state, torch's RNG streams and the schedule, bit for bit. (NumPy's
+    and Python's streams are saved too, but nothing seeds them: each process starts its own.)"""
     assert_bitwise(dcp_tensors(step_dir, tmp_path), dcp_tensors(ref_dir, tmp_path))
     states = [torch.load(d / "train_state.pt", weights_only=True) for d in (step_dir, ref_dir)]
-    assert_bitwise(*[{k: state[k] for k in ("step", "rng", "scheduler")} for state in states])
+    assert_bitwise(*[{"step": state["step"], "scheduler": state["scheduler"],
+                      "torch": [rng["torch"] for rng in state["rng"]]} for state in states])
 
 
 @pytest.mark.timeout(1200, method="thread")  # rank 0 runs in this process
@@ -194,3 +196,59 @@ def test_one_file_save_fault_on_rank_0_stops_every_rank_slowest(mingpt_modules, 
     assert_bitwise({k: final[k] for k in ("model", "optimizer", "rng")},
                    {k: reference[k] for k in ("model", "optimizer", "rng")})
 
+
+def torchrun(mingpt: Path, *args: str, restarts: int = 0, **env: str):
+    """main.py under torchrun, 2 processes: DCP's staging process re-imports main.py, which a
+    rank run inside pytest cannot offer."""
+    return run([TORCHRUN, "--standalone", "--nproc_per_node=2", f"--max-restarts={restarts}",
+                "main.py", *tiny(*args, *ARGS)], cwd=mingpt, check=False, timeout=400, **env)
+
+
+@pytest.mark.timeout(900)
+def test_async_snapshots_survive_a_crash_mid_write_and_resume_bitwise_slowest(
+        mingpt, fsdp_ref, tmp_path):
+    """FAULT_AT_SAVE=6 kills rank 0 while step 6's shards are written in the background (its
+    commit waits for the write): torchrun restarts both, they resume from the asynchronous
+    snapshot of step 3 and end with the blocking reference's weights, bit for bit."""
+    proc = torchrun(mingpt, FSDP, "run_name=async", "trainer_config.async_save=true",
+                    restarts=1, FAULT_AT_SAVE="6")
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    assert "[rank 0] FAULT_AT_SAVE=6: killing this worker" in proc.stdout
+    snap = mingpt / "runs/async/snapshot"
+    assert f"resumed from {snap} at step 3" in proc.stdout
+    assert (snap / "latest").read_text() == "step_00000006"
+    for step in ("step_00000003", "step_00000006"):  # written asynchronously, both
+        assert_same_snapshot(snap / step, fsdp_ref / step, tmp_path)
+
+
+@pytest.mark.timeout(600)
+def test_async_write_failure_on_one_rank_is_agreed_before_any_commit_slowest(
+        mingpt, fsdp_ref, tmp_path):
+    """Rank 1's staging process fails to write a shard of step 6: no rank commits it, each
+    stops with the one line (torchrun's node prints it once), the snapshot of step 3 stays."""
+    snap = previous(fsdp_ref, tmp_path / "snapshot")
+    before = digests(snap / "step_00000003")
+    proc = torchrun(mingpt, FSDP, "run_name=async_fault", "trainer_config.async_save=true",
+                    f"trainer_config.snapshot_path={snap}", FAULT_WRITE_ERROR="1:shard")
+    ended = time.time()
+    assert proc.returncode != 0
+    # (stderr also has torchrun's summary and the staging process's log lines)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: rank 1: cannot save the snapshot to {snap} (Input/output error: "
+                      f"{snap}/step_00000006/__1_0.distcp); the previous snapshot, if any, is "
+                      "unchanged: free some space or set trainer_config.snapshot_path, then run "
+                      "again to resume"], proc.stderr[-3000:]
+    struck = float(re.search(r"FAULT_WRITE_ERROR=1:shard: .* at ([0-9.]+)$", proc.stdout,
+                             re.M)[1])
+    assert ended - struck < BOUND_S
+    assert (snap / "latest").read_text() == "step_00000003"
+    assert digests(snap / "step_00000003") == before
+
+
+def test_async_save_of_a_one_file_snapshot_is_refused(mingpt_modules, mingpt):
+    proc = script_in_process(mingpt_modules["main"], mingpt, *tiny(
+        "run_name=async_ddp", "trainer_config.async_save=true"))
+    assert (proc.returncode, proc.stderr.strip()) == (2, (
+        "error: trainer_config.async_save must be False for a one-file snapshot "
+        "(distributed_method=ddp, zero or dp without tp_size or pp_size: rank 0 writes it "
+        "alone; SNAPSHOTS.md), got True"))
