@@ -149,7 +149,9 @@ def train(cfg: DictConfig, device: torch.device) -> str | None:
 def run(cfg: DictConfig) -> None:
     try:
         t = cfg.trainer_config
-        device = distributed.setup(t.device, t.cpu_offload, t.collective_timeout_s, cfg.run_dir,
+        # (DCP's asynchronous save plans over a CPU backend: gloo beside NCCL, as offloading)
+        device = distributed.setup(t.device, t.cpu_offload or t.async_save,
+                                   t.collective_timeout_s, cfg.run_dir,
                                    t.flight_recorder_entries)
     except ValueError as e:
         fail(e)

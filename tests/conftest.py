@@ -90,6 +90,9 @@ SLOW_FILES = (
     # 21 to 35 at a load average of 8 to 11: four processes importing torch, then writing
     "test_error_lines.py",
     "test_mingpt_s3.py",  # 31
+    # 262 at a load average of 7: eleven 2-rank runs (rank 0 in the test process), plus two
+    # torchrun launches with DCP's staging processes
+    "test_mingpt_snapshot_faults.py",
     "test_mingpt_bench.py",  # 22
     "test_torchrun_logs.py",  # 25: docs/LOGS.md's launch, at 3 processes, with a kill and a restart
     "test_vscode.py",  # 25: torchrun under debugpy, attached as VS Code attaches
@@ -116,6 +119,7 @@ ROBUSTNESS_FILES = (
     "test_mingpt_errors.py",
     "test_mingpt_hang.py",
     "test_mingpt_s3.py",
+    "test_mingpt_snapshot_faults.py",
     "test_restarts.py",
     "test_slurm.py",
     "test_teardown.py",

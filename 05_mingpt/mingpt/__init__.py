@@ -11,6 +11,7 @@ use it; each module owns one concern (README: Reading order):
     precision    autocast, the fp16 loss scaler, FSDP's mixed-precision policy
     trainer      the training loop; log: what its logs report (mfu, memory: their probes)
     snapshot     the snapshot formats and their commit; storage: local disk or S3
+    savers       a save blocking the loop, or written in the background (async_save)
     errors       one `error:` line, agreed by every rank
     devices, faults, pretrained: the device and backend, fault injection, GPT-2 weights
 """

@@ -64,6 +64,7 @@ class TrainerConfig(LayoutKeys):
     eval_batches: int = MISSING
     save_every: int = MISSING
     keep_last: int = MISSING
+    async_save: bool = MISSING
     snapshot_path: str = MISSING
     seed: int = MISSING
     data_loader_workers: int = MISSING
@@ -176,6 +177,12 @@ def validate(cfg: DictConfig) -> None:
             "False unless distributed_method=fsdp without tp_size or pp_size (it offloads FSDP "
             "shards)", t.cpu_offload)
     _check_debugging(t)
+    # DCP's asynchronous save writes shards; the one-file layout has one writer (SNAPSHOTS.md).
+    flavour, on = layout.SHORTHANDS.get(t.distributed_method, (t.distributed_method, ()))
+    require(not t.async_save or flavour == "fsdp" or on or t.tp_size > 1 or t.pp_size > 1,
+            "trainer_config.async_save", "False for a one-file snapshot (distributed_method=ddp, "
+            "zero or dp without tp_size or pp_size: rank 0 writes it alone; SNAPSHOTS.md)",
+            t.async_save)
     require(t.grad_clip >= 0, "trainer_config.grad_clip", ">= 0 (0 turns clipping off)",
            t.grad_clip)
     require(0 <= t.min_lr_ratio <= 1, "trainer_config.min_lr_ratio", "between 0 and 1",

@@ -3,6 +3,7 @@
     data = errors.agreed(build_datasets, cfg)   # a ValueError on one rank: on all of them
     errors.fail(e)                              # print `error: ...` once per node, exit 2
     errors.report(message)                      # the one place an `error:` line is written
+    message = errors.agree(error)               # every rank's outcome (str or None) on all
 
 A config mistake is the same on every rank. A node's own storage is not: a BPE directory, a
 CIFAR-10 download or a writable snapshot folder can be there on one node and missing on
@@ -72,23 +73,32 @@ def agreed(function: Callable[..., T], *args, **kwargs) -> T:
         result, error = function(*args, **kwargs), None
     except ValueError as e:  # only the expected kind: anything else is a bug, with traceback
         result, error = None, str(e)
+    message = agree(error)
+    if message is not None:
+        raise ValueError(message)
+    return result
+
+
+def agree(error: str | None) -> str | None:
+    """Every rank's outcome on every rank: None where all succeeded, else the one message each
+    of them raises (agreed's; snapshot.py raises its own SnapshotError or SaveError with it).
+
+    A collective: `error` is this rank's failure, None where it succeeded."""
     # One process (or none in a group yet: a notebook, a unit test): nothing to agree on.
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        if error is not None:
-            raise ValueError(error)
-        return result
+        return error
     # Every rank's outcome on every rank: (message, host) where it failed, else None.
     seen: list = [None] * dist.get_world_size()
     dist.all_gather_object(seen, error and (error, socket.gethostname()))
     failed = [(rank, report) for rank, report in enumerate(seen) if report]
     if not failed:
-        return result
+        return None
     rank, (message, host) = failed[0]
     if len(failed) == len(seen) and len({report[0] for _, report in failed}) == 1:
-        raise ValueError(message)  # the same on every rank: a mistake in the config
+        return message  # the same on every rank: a mistake in the config
     # Some ranks only: name the first, and its host, whose storage is the one to look at.
     others = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
-    raise ValueError(f"rank {rank} on {host}{others}: {message}")
+    return f"rank {rank} on {host}{others}: {message}"
 
 
 def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

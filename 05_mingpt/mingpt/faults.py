@@ -1,7 +1,9 @@
 """Fault injection, to watch torchrun restart a crashed job and to watch a hang end (a demo and
 test tool, not for real runs). Steps 03 and 04 count epochs; this version counts optimizer steps,
 can also crash in the middle of a snapshot save, and can make one rank stall or skip a
-collective (DEBUGGING.md shows what the Flight Recorder then says)."""
+collective (DEBUGGING.md shows what the Flight Recorder then says), or have one rank's snapshot
+storage fail (SNAPSHOTS.md: every rank then stops with the same one line)."""
+import errno
 import os
 import signal
 import time
@@ -10,6 +12,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
@@ -77,3 +80,55 @@ def skip_gradient_sync(model: torch.nn.Module, current_step: Callable[[], int]) 
         return allreduce_hook(None, bucket)  # None: DDP's process group
 
     model.register_comm_hook(None, hook)
+
+
+# What FAULT_WRITE_ERROR and FAULT_READ_ERROR can make fail: this rank's DCP shard files, the
+# one file a rank writes or reads whole (the ddp snapshot, or train_state.pt beside the shards),
+# and `latest`, the sharded layout's commit.
+IO_TARGETS = {"write": ("shard", "file", "latest"), "read": ("shard", "file")}
+
+
+def io_error(operation: str, target: str, path: str) -> None:
+    """FAULT_WRITE_ERROR=RANK:TARGET / FAULT_READ_ERROR=RANK:TARGET: global rank RANK's
+    `operation` ("write" or "read") of a TARGET file (IO_TARGETS) raises an OSError for `path`,
+    on torchrun's first attempt only, as a failing disk or a node's own missing file would:
+    EIO for a write, ENOENT for a read. The other ranks' storage works; every rank must still
+    stop with the one line of the failing one (snapshot.py agrees on each outcome)."""
+    variable = f"FAULT_{operation.upper()}_ERROR"
+    if os.environ.get(variable) != f"{dist.get_rank()}:{target}" or \
+            os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    code = errno.EIO if operation == "write" else errno.ENOENT
+    # The time, for tests that measure how long the others take to stop after it.
+    print(f"[rank {dist.get_rank()}] {variable}={os.environ[variable]}: {path} fails "
+          f"({errno.errorcode[code]}) at {time.time():.3f}", flush=True)
+    raise OSError(code, os.strerror(code), path)
+
+
+class FaultyWriter(FileSystemWriter):
+    """DCP's local writer, whose shard writes fail where FAULT_WRITE_ERROR=RANK:shard says.
+
+    A class, not a patched method: an asynchronous save pickles the writer to DCP's staging
+    process, which imports this module and checks its own (the same global) rank there."""
+
+    def write_data(self, plan, planner):  # noqa: ANN001, ANN201 (DCP's own signature)
+        io_error("write", "shard", f"{self.path}/__{dist.get_rank()}_0.distcp")
+        return super().write_data(plan, planner)
+
+
+class FaultyReader(FileSystemReader):
+    """DCP's local reader, whose shard reads fail where FAULT_READ_ERROR=RANK:shard says."""
+
+    def read_data(self, plan, planner):  # noqa: ANN001, ANN201
+        io_error("read", "shard", f"{self.path}/__{dist.get_rank()}_0.distcp")
+        return super().read_data(plan, planner)
+
+
+def faulty(storage: object) -> object:
+    """DCP's local `storage` writer or reader, as its Faulty* kind where a fault names shards;
+    anything else (an fsspec writer for s3://) as it is."""
+    for kind, real, fault in (("WRITE", FileSystemWriter, FaultyWriter),
+                              ("READ", FileSystemReader, FaultyReader)):
+        if type(storage) is real and os.environ.get(f"FAULT_{kind}_ERROR", "").endswith(":shard"):
+            storage.__class__ = fault
+    return storage

@@ -32,6 +32,8 @@ import random
 import shutil
 import warnings
 from collections.abc import Callable
+from functools import partial
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -42,12 +44,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from mingpt import storage
+from mingpt import errors, faults, storage
 from mingpt.optim import keep_own_optimizer_settings, own_settings, restore_settings
 from mingpt.parallel import snapshot_layout
 from mingpt.parallel.strided import checkpointable
 from mingpt.parallel.wrappers import unwrap
 
+T = TypeVar("T")
 TRAIN_STATE = "train_state.pt"
 LATEST = "latest"
 # Model config keys that may differ between a snapshot and the run loading it.
@@ -68,13 +71,18 @@ class SaveError(Exception):
 
 def save_file(url: str, obj: dict, before_commit: Callable[[], None] | None = None) -> None:
     """torch.save(obj) to `url`, atomically (write_bytes_atomic)."""
+    def write(f: io.BufferedIOBase) -> None:
+        if dist.is_initialized():  # a training run's ranks (FAULT_WRITE_ERROR=RANK:file)
+            faults.io_error("write", "file", url)
+        torch.save(obj, f)
+
     if storage.is_local(url):
         # Straight into the temporary file, tensor by tensor: serialising into a buffer first
         # held a second copy of the whole snapshot (weights and both moments) in memory.
-        storage.write_atomic(url, lambda f: torch.save(obj, f), before_commit)
+        storage.write_atomic(url, write, before_commit)
         return
     buffer = io.BytesIO()  # an object store: one upload of the finished bytes, as before
-    torch.save(obj, buffer)
+    write(buffer)
     storage.write_bytes_atomic(url, buffer.getvalue(), before_commit)
 
 
@@ -100,6 +108,8 @@ def load_file(url: str) -> dict:
     local file are views of it (_load_mapped): copy those that must outlive it."""
     try:
         fs, path = storage.filesystem(url)
+        if dist.is_initialized():  # a training run's ranks (sample.py, export_hf.py: no group)
+            faults.io_error("read", "file", url)
         state = _load_mapped(path) if isinstance(fs, LocalFileSystem) else None
         if state is None:  # an object store, or a file that could not be mapped
             with fs.open(path, "rb") as f:
@@ -250,20 +260,40 @@ def save_sharded(url: str, step: int, model: torch.nn.Module, optimizer: torch.o
                  train_state: dict, before_commit: Callable[[], None] | None = None,
                  keep_last: int = 1) -> None:
     """FSDP: all ranks write their shards; rank 0 then commits by rewriting `latest`, and
-    removes all but the newest `keep_last` step directories."""
+    removes all but the newest `keep_last` step directories. Each part's outcome is agreed
+    (_agreed): SaveError on every rank where any rank failed."""
     name = f"step_{step:08d}"
-    fs, path = storage.filesystem(url)
-    if dist.get_rank() == 0 and fs.exists(f"{path}/{name}"):
-        fs.rm(f"{path}/{name}", recursive=True)  # left by a save of this step that was cut off
-    dist.barrier()  # ... and removed before any rank writes into it again
+    agreed_part(url, clear_step, name)  # ... and removed before any rank writes into it again
     # Sharded state dicts: each rank only holds (and writes) its own shards, no gather; TP's
     # strided q/k/v shards too, as row runs DCP records (strided.checkpointable).
+    agreed_part(url, write_shards, name, model, optimizer)
+    # dcp.save is collective: it returns only once every rank's shards are written and rank 0
+    # (its coordinator) has written .metadata, so the step directory is complete here.
+    agreed_part(url, commit_sharded, name, train_state, before_commit, keep_last)
+
+
+def clear_step(url: str, name: str) -> None:
+    """Rank 0: remove step directory `name`, left by a save of this step that was cut off."""
+    fs, path = storage.filesystem(url)
+    if dist.get_rank() == 0 and fs.exists(f"{path}/{name}"):
+        fs.rm(f"{path}/{name}", recursive=True)
+
+
+def write_shards(url: str, name: str, model: torch.nn.Module,
+                  optimizer: torch.optim.Optimizer) -> None:
+    """Every rank's shards into step directory `name` (dcp.save: collective; a failure on any
+    rank is a CheckpointException, naming it, on every rank)."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save(checkpointable({"model": model_sd, "optim": optim_sd}),
-             storage_writer=storage.writer(f"{url}/{name}"))
-    # dcp.save is collective: it returns only once every rank's shards are written and rank 0
-    # (its coordinator) has written .metadata, so the step directory is complete here. One
-    # writer commits, so `latest` never sees two ranks' writes at once.
+             storage_writer=faults.faulty(storage.writer(f"{url}/{name}")))
+
+
+def commit_sharded(url: str, name: str, train_state: dict,
+                   before_commit: Callable[[], None] | None, keep_last: int) -> None:
+    """Rank 0: train_state.pt, then `latest` names step directory `name` (the commit), then
+    the older step directories go. One writer commits: `latest` never sees two ranks' writes."""
+    fs, path = storage.filesystem(url)
+    before_commit = partial(_before_latest, url, before_commit)
     if dist.get_rank() == 0:
         save_file(f"{url}/{name}/{TRAIN_STATE}", train_state)
         if before_commit:
@@ -278,7 +308,13 @@ def save_sharded(url: str, step: int, model: torch.nn.Module, optimizer: torch.o
                           and fs.exists(f"{p}/{TRAIN_STATE}")), reverse=True)
         for old in set(others) - set(earlier[:keep_last - 1]):
             fs.rm(old, recursive=True)
-    dist.barrier()  # nobody moves on (or exits) before the snapshot is committed
+
+
+def _before_latest(url: str, before_commit: Callable[[], None] | None) -> None:
+    """The caller's before_commit, and FAULT_WRITE_ERROR=0:latest: the commit's write fails."""
+    faults.io_error("write", "latest", f"{url}/{LATEST}")
+    if before_commit:
+        before_commit()
 
 
 def latest_sharded(url: str) -> str:
@@ -320,8 +356,10 @@ def load_sharded(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimi
     own_names = [list(group["params"]) for group in optim_sd["param_groups"]]
     try:
         # Into each rank's own rows of TP's q/k/v too: views of the DTensors in `state`.
-        dcp.load(checkpointable(state), storage_reader=storage.reader(checkpoint))
-    # DCP raises CheckpointException, a BaseException, when any rank fails to read.
+        dcp.load(checkpointable(state),
+                 storage_reader=faults.faulty(storage.reader(checkpoint)))
+    # DCP raises CheckpointException, a BaseException, on every rank when any rank fails to
+    # read (reason() names the first that did): no rank waits for another.
     except (Exception, CheckpointException) as e:  # missing or truncated shards, bad metadata
         raise SnapshotError(f"cannot load sharded snapshot {checkpoint} ({storage.reason(e)}): "
                             f"it is corrupt; {MOVE_IT_AWAY}"
@@ -407,6 +445,19 @@ def agreed_kind(url: str) -> str | None:
     return kinds[0]
 
 
+def _load_agreed(function: Callable[..., T], *args) -> T:
+    """`function(*args)` on every rank; its SnapshotError on any rank is one on all of them
+    (errors.agree: naming the rank where only some failed). A collective."""
+    try:
+        result, error = function(*args), None
+    except SnapshotError as e:
+        result, error = None, str(e)
+    message = errors.agree(error)
+    if message is not None:
+        raise SnapshotError(message)
+    return result
+
+
 def keep_previous(url: str, keep_last: int) -> None:
     """Before a snapshot file is replaced: URL.1 .. URL.{keep_last-1} keep the ones before it.
 
@@ -443,43 +494,75 @@ def save(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.O
     (URL.1, ... for a file; step directories for a sharded snapshot) for a manual roll-back.
     `gather(model, optimizer)`, where given, returns the whole model's and the optimizer's
     state dicts on the CPU (xla_main.py: from the XLA devices' shards); the snapshot is then
-    the one file. SaveError (one line) when the storage fails."""
-    try:
-        _save(url, method, model, optimizer, state, before_commit, keep_last, gather)
-    # DCP (the sharded layout) raises CheckpointException, a BaseException with each rank's.
-    except (OSError, CheckpointException) as e:
-        error = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
-        reason = error.strerror if isinstance(error, OSError) and error.strerror else \
-            (str(error).strip().splitlines() or [type(error).__name__])[0]
-        # A local disk fills up; an object store's own line already says what to check.
-        fix = "free some space" if "://" not in url else "fix what it says"
-        # Both layouts commit by a rename (file) or by rewriting `latest` (directory) only once
-        # everything is written, so the snapshot from before, if any, is intact.
-        raise SaveError(f"cannot save the snapshot to {url} ({reason}); the previous snapshot, "
-                        f"if any, is unchanged: {fix} or set trainer_config.snapshot_path, then "
-                        "run again to resume") from None
-
-
-@storage.storage_errors(OSError)  # an object store's error: OSError with its one line
-def _save(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         state: dict, before_commit: Callable[[], None] | None = None,
-         keep_last: int = 1, gather: Callable | None = None) -> None:
-    """save() itself: the layout's writes, then the commit."""
+    the one file. SaveError (one line, the same on every rank) when the storage fails on any
+    rank; nothing was committed then."""
     # gather (XLA's hook): the weights come to the CPU, one file whatever the model holds.
     kind = "ddp" if gather is not None else snapshot_layout(model, method)
-    if dist.get_rank() == 0:
-        move_other_layout(url, kind)
-    if kind == "fsdp":  # (save_sharded's first barrier: the other layout has moved by then)
+    agreed_part(url, move_other_layout_on_rank_0, kind)
+    if kind == "fsdp":
         save_sharded(url, state["step"], model, optimizer, state, before_commit, keep_last)
         return
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         # Collective: every rank sends the state of the parameters it owns to rank 0.
         optimizer.consolidate_state_dict(to=0)
-    if dist.get_rank() == 0:  # every rank holds the same weights: one writer is enough
-        keep_previous(url, keep_last)
-        weights, optimized = gather(model, optimizer) if gather else \
-            (unwrap(model).state_dict(), optimizer.state_dict())  # no "module." prefix
-        save_file(url, {**state, "model": weights, "optimizer": optimized}, before_commit)
+    # Every rank holds the same weights: one writer is enough. The others wait for its
+    # outcome: without it they went on while a failed rank 0 left, and met its absence in
+    # their next collective (gloo: "connection closed"; NCCL: the collective timeout).
+    agreed_part(url, _write_file, model, optimizer, state, before_commit, keep_last, gather)
+
+
+def _write_file(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                state: dict, before_commit: Callable[[], None] | None, keep_last: int,
+                gather: Callable | None) -> None:
+    """Rank 0: the one-file snapshot, renamed over the old one once written."""
+    if dist.get_rank() != 0:
+        return
+    keep_previous(url, keep_last)
+    weights, optimized = gather(model, optimizer) if gather else \
+        (unwrap(model).state_dict(), optimizer.state_dict())  # no "module." prefix
+    save_file(url, {**state, "model": weights, "optimizer": optimized}, before_commit)
+
+
+def move_other_layout_on_rank_0(url: str, kind: str) -> None:
+    if dist.get_rank() == 0:
+        move_other_layout(url, kind)
+
+
+def agreed_part(url: str, part: Callable[..., None], *args) -> None:
+    """`part(url, *args)`, a part of a save, then its outcome agreed by every rank: SaveError,
+    the same one line on all of them, where it failed on any (errors.agree names the rank).
+    Every rank calls this, also where only rank 0 does the work."""
+    try:
+        storage.storage_errors(OSError)(part)(url, *args)  # an object store's: one OSError
+        error = None
+    # DCP (the sharded layout) raises CheckpointException, a BaseException with each rank's.
+    except (OSError, CheckpointException) as e:
+        error = save_error(url, e)
+    message = errors.agree(error)
+    if message is not None:
+        raise SaveError(message)
+
+
+def save_error(url: str, e: BaseException) -> str:
+    """A failed save in one line: the storage's words, the file, which rank (DCP's), the fix."""
+    failed, error = "", e
+    if isinstance(e, CheckpointException):  # every rank has it: name the one(s) that failed
+        ranks = sorted(e.failures)
+        error = e.failures[ranks[0]][0]
+        if dist.get_world_size() > 1:
+            others = f" (and {len(ranks) - 1} more)" if len(ranks) > 1 else ""
+            failed = f"rank {ranks[0]}{others}: "
+    reason = error.strerror if isinstance(error, OSError) and error.strerror else \
+        (str(error).strip().splitlines() or [type(error).__name__])[0]
+    if isinstance(error, OSError) and error.strerror and error.filename:
+        reason += f": {error.filename}"
+    # A local disk fills up; an object store's own line already says what to check.
+    fix = "free some space" if "://" not in url else "fix what it says"
+    # Both layouts commit by a rename (file) or by rewriting `latest` (directory) only once
+    # everything is written, so the snapshot from before, if any, is intact.
+    return (f"{failed}cannot save the snapshot to {url} ({reason}); the previous snapshot, if "
+            f"any, is unchanged: {fix} or set trainer_config.snapshot_path, then run again to "
+            "resume")
 
 
 def move_other_layout(url: str, kind: str) -> None:
@@ -513,13 +596,16 @@ def load(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.O
     if not convertible(kind, mine, optimizer):
         raise SnapshotError(f"{url} holds a {kind} snapshot, but distributed_method={method}; "
                             f"use {kind} or another snapshot_path")
-    state = load_train_state(url, kind)  # on the CPU
+    # On the CPU; a rank that cannot read it (its node's own copy is missing or corrupt) stops
+    # every rank here, before the all_gather below would wait for it.
+    state = _load_agreed(load_train_state, url, kind)
     steps: list = [None] * dist.get_world_size()
     dist.all_gather_object(steps, state["step"])
     if len(set(steps)) > 1:  # each node has its own, different copy
         raise SnapshotError(f"ranks read {url} at different steps {steps}: put "
                             "trainer_config.snapshot_path on storage all nodes share")
-    check_compatible(state, meta["model_config"], meta["data_meta"], url, match_keys)
+    _load_agreed(check_compatible, state, meta["model_config"], meta["data_meta"], url,
+                 match_keys)
     # A local file is mapped (_load_mapped): the memory of every tensor read from it. (From
     # an object store they are the process's own: nothing to copy.)
     mapped = {t.untyped_storage().data_ptr() for t in _tensors(state)} if storage.is_local(url) \
@@ -534,7 +620,7 @@ def load(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.O
         load_file_into_shards(state, model, optimizer)
         del state["model"], state["optimizer"]
     else:  # shards into shards, or into a whole model (DCP reads any layout into any other)
-        load_sharded(url, model, optimizer)
+        _load_agreed(load_sharded, url, model, optimizer)
     # The saved param groups came back with the saving run's kernel choice (fused or not) and
     # ZeRO put AdamW's step counts on the CPU: this run's own choices and devices again.
     keep_own_optimizer_settings(optimizer)

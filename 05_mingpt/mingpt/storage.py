@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import BinaryIO
 
 import fsspec
+import torch.distributed as dist
 from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
@@ -24,10 +25,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 def reason(error: BaseException) -> str:
     """The root cause of a failed call, in one short line."""
+    rank = ""
     if isinstance(error, CheckpointException):  # DCP collects every rank's exception
-        error = next(iter(error.failures.values()))[0]
+        ranks = sorted(error.failures)
+        if dist.is_initialized() and dist.get_world_size() > 1:  # every rank has it: whose?
+            rank = f"rank {ranks[0]}{f' (and {len(ranks) - 1} more)' if len(ranks) > 1 else ''}: "
+        error = error.failures[ranks[0]][0]
     lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0][:160] if lines else ''}"
+    return f"{rank}{type(error).__name__}: {lines[0][:160] if lines else ''}"
 
 
 # How long an s3:// snapshot_path may keep a run waiting. botocore (under s3fs) retries a failed

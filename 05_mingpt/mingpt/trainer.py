@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
-from mingpt import forensics, snapshot
+from mingpt import forensics, savers, snapshot
 from mingpt.faults import inject_fault, skip_gradient_sync
 from mingpt.log import TrainLog, print0
 from mingpt.optim import SCHEDULE_KEYS, build_scheduler, resume_scheduler
@@ -102,6 +102,7 @@ class Trainer:
         skip_gradient_sync(model, lambda: self.step)  # FAULT_SKIP_AT_STEP only (faults.py)
         self.scheduler = build_scheduler(optimizer, cfg)
         self.scaler = grad_scaler(device, cfg.precision)
+        self.saver = savers.build(cfg, self.hooks.gather)  # blocking, or async_save's
         # An epoch must fill at least one optimizer step, or training would loop forever.
         per_rank, needed = len(train_set) // self.dp_size, cfg.batch_size * cfg.grad_accum_steps
         if per_rank < needed:
@@ -183,11 +184,10 @@ class Trainer:
 
     def _save_snapshot(self) -> None:
         # model_config and data_meta go along: enough to rebuild the model and decode its output.
-        snapshot.save(self.cfg.snapshot_path, self.cfg.distributed_method, self.model,
-                      self.optimizer, {**self.state_dict(), **self.snapshot_meta},
-                      before_commit=partial(inject_fault, self.step, during_save=True),
-                      keep_last=self.cfg.keep_last, gather=self.hooks.gather)
-        print0(f"step {self.step}: snapshot saved to {self.cfg.snapshot_path}")
+        self.saver.save(self.model, self.optimizer, {**self.state_dict(), **self.snapshot_meta},
+                        before_commit=partial(inject_fault, self.step, during_save=True))
+        if not self.cfg.async_save:  # (an asynchronous one says so once it is committed)
+            print0(f"step {self.step}: snapshot saved to {self.cfg.snapshot_path}")
 
     def _run_batch(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """One optimizer step over `grad_accum_steps` micro-batches."""
@@ -327,6 +327,8 @@ class Trainer:
                         else None, dynamic_ncols=True, leave=False)
         while self.step < cfg.max_steps:
             self._run_epoch()
+        with self.log.paused("snapshots"):  # an asynchronous save in flight: committed now
+            self.saver.finish()
         self.bar.close()
         self.log.summary(time.perf_counter() - started, self.step)
         return self.last_val[1]

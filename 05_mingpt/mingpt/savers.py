@@ -1,0 +1,98 @@
+"""How the training loop saves a snapshot: blocking (the default), or in the background.
+
+    saver = savers.build(cfg, gather)                   # trainer_config.async_save picks
+    saver.save(model, optimizer, state, before_commit)  # at every save_every step
+    saver.finish()                                      # before the run ends
+
+snapshot.py owns the formats and their commit; this module only when the writing happens.
+An asynchronous save (SNAPSHOTS.md) writes the sharded layout with DCP's `async_save` from a
+staging process (AsyncCheckpointerType.PROCESS) while training goes on. What still blocks the
+loop: the state dicts and the copy of this rank's shards into host memory (the staging, so
+that the next optimizer step cannot change what is being written), and waiting for the save
+before it. The commit (train_state.pt, then `latest`) follows only once the write completed
+on every rank and every rank agreed it did: at the next save, or at finish().
+"""
+from collections.abc import Callable
+
+import torch
+import torch.distributed.checkpoint as dcp
+from omegaconf import DictConfig
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+from mingpt import errors, faults, snapshot, storage
+from mingpt.log import print0
+from mingpt.parallel.strided import checkpointable
+
+
+class Saver:
+    """snapshot.save, blocking: the snapshot is committed when save() returns."""
+
+    def __init__(self, url: str, method: str, keep_last: int, gather: Callable | None) -> None:
+        self.url, self.method, self.keep_last, self.gather = url, method, keep_last, gather
+
+    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict,
+             before_commit: Callable[[], None] | None = None) -> None:
+        snapshot.save(self.url, self.method, model, optimizer, state, before_commit,
+                      self.keep_last, self.gather)
+
+    def finish(self) -> None:
+        """Nothing is in flight: each save() committed its snapshot."""
+
+
+class AsyncSaver(Saver):
+    """The sharded layout through DCP's async_save; at most one save in flight."""
+
+    def __init__(self, url: str, method: str, keep_last: int, gather: Callable | None) -> None:
+        super().__init__(url, method, keep_last, gather)
+        # The save in flight: (its future, step directory name, train state), or None.
+        self.pending: tuple | None = None
+
+    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict,
+             before_commit: Callable[[], None] | None = None) -> None:
+        self.finish()  # the one before: written, agreed and committed first
+        name = f"step_{state['step']:08d}"
+        snapshot.agreed_part(self.url, snapshot.move_other_layout_on_rank_0, "fsdp")
+        snapshot.agreed_part(self.url, snapshot.clear_step, name)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        # Returns once this rank's shards are copied to host memory (DCP's staging); the
+        # staging process writes them, its own gloo group planning with the other ranks'.
+        # (The first call starts that process: it imports __main__ again, hence main.py's
+        # `if __name__ == "__main__":` guard.)
+        future = dcp.async_save(
+            checkpointable({"model": model_sd, "optim": optim_sd}),
+            storage_writer=faults.faulty(storage.writer(f"{self.url}/{name}")),
+            async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+        self.pending = (future, name, state)
+        if before_commit:  # FAULT_AT_SAVE: a crash while the shards are being written
+            before_commit()
+
+    def finish(self) -> None:
+        """Wait for the save in flight, agree on its outcome, then commit it (blocking)."""
+        if self.pending is None:
+            return
+        (future, name, state), self.pending = self.pending, None
+        try:
+            future.result()
+            error = None
+        # The staging process's DCP raises CheckpointException (naming the failed rank) on
+        # every rank; a dead staging process is a RuntimeError on its own rank only.
+        except (Exception, CheckpointException) as e:
+            error = snapshot.save_error(self.url, e)
+        message = errors.agree(error)
+        if message is not None:
+            raise snapshot.SaveError(message)
+        snapshot.agreed_part(self.url, snapshot.commit_sharded, name, state, None,
+                             self.keep_last)
+        print0(f"step {state['step']}: snapshot saved to {self.url}")
+
+
+def build(cfg: DictConfig, gather: Callable | None = None) -> Saver:
+    """The saver trainer_config.async_save asks for (config.py refuses it for the one-file
+    layout, whose single writer has nothing to write in parallel with)."""
+    errors.require(not (cfg.async_save and gather), "trainer_config.async_save",
+                   "False with xla_main.py (its snapshot is one file, gathered to the CPU)",
+                   cfg.async_save)
+    kind = AsyncSaver if cfg.async_save else Saver
+    return kind(cfg.snapshot_path, cfg.distributed_method, cfg.keep_last, gather)
