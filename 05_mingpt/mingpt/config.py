@@ -29,7 +29,7 @@ from mingpt import ROOT
 from mingpt.data import KINDS, data_module
 from mingpt.errors import require
 from mingpt.model import GPTConfig, resolve_config
-from mingpt.parallel import STRATEGIES, context, dataparallel, layout, pipeline, tensor
+from mingpt.parallel import STRATEGIES, context, dataparallel, ft, layout, pipeline, tensor
 from mingpt.parallel.tensor import check_tp
 from mingpt.precision import PRECISIONS
 
@@ -77,6 +77,9 @@ class TrainerConfig:
     flight_recorder_entries: int = MISSING
     profile_steps: int = MISSING
     memory_snapshot: bool = MISSING
+    # Replica groups that survive each other (FAULT_TOLERANCE.md)
+    ft_replicas: int = MISSING
+    ft_replica_group: int = MISSING
 
 
 @dataclass
@@ -179,6 +182,7 @@ def validate(cfg: DictConfig) -> None:
             "False unless distributed_method=fsdp without tp_size or pp_size (it offloads FSDP "
             "shards)", t.cpu_offload)
     _check_debugging(t)
+    ft.check_config(t)  # replica groups (parallel/ft.py)
     require(t.grad_clip >= 0, "trainer_config.grad_clip", ">= 0 (0 turns clipping off)",
            t.grad_clip)
     require(0 <= t.min_lr_ratio <= 1, "trainer_config.min_lr_ratio", "between 0 and 1",
