@@ -84,11 +84,11 @@ def load_train_objs(cfg: DictConfig, device: torch.device) -> tuple:
     # Built after wrapping: FSDP has replaced every parameter with its sharded version.
     o = cfg.optimizer_config
     optimizer = build_optimizer(model, t.distributed_method, o.lr, o.betas, o.weight_decay)
-    if t.ft_replicas:  # replica groups (torchft): gradients averaged over those alive
-        optimizer = ft.Replicas(t, model, optimizer, device).optimizer
     # From here on each rank draws its own dropout masks (a resume restores these streams),
     # except that one tensor-parallel group's ranks draw the same: they hold the same activations.
     torch.manual_seed(cfg.trainer_config.seed + data_parallel(model)[0])
+    if t.ft_replicas:  # replica groups (torchft): gradients averaged over those alive
+        optimizer = ft.Replicas(t, model, optimizer, device).optimizer
     return model, optimizer, train_set, val_set, data, snapshot_meta, flops_per_token
 
 
