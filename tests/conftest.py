@@ -78,8 +78,8 @@ SLOW_FILES = (
     # 143 at a load average of 4 to 8: five torchrun jobs, each killed once and restarted
     "test_restarts.py",
     "test_mingpt_context.py",  # 60: eleven 2- and 4-rank launches
-    # 222 at a load average of 4 to 8: a lighthouse and five 1-process torchrun jobs, 40 slow
-    # (300 ms) steps while one group is killed and started again
+    # 146 alone, 222 to 420 at a load average of 4 to 10: a lighthouse and five 1-process
+    # torchrun jobs, 60 slow (500 ms) steps while one group is killed and started again
     "test_mingpt_torchft.py",
     # 85 with pip's cache cold, 24 warm, 1 once its venv exists (aws-parallelcluster's schema)
     "test_cluster.py",
