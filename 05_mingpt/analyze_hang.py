@@ -295,7 +295,9 @@ def axis_stalls(dumps: dict[int, dict], wheres: dict[int, dict]) -> list[str]:
             last.setdefault(name, {}).setdefault(r, {})[number(entry)[0]] = entry
     for name in last:
         table.setdefault(name, {"ranks": sorted(last[name]), "axis": f"group {name}"})
-    lines, behind, agree = [], {}, 0  # behind: {rank: [(group, kind)]}
+    # behind: {rank: [(group, kind)]}; ahead: the ranks that issued an operation some member
+    # of its group never issued (they wait on another rank)
+    lines, behind, ahead, agree = [], {}, set(), 0
     # Groups by number ('2' before '10'), as torch counts them.
     for name, info in sorted(table.items(), key=lambda kv: (len(kv[0]), kv[0])):
         members = [r for r in info["ranks"] if r in ranks]
@@ -312,6 +314,8 @@ def axis_stalls(dumps: dict[int, dict], wheres: dict[int, dict]) -> list[str]:
                                                       else ""))
                 if seq < newest:
                     behind.setdefault(r, []).append((name, kind))
+                elif any((number(o)[1] if o else 0) < seq for o in got.values()):
+                    ahead.add(r)
             if all((number(e)[1] if e else 0) == newest for e in got.values()):
                 agree += 1  # every member at the same operation: nothing to show
                 continue
@@ -321,9 +325,13 @@ def axis_stalls(dumps: dict[int, dict], wheres: dict[int, dict]) -> list[str]:
     lines.append(f"  {agree} more: every member at the same operation")
     if not behind:
         return ["by process group:", *lines]
-    # The rank that stopped first: of those behind somewhere, the one whose newest operation
-    # is the oldest (the others went on into operations that waited for it).
-    stalled = min(behind, key=lambda r: ops[r][-1]["time_created_ns"] if ops[r] else 0)
+    # The rank that stopped first: of those behind somewhere, one that waits on nobody (ahead
+    # of no member of any group: a rank blocked in an operation a peer never issued is behind
+    # the stall too, and under load its newest operation may be the older one); of those, the
+    # one whose newest operation is the oldest (the others went on into operations that waited
+    # for it).
+    first = [r for r in behind if r not in ahead] or list(behind)
+    stalled = min(first, key=lambda r: ops[r][-1]["time_created_ns"] if ops[r] else 0)
     findings = []
     for name, kind in behind[stalled]:
         info, mine = table[name], last[name].get(stalled, {}).get(kind)

@@ -45,12 +45,11 @@ def process_count(nproc: int | None, cpu: bool) -> int:
 
 
 def worker_env(nproc: int, cpu: bool, env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment for torchrun and its workers: `env` (default: ours), and on a CPU two
-    settings that the caller's own values override."""
+    """The environment for torchrun and its workers: `env` (default: ours), and on a CPU the
+    thread count, unless the caller set it. (A restarted worker group needs no setting: each
+    attempt forms its group on keys of its own, mingpt/restarts.py.)"""
     env = dict(os.environ if env is None else env)
     if cpu:
-        # gloo: a restarted worker group must not reuse the first group's TCP store.
-        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         # Processes sharing the CPU: each gets its share of the cores. Not a thread per core in
         # every process (they would fight over the cores), nor torchrun's default when this is
         # unset: 1 thread each, with a warning, leaving cores idle when there are more of them.

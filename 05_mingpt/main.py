@@ -24,7 +24,7 @@ from mingpt.errors import fail
 from mingpt.log import print0, print_versions
 from mingpt.model import GPT
 from mingpt.optim import build_optimizer
-from mingpt.parallel import Settings, fsdp, parallelize
+from mingpt.parallel import Settings, fsdp, ft, parallelize
 from mingpt.parallel.wrappers import data_parallel, unwrap
 from mingpt.trainer import NonFiniteLoss, Trainer
 from sample import generate_text
@@ -87,6 +87,8 @@ def load_train_objs(cfg: DictConfig, device: torch.device) -> tuple:
     # From here on each rank draws its own dropout masks (a resume restores these streams),
     # except that one tensor-parallel group's ranks draw the same: they hold the same activations.
     torch.manual_seed(cfg.trainer_config.seed + data_parallel(model)[0])
+    if t.ft_replicas:  # replica groups (torchft): gradients averaged over those alive
+        optimizer = ft.Replicas(t, model, optimizer, device).optimizer
     return model, optimizer, train_set, val_set, data, snapshot_meta, flops_per_token
 
 
@@ -114,21 +116,27 @@ def train(cfg: DictConfig, device: torch.device) -> str | None:
     try:
         model, optimizer, train_set, val_set, data, snapshot_meta, flops = \
             load_train_objs(cfg, device)
+        replicas = ft.replicas_of(optimizer)  # None unless trainer_config.ft_replicas
         config.save(cfg)  # only now: a run refused for its data or model leaves no folder
         forensics.arm(cfg.run_dir)  # the run folder exists: a stopped rank dumps its trace
         trainer = Trainer(cfg.trainer_config, model, optimizer, train_set, val_set, device,
-                          cfg.run_dir, snapshot_meta, flops)
+                          cfg.run_dir, snapshot_meta, flops,
+                          replicas.hooks if replicas is not None else None)
         # Every rank reads the snapshot, if there is one (only rank 0 ever writes files).
         t = cfg.trainer_config
         state = snapshot.load(t.snapshot_path, t.distributed_method, model, optimizer,
                               snapshot_meta, data.MATCH_KEYS)
         if state is not None:
             trainer.load_state_dict(state)
+        if replicas is not None:  # the first step's quorum: a peer's state replaces ours
+            replicas.start(trainer)
     except ValueError as e:  # bad data, model config, or an unusable snapshot
         return str(e)  # the text only: the exception's traceback would keep this frame alive
     try:
         with profiling.memory_history(t.memory_snapshot, cfg.run_dir, device):
             val_loss = trainer.train()
+        if replicas is not None:
+            replicas.shutdown()
     # A nan loss stops before a snapshot keeps it; a save fails (a full disk, say) in one line.
     except (NonFiniteLoss, snapshot.SaveError) as e:
         return str(e)

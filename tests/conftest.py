@@ -78,6 +78,9 @@ SLOW_FILES = (
     # 143 at a load average of 4 to 8: five torchrun jobs, each killed once and restarted
     "test_restarts.py",
     "test_mingpt_context.py",  # 60: eleven 2- and 4-rank launches
+    # 146 alone, 222 to 420 at a load average of 4 to 10: a lighthouse and five 1-process
+    # torchrun jobs, 60 slow (500 ms) steps while one group is killed and started again
+    "test_mingpt_torchft.py",
     # 85 with pip's cache cold, 24 warm, 1 once its venv exists (aws-parallelcluster's schema)
     "test_cluster.py",
     "test_notebooks.py",  # 75, plus 97 for pitfalls.ipynb (alone, at a load average of 10)
@@ -120,6 +123,7 @@ ROBUSTNESS_FILES = (
     "test_mingpt_hang.py",
     "test_mingpt_s3.py",
     "test_mingpt_snapshot_faults.py",
+    "test_mingpt_torchft.py",
     "test_restarts.py",
     "test_slurm.py",
     "test_teardown.py",

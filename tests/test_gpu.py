@@ -263,8 +263,12 @@ def _cp_attention_worker(rank: int, store: str, out: str) -> None:
         exact, sizes, roundings = reference(q, k, v, dout)
         pos = context.zigzag_positions(64, 2, rank)
         local = [t[:, :, pos].cuda().requires_grad_() for t in (q, k, v)]
-        y = attend(*local, 0.0)
-        y.backward(dout[:, :, pos].cuda())
+        from torch.distributed.tensor.debug import CommDebugMode
+        with CommDebugMode() as comm:  # the ring's collectives, forward and backward
+            y = attend(*local, 0.0)
+            y.backward(dout[:, :, pos].cuda())
+        # K/V rotated all-to-all, as on the CPU ring (torch's default would all-gather them)
+        counts = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
         beyond = {}
         for name, got, x, size in zip(("out", "dq", "dk", "dv"), (y, *(t.grad for t in local)),
                                       exact, sizes, strict=True):
@@ -272,7 +276,16 @@ def _cp_attention_worker(rank: int, store: str, out: str) -> None:
             bound = (roundings + 4) * 2.0**-24 * size[:, :, pos]
             beyond[name] = int(((got.detach().cpu().double() - x[:, :, pos]).abs() > bound)
                                .sum())
-        result = {"torch_ring": attend.torch_ring is not None, "beyond": beyond}
+        from torch.distributed.tensor import DTensor
+        flash = torch.ops.aten._scaled_dot_product_flash_attention.default
+        dispatch = [flash in DTensor._op_dispatcher._custom_op_handlers]
+        context.end_run()  # as distributed.release() does when a run ends
+        dispatch.append(flash in DTensor._op_dispatcher._custom_op_handlers)
+        result = {"torch_ring": attend.torch_ring is not None, "beyond": beyond,
+                  "all_to_all": counts.get("all_to_all_single", 0) > 0,
+                  "all_gather": counts.get("all_gather_into_tensor", 0),
+                  "dispatch on, after end_run": dispatch,
+                  "rotate after end_run": context.torch_cp()._cp_options.rotate_method.name}
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -280,8 +293,9 @@ def _cp_attention_worker(rank: int, store: str, out: str) -> None:
 @pytest.mark.skipif(GPUS < 2, reason="context parallelism needs 2 GPUs")
 def test_mingpt_context_parallel_on_gpus_equals_full_attention_and_trains(tmp_path):
     """cp_size=2 on 2 GPUs: PyTorch's context parallelism is chosen (not the CPU ring) and
-    computes what full attention computes, as the CPU ring does (test_mingpt_context.py);
-    then main.py trains with it over NCCL and resumes."""
+    computes what full attention computes, as the CPU ring does (test_mingpt_context.py),
+    rotating K/V all-to-all as the CPU ring does, its dispatch off once the run ends; then
+    main.py trains with it over NCCL and resumes."""
     import json
 
     import torch.multiprocessing as mp
@@ -291,7 +305,10 @@ def test_mingpt_context_parallel_on_gpus_equals_full_attention_and_trains(tmp_pa
     for rank in (0, 1):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert result == {"torch_ring": True,
-                          "beyond": {"out": 0, "dq": 0, "dk": 0, "dv": 0}}, (rank, result)
+                          "beyond": {"out": 0, "dq": 0, "dk": 0, "dv": 0},
+                          "all_to_all": True, "all_gather": 0,
+                          "dispatch on, after end_run": [True, False],
+                          "rotate after end_run": "ALL_GATHER"}, (rank, result)
     mingpt = copy_mingpt(tmp_path)
     cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", "main.py"]
     args = ["run_name=cp", "trainer_config.cp_size=2", "gpt_config.dropout=0.0",

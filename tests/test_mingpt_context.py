@@ -355,6 +355,42 @@ def test_the_models_positions_and_attend_generalise_it_without_changing_it():
         assert calls[3:] == [torch.Size([2, 3, 4, 16])] * 3, calls
 
 
+def test_torchs_ring_rotates_as_the_cpu_ring_and_is_switched_off_when_the_run_ends():
+    """What the GPU branch of ContextParallelAttention switches on (tests/test_gpu.py runs it
+    on CUDA): torch's dispatch of DTensor attention to its ring, with the zig-zag layout and
+    all-to-all rotation, as the CPU ring uses around each call (one memory prediction for
+    both); distributed.release() then switches the dispatch off and restores the options."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+
+    flash = torch.ops.aten._scaled_dot_product_flash_attention.default
+    options = cp._cp_options
+    before = (options.enable_load_balance, options.rotate_method)
+    options.enable_load_balance = False  # not torch's default: its restoring is seen
+    with mingpt_imported() as m:
+        context = m["parallel"].context
+        handlers = DTensor._op_dispatcher._custom_op_handlers
+        assert flash not in handlers  # off before any run
+        with context._ring_options():  # the CPU ring's, around each call
+            assert (options.enable_load_balance, options.rotate_method) == \
+                (True, cp._RotateMethod.ALL_TO_ALL)
+        assert (options.enable_load_balance, options.rotate_method) == \
+            (False, cp._RotateMethod.ALL_GATHER)
+        context._torch_ring_on()
+        context._torch_ring_on()  # a second stage of the same run: nothing more to save
+        assert flash in DTensor._op_dispatcher._custom_op_handlers
+        assert (options.enable_load_balance, options.rotate_method) == \
+            (True, cp._RotateMethod.ALL_TO_ALL)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        m["distributed"].release()  # where every run of main.py ends
+        assert flash not in DTensor._op_dispatcher._custom_op_handlers
+        assert (options.enable_load_balance, options.rotate_method) == \
+            (False, cp._RotateMethod.ALL_GATHER)
+        context.end_run()  # a second end: nothing to undo
+        assert flash not in DTensor._op_dispatcher._custom_op_handlers
+    options.enable_load_balance, options.rotate_method = before
+
+
 def test_zigzag_positions_cover_each_sequence_once_with_equal_causal_work():
     with mingpt_imported() as m:
         context = m["parallel"].context

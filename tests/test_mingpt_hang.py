@@ -249,10 +249,8 @@ def test_a_rank_stalled_on_one_axis_is_named_with_the_operation_and_step(tmp_pat
 
 
 # Under load (the full suite on 2 cores) the analysis once named rank 6, itself blocked in its
-# TP all-reduce behind the stalled rank 7, as the stalled one: the "stopped first" rule must
-# prefer a rank that waits on nobody. Not fixed yet; alone the test passes.
-@pytest.mark.xfail(strict=False, reason="analyze_hang can name a rank blocked behind the "
-                   "stalled one in a 3-D layout under load (open)")
+# TP all-reduce behind the stalled rank 7, as the stalled one: the "stopped first" rule now
+# prefers a rank that waits on nobody (test_the_stalled_rank_is_one_that_waits_on_nobody).
 def test_a_rank_stalled_in_a_3d_layout_is_named_on_each_axis_it_holds_up(tmp_path):
     """pp 2 x dp 2 x tp 2: rank 7 (pp 1, dp 1, tp 1) stalls; its tp peer waits in step 3's
     all-reduce, its pp peer in the send of step 3's activation, its dp peer in the gradient
@@ -294,6 +292,27 @@ def test_nccls_point_to_point_entries_are_read_from_its_dump():
         "  rank 0 waits for it in send 0->1 [[4, 8]] Float on pp (point-to-point #3, before the "
         "first step)",
         "  rank 1's last pp op: #2, before the first step"]
+
+
+def test_the_stalled_rank_is_one_that_waits_on_nobody():
+    """Rank 0 is behind rank 2 on group c (rank 2 waits for it there) but itself waits in
+    group a's #2 for rank 1, whose newest operation (group b's, 40 ns) came after rank 0's
+    (30 ns), as a loaded machine can order them: the rank that stopped first is rank 1, the
+    one behind somewhere that waits on nobody, not rank 0, the one whose newest op is oldest."""
+    config = {n: {"name": n, "desc": f"mesh_{n}", "ranks": ranks}
+              for n, ranks in [("a", "[0, 1]"), ("b", "[1, 2]"), ("c", "[0, 2]")]}
+    a, b, c = ("a", "mesh_a"), ("b", "mesh_b"), ("c", "mesh_c")
+    def ops(*entries: tuple) -> dict:  # (group, sequence number, time) of each all-reduce
+        return {"pg_config": config,
+                "entries": [nccl_entry(g, "all_reduce", seq, ns, False) for g, seq, ns in entries]}
+    dumps = {0: ops((c, 1, 5), (a, 1, 10), (a, 2, 30)), 1: ops((a, 1, 11), (b, 1, 40)),
+             2: ops((c, 1, 6), (b, 1, 41), (c, 2, 50))}
+    with mingpt_imported("analyze_hang") as modules:
+        lines = modules["analyze_hang"].axis_stalls(dumps, {})
+    assert lines[-3:] == [
+        "stalled: rank 1, on a",
+        "  rank 0 waits for it in all_reduce [[4, 8]] Float on a (#2, before the first step)",
+        "  rank 1's last a op: #1, before the first step"]
 
 
 def test_a_dump_that_must_not_replace_leaves_the_file_there_alone(tmp_path):

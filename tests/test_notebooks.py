@@ -419,11 +419,12 @@ def test_launch_functions(monkeypatch, tmp_path):
     monkeypatch.setattr(launch.torch.cuda, "is_available", lambda: False)
     assert launch.on_cpu([])
 
-    # CPU processes: a fresh TCP store per restart, and the 8 cores split between 3 processes;
-    # values the caller set win. A GPU run gets the caller's environment unchanged.
+    # CPU processes: the 8 cores split between 3 processes (nothing about restarts: each
+    # attempt's group has keys of its own, tests/test_restarts.py); values the caller set win.
+    # A GPU run gets the caller's environment unchanged.
     monkeypatch.setattr(launch.os, "cpu_count", lambda: 8)
     assert launch.worker_env(3, cpu=True, env={"PATH": "/bin"}) == {
-        "PATH": "/bin", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "2"}
+        "PATH": "/bin", "OMP_NUM_THREADS": "2"}
     assert launch.worker_env(16, cpu=True, env={})["OMP_NUM_THREADS"] == "1"
     assert launch.worker_env(3, cpu=True, env={"OMP_NUM_THREADS": "5"})["OMP_NUM_THREADS"] == "5"
     assert launch.worker_env(3, cpu=False, env={"PATH": "/bin"}) == {"PATH": "/bin"}

@@ -29,7 +29,7 @@ from mingpt import ROOT
 from mingpt.data import KINDS, data_module
 from mingpt.errors import require
 from mingpt.model import GPTConfig, resolve_config
-from mingpt.parallel import STRATEGIES, context, dataparallel, expert, layout, pipeline, tensor
+from mingpt.parallel import STRATEGIES, context, dataparallel, expert, ft, layout, pipeline, tensor
 from mingpt.parallel.layout import Settings
 from mingpt.parallel.tensor import check_tp
 from mingpt.precision import PRECISIONS
@@ -75,6 +75,9 @@ class TrainerConfig(LayoutKeys):
     flight_recorder_entries: int = MISSING
     profile_steps: int = MISSING
     memory_snapshot: bool = MISSING
+    # Replica groups that survive each other (FAULT_TOLERANCE.md)
+    ft_replicas: int = MISSING
+    ft_replica_group: int = MISSING
 
 
 @dataclass
@@ -183,6 +186,7 @@ def validate(cfg: DictConfig) -> None:
             "trainer_config.async_save", "False for a one-file snapshot (distributed_method=ddp, "
             "zero or dp without tp_size or pp_size: rank 0 writes it alone; SNAPSHOTS.md)",
             t.async_save)
+    ft.check_config(t)  # replica groups (parallel/ft.py)
     require(t.grad_clip >= 0, "trainer_config.grad_clip", ">= 0 (0 turns clipping off)",
            t.grad_clip)
     require(0 <= t.min_lr_ratio <= 1, "trainer_config.min_lr_ratio", "between 0 and 1",

@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from mingpt import forensics, restarts
 from mingpt.devices import backend_for, pick_device
+from mingpt.parallel import context
 
 # torch's default timeouts for new groups, while later_groups_wait has replaced them.
 _torch_timeouts: dict[str, timedelta] = {}
@@ -74,6 +75,7 @@ def release() -> None:
     keep every DeviceMesh, whose registry holds the group, alive after the model is gone."""
     # (type(), not isinstance: gc also finds dead weakref proxies, which isinstance reads)
     forensics.disarm()  # the run is over: torch's own send/recv and SIGTERM again
+    context.end_run()  # torch's context-parallel dispatch off (GPUs), its options restored
     if _torch_timeouts:  # what later_groups_wait changed
         c10d.default_pg_timeout = _torch_timeouts.pop("gloo")
         c10d.default_pg_nccl_timeout = _torch_timeouts.pop("nccl")

@@ -44,6 +44,10 @@ def inject_fault(step: int, during_save: bool = False) -> None:
               flush=True)
         while True:  # sleep, not a busy loop: a stalled rank costs the machine nothing
             time.sleep(1)
+    if not during_save and os.environ.get("FAULT_SLOW_STEP_MS"):
+        # FAULT_SLOW_STEP_MS=N: every step of every rank starts N ms late, a slow job (replica
+        # groups, FAULT_TOLERANCE.md: the survivors still run when the killed group is back).
+        time.sleep(int(os.environ["FAULT_SLOW_STEP_MS"]) / 1000)
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     if first_attempt and dist.get_rank() == rank and os.environ.get(variable) == str(step):
         # flush: SIGKILL gives Python no chance to empty its buffers, the line would be lost.

@@ -35,7 +35,10 @@ CPU flash-attention op (torch 2.14.1: "Operator aten._scaled_dot_product_flash_a
 torch's own ring functions (`_templated_ring_attention` and its backward, the same code the GPU
 path reaches) called on the CPU flash kernel from a small autograd.Function here. Both are
 private torch APIs (the public `context_parallel` context manager is built on them); tests pin
-them: tests/test_mingpt_context.py on the CPU, tests/test_gpu.py on GPUs.
+them: tests/test_mingpt_context.py on the CPU, tests/test_gpu.py on GPUs. Both rotate K/V
+with all-to-all (a ring proper; torch's default on GPUs gathers every block at once), so
+one memory prediction holds for both; distributed.release() calls end_run(), which switches
+torch's dispatch off and restores its options when the run ends.
 
 Gradients. Each rank's loss is the mean over its own tokens; the ring's backward sends every
 key/value gradient back to the rank that owns it, so the sum of the cp ranks' gradients is the
@@ -123,21 +126,58 @@ class _Switch:
     active = False
 
 
-@contextmanager
-def _ring_options() -> Iterator[None]:
-    """torch's ring with the zig-zag layout and a true ring (send to the next rank) for K/V.
+def _set_ring_options() -> tuple:
+    """torch's ring with the zig-zag layout and a true ring (send to the next rank) for K/V;
+    the options it had before, for _restore_ring_options.
 
-    torch keeps these in a module-level object that its context_parallel() sets for a whole
-    run; set here around each call and restored after, so nothing else sees them. ALL_TO_ALL
-    is the ring proper: each rank holds two K/V blocks at a time (torch's default, ALL_GATHER,
-    gathers all of them at once: fewer launches on a GPU, cp times the memory)."""
+    ALL_TO_ALL is the ring proper: each rank holds two K/V blocks at a time (torch's default,
+    ALL_GATHER, gathers all of them at once: fewer launches on a GPU, cp times the memory).
+    Both rings use it, so the activations measured on the CPU (bench/README.md) and
+    model_size.py's cp prediction hold on GPUs too."""
     options = torch_cp()._cp_options
     saved = (options.enable_load_balance, options.rotate_method)
-    options.enable_load_balance, options.rotate_method = True, torch_cp()._RotateMethod.ALL_TO_ALL
+    options.enable_load_balance = True
+    torch_cp().set_rotate_method("alltoall")  # torch's public setter of rotate_method
+    return saved
+
+
+def _restore_ring_options(saved: tuple) -> None:
+    options = torch_cp()._cp_options
+    options.enable_load_balance, options.rotate_method = saved
+
+
+@contextmanager
+def _ring_options() -> Iterator[None]:
+    """The CPU ring's options around each of its calls (forward, backward), restored after:
+    torch keeps them in a module-level object that its context_parallel() sets for a whole
+    run, and nothing else may see them."""
+    saved = _set_ring_options()
     try:
         yield
     finally:
-        options.enable_load_balance, options.rotate_method = saved
+        _restore_ring_options(saved)
+
+
+_TORCH_RING_SAVED: list[tuple] = []  # the options before torch's ring was switched on
+
+
+def _torch_ring_on() -> None:
+    """Switch torch's own ring on for the run (GPUs): DTensor's scaled_dot_product_attention
+    dispatched to it (a global switch, for DTensor inputs only) and the options of
+    _set_ring_options. For the whole run, not around each call as on the CPU: backward
+    (autograd, after the call returned) dispatches to the ring and reads the options too."""
+    if not _TORCH_RING_SAVED:  # once, whatever the number of stages that ask
+        _TORCH_RING_SAVED.append(_set_ring_options())
+        torch_cp()._enable_context_parallel_dispatcher()
+
+
+def end_run() -> None:
+    """The run is over (distributed.release): torch's context-parallel dispatch off and its
+    options as they were, so that a later run in this process (a test's, a notebook's) or any
+    DTensor attention gets torch's defaults again. Nothing to do where it was never on."""
+    if _TORCH_RING_SAVED:
+        torch_cp()._disable_context_parallel_dispatcher()
+        _restore_ring_options(_TORCH_RING_SAVED.pop())
 
 
 class RingAttention(torch.autograd.Function):
@@ -193,10 +233,7 @@ class ContextParallelAttention:
             from torch.distributed.tensor.parallel import parallelize_module
             self.torch_ring = parallelize_module(_SDPA(), cp_mesh, torch_cp()._ContextParallel(
                 seq_dim=2, attention_type=torch_cp()._ContextParallel.AttentionType.SDPA))
-            # Let DTensor's scaled_dot_product_attention run as a ring (a global switch, for
-            # DTensor inputs only), with the zig-zag layout of our inputs.
-            torch_cp()._enable_context_parallel_dispatcher()
-            torch_cp()._cp_options.enable_load_balance = True
+            _torch_ring_on()  # until end_run: the zig-zag layout, all-to-all rotation
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float
                  ) -> torch.Tensor:

@@ -1,0 +1,200 @@
+"""Replica groups that survive each other's failures without a restart (torchft): data
+parallel across replica groups, any layout of mingpt.parallel inside one.
+
+    torchft_lighthouse --min_replicas 1 --join_timeout_ms 1000 &      # once, anywhere reachable
+    TORCHFT_LIGHTHOUSE=http://HOST:29510 torchrun --standalone --nproc_per_node=2 main.py \\
+        trainer_config.ft_replicas=2 trainer_config.ft_replica_group=0 run_name=ft0  # and 1
+
+FAULT_TOLERANCE.md tells the story; this is how it enters. Each replica group is a torchrun
+job of its own, with its own process group (the trainer's collectives: the layout's, the
+loss, evaluation) and no knowledge of the others. torchft's Manager joins them: every step
+its lighthouse forms a quorum of the groups alive, and the gradients are averaged over the
+quorum through torchft's process group (gloo on a CPU, NCCL on GPUs), rank r of each group
+with rank r of the others. A group that dies is left out of the next quorum and the others
+go on; one started again joins a quorum, receives the current state (weights, AdamW, the
+trainer's position and schedule) from a peer over HTTP, and steps with them.
+
+Where it enters: main.py wraps the optimizer (Replicas.optimizer) and gives the Trainer
+Replicas.hooks (its data-parallel rank and size span the groups, so each group reads its own
+rows); nothing in the training loop knows. The optimizer's step averages every local gradient
+(a DTensor's local shard too) across the quorum, asks the Manager whether the step may
+commit (no group failed during it), and only then steps AdamW; zero_grad, the end of a step,
+starts the next step's quorum (as torchft's OptimizerWrapper does).
+
+What differs from one job of the same size:
+- grad_clip clips each group's gradients (its own norm, within the group) before they are
+  averaged across groups: with one process per group and clipping off, two groups compute
+  what DDP over two processes does, bit for bit (tests/test_mingpt_torchft.py).
+- A step during which a group failed does not commit anywhere: the survivors' weights stay,
+  but the trainer counts the step and its batch is not trained on (torchft would retry it;
+  the trainer's loop goes on, as it does everywhere).
+- The rejoined group takes its peers' position (step, epoch, samples, lr schedule), but its
+  data loader goes on from where its own epoch stood until the next epoch.
+- Each group writes its own snapshots (give each a run_name of its own); evaluation runs
+  over each group's share of the validation rows.
+"""
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from mingpt.parallel.wrappers import data_parallel, unwrap
+from mingpt.trainer import DeviceHooks
+
+
+def check_config(t: DictConfig) -> None:
+    """ValueError (one line) unless ft_replicas and ft_replica_group name a group."""
+    if t.ft_replicas < 0:
+        raise ValueError(f"trainer_config.ft_replicas must be an integer >= 0 (0: off), got "
+                         f"{t.ft_replicas}")
+    if t.ft_replicas and not 0 <= t.ft_replica_group < t.ft_replicas:
+        raise ValueError(f"trainer_config.ft_replica_group must be in 0..{t.ft_replicas - 1} "
+                         f"(ft_replicas={t.ft_replicas}), got {t.ft_replica_group}")
+    if t.ft_replicas and t.precision == "fp16":
+        raise ValueError("trainer_config.ft_replicas needs precision fp32 or bf16, got fp16 "
+                         "(GradScaler's skipped steps are not agreed across replica groups)")
+    if t.ft_replicas and t.distributed_method == "dp":
+        raise ValueError("trainer_config.ft_replicas needs a torchrun job per replica group; "
+                         "distributed_method=dp runs in one process without one")
+
+
+class Hooks(DeviceHooks):
+    """The trainer's data-parallel rank and size over every replica group: group g's ranks
+    come after those of groups 0..g-1, so each group reads rows of its own."""
+
+    def __init__(self, group: int, groups: int) -> None:
+        self.group, self.groups = group, groups
+
+    def data_parallel(self, model: nn.Module) -> tuple[int, int]:
+        rank, size = data_parallel(model)
+        return self.group * size + rank, self.groups * size
+
+
+class Optimizer(torch.optim.Optimizer):
+    """`inner` with its gradients averaged across the quorum and its step taken only where
+    the Manager says the step commits. Not torchft's OptimizerWrapper, which leaves the
+    averaging to torchft's DDP (it replaces the layout's own data parallelism: a replica's
+    ranks would no longer average among themselves) and starts a quorum at every zero_grad,
+    the last step's too, with no step after it to join."""
+
+    def __init__(self, manager, inner: torch.optim.Optimizer) -> None:
+        # No Optimizer.__init__: param_groups and state are the inner optimizer's (below),
+        # which GradScaler, the lr scheduler and snapshots read and change.
+        self.manager, self.inner = manager, inner
+        self.next_step_runs = lambda: True  # Replicas.start: whether a step follows
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    @property
+    def state(self) -> dict:
+        return self.inner.state
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.inner.load_state_dict(state_dict)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none)
+        if self.next_step_runs():  # the trainer has not counted this step yet
+            self.manager.start_quorum()
+
+    def step(self, closure=None) -> None:
+        # Every local gradient in one flat buffer, one all-reduce: the mean over the groups of
+        # the quorum (a group that is healing sends zeros and is not counted).
+        grads = [p.grad for group in self.param_groups for p in group["params"]
+                 if p.grad is not None]
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        if local:
+            flat = torch.cat([g.reshape(-1) for g in local])
+            self.manager.allreduce(flat).wait()
+            offset = 0
+            for g in local:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+        # False where any group's all-reduce failed (a group died during the step): no group
+        # steps, so the survivors keep the same weights.
+        if self.manager.should_commit():
+            self.inner.step()
+
+
+def replicas_of(optimizer: torch.optim.Optimizer) -> "Replicas | None":
+    """The Replicas whose optimizer this is; None for any other optimizer."""
+    return getattr(optimizer, "replicas", None)
+
+
+class Replicas:
+    """This replica group's Manager, its optimizer and the trainer's hooks."""
+
+    def __init__(self, t: DictConfig, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 device: torch.device) -> None:
+        from torchft import Manager
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+        timeout = timedelta(seconds=t.collective_timeout_s)
+        pg = (ProcessGroupNCCL(timeout=timeout) if device.type == "cuda"
+              else ProcessGroupGloo(timeout=timeout))
+        self.model, self.trainer = model, None
+        # The replica id ends in the group's number: torchft reads the ranks of its quorum
+        # from it. MASTER_ADDR/MASTER_PORT (this group's torchrun store) and the lighthouse's
+        # address (TORCHFT_LIGHTHOUSE, read by rank 0's Manager server) come from the
+        # environment.
+        # init_sync off: every group draws the same initial weights (the same seed), so the
+        # first step needs no copy; with it on, the groups that copied would sit that step out
+        # (a healing group sends zeros) and the first step would average fewer gradients.
+        self.manager = Manager(
+            pg=pg, load_state_dict=None, state_dict=None, min_replica_size=1,
+            timeout=timeout, quorum_timeout=timeout, rank=dist.get_rank(),
+            world_size=dist.get_world_size(), replica_id=f"mingpt_{t.ft_replica_group}",
+            init_sync=False)
+        self.manager.register_state_dict_fn("model", self._load_model, self._model_state)
+        self.optimizer = Optimizer(self.manager, optimizer)
+        self.optimizer.replicas = self  # main.train finds it there (replicas_of)
+        self.manager.register_state_dict_fn("optimizer", optimizer.load_state_dict,
+                                            optimizer.state_dict)
+        self.hooks = Hooks(t.ft_replica_group, t.ft_replicas)
+        # Dropout streams by the data-parallel rank across the groups (main.py seeded them by
+        # the rank within this group): each group draws the masks DDP's rank of the same rows
+        # would.
+        torch.manual_seed(t.seed + self.hooks.data_parallel(model)[0])
+
+    def _model_state(self) -> dict:
+        return unwrap(self.model).state_dict()
+
+    def _load_model(self, state: dict) -> None:
+        unwrap(self.model).load_state_dict(state)
+
+    def _trainer_state(self) -> dict:
+        """Where the trainer stands, for a group that joins: not Trainer.state_dict, a
+        collective (the quorum's thread calls this while the trainer runs its step)."""
+        tr = self.trainer
+        return {"step": tr.step, "epoch": tr.epoch, "samples_in_epoch": tr.samples_in_epoch,
+                "scheduler": tr.scheduler.state_dict(), "last_val": tr.last_val}
+
+    def _load_trainer(self, state: dict) -> None:
+        tr = self.trainer
+        tr.step, tr.epoch, tr.samples_in_epoch = (state["step"], state["epoch"],
+                                                  state["samples_in_epoch"])
+        tr.scheduler.load_state_dict(state["scheduler"])
+        tr.last_val = state["last_val"]
+        print(f"[replica group {self.hooks.group}, rank {dist.get_rank()}] joined at step "
+              f"{tr.step}: weights, AdamW and position from a peer", flush=True)
+
+    def start(self, trainer) -> None:
+        """The first step's quorum, once the trainer exists and resumed its own snapshot (a
+        peer's state, received in it, replaces that)."""
+        self.trainer = trainer
+        self.manager.register_state_dict_fn("trainer", self._load_trainer, self._trainer_state)
+        # zero_grad ends step `trainer.step`; the next one runs if it is below max_steps.
+        self.optimizer.next_step_runs = lambda: trainer.step + 1 < trainer.cfg.max_steps
+        if trainer.step < trainer.cfg.max_steps:
+            self.manager.start_quorum()
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)

@@ -1,0 +1,168 @@
+"""05_mingpt's replica groups (trainer_config.ft_replicas, mingpt/parallel/ft.py, torchft):
+two groups, each its own torchrun job, joined by torchft's lighthouse.
+
+- Without a fault they train as DDP over two processes does, bit for bit: the same rows, and
+  the mean of two gradients ((a + b) / 2 here, a / 2 + b / 2 in DDP: halving is exact).
+- One group killed mid-run (SIGKILL, FAULT_AT_STEP): the other goes on stepping, with no
+  restart; the killed one, started again, joins, receives the weights, AdamW's state and the
+  trainer's position from its peer, and both end with the same weights and AdamW state, bit
+  for bit (every step after the join applies the same averaged gradient to the same state).
+- Bad values of the two keys: one line each.
+"""
+import re
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TORCHRUN, child_env, run
+from mingpt_helpers import copy_mingpt, mingpt_imported, tiny
+
+LIGHTHOUSE = str(Path(TORCHRUN).with_name("torchft_lighthouse"))
+# Clipping is per group before the average (ft.py): off, so the run compares with DDP's.
+COMMON = ("trainer_config.grad_clip=0", "trainer_config.sample_tokens=0",
+          "trainer_config.save_every=0", "trainer_config.collective_timeout_s=30")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class Lighthouse:
+    """torchft's lighthouse on a free port, for the block's replica groups."""
+
+    def __init__(self, tmp: Path, min_replicas: int) -> None:
+        self.port = free_port()
+        self.log = open(tmp / f"lighthouse{self.port}.log", "w")  # noqa: SIM115 (closed in __exit__)
+        # join_timeout: how long a quorum waits for a group that heartbeats but has not asked
+        self.proc = subprocess.Popen(
+            [LIGHTHOUSE, "--min_replicas", str(min_replicas), "--join_timeout_ms", "1000",
+             "--bind", f"[::]:{self.port}"], stdout=self.log, stderr=subprocess.STDOUT)
+
+    def __enter__(self) -> "Lighthouse":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(timeout=30)
+        self.log.close()
+
+
+def group(mingpt: Path, lighthouse: Lighthouse, g: int, *args: str, log: str | None = None,
+          **env: str) -> subprocess.Popen:
+    """Replica group `g`: a torchrun job of one process, as FAULT_TOLERANCE.md starts it; its
+    output in runs/<log>.log (a failed test's folder keeps every group's whole log)."""
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=1", "main.py",
+           *tiny(*args, *COMMON, "trainer_config.ft_replicas=2",
+                 f"trainer_config.ft_replica_group={g}", f"run_name=ft{g}")]
+    path = mingpt / f"{log or f'ft{g}'}.log"
+    with open(path, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=mingpt, stdout=out, stderr=subprocess.STDOUT,
+                                env=child_env(
+                                    TORCHFT_LIGHTHOUSE=f"http://localhost:{lighthouse.port}",
+                                    **env))
+    proc.log = path
+    return proc
+
+
+def finish(proc: subprocess.Popen, timeout: float = 400) -> str:
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        pytest.fail(f"a replica group did not finish:\n{proc.log.read_text()[-4000:]}")
+    return proc.log.read_text()
+
+
+def snapshot(mingpt: Path, run_name: str) -> dict:
+    return torch.load(mingpt / "runs" / run_name / "snapshot", weights_only=True)
+
+
+def same(a: dict, b: dict) -> list[str]:
+    """The weights and AdamW tensors that differ between two ddp-layout snapshots."""
+    diff = [k for k in a["model"] if not torch.equal(a["model"][k], b["model"][k])]
+    for i, state in a["optimizer"]["state"].items():
+        diff += [f"optimizer {i} {k}" for k, v in state.items()
+                 if not torch.equal(v, b["optimizer"]["state"][i][k])]
+    return diff
+
+
+def test_two_groups_train_as_ddp_over_two_processes_bit_for_bit(tmp_path):
+    mingpt = copy_mingpt(tmp_path)
+    args = ("trainer_config.max_steps=6",)
+    # min_replicas 2: the first quorum waits for both groups (otherwise the first to ask
+    # would take step 0 alone and the other copy its state: right, but not DDP's run).
+    with Lighthouse(tmp_path, min_replicas=2) as lighthouse:
+        procs = [group(mingpt, lighthouse, g, *args) for g in (0, 1)]
+        outs = [finish(p) for p in procs]
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out[-4000:]
+    run([TORCHRUN, "--standalone", "--nproc_per_node=2", "main.py",
+         *tiny(*args, *COMMON, "run_name=ddp")], cwd=mingpt)
+    ft0, ft1, ddp = (snapshot(mingpt, n) for n in ("ft0", "ft1", "ddp"))
+    assert (ft0["step"], ft1["step"]) == (6, 6)
+    assert same(ft0, ft1) == [] and same(ft0, ddp) == []
+    # Each group reads its own rows: data-parallel rank g of 2, as DDP's rank g does.
+    assert "data-parallel size 2" in outs[0], outs[0][-3000:]
+
+
+def test_a_killed_group_rejoins_without_a_restart_and_all_end_with_the_same_weights(
+        tmp_path):
+    mingpt = copy_mingpt(tmp_path)
+    # 500 ms a step: the survivor still runs (steps 5..60, 25 s or more) when the killed
+    # group's second launch (imports, a quorum) joins it.
+    args = ("trainer_config.max_steps=60",)
+    slow = {"FAULT_SLOW_STEP_MS": "500"}
+    with Lighthouse(tmp_path, min_replicas=1) as lighthouse:
+        survivor = group(mingpt, lighthouse, 0, *args, **slow)
+        killed = group(mingpt, lighthouse, 1, *args, **slow, log="ft1_killed",
+                       FAULT_AT_STEP="5")
+        # Started again as soon as its worker is dead (its torchrun takes a while to exit).
+        deadline = time.monotonic() + 300
+        while "FAULT_AT_STEP=5: killing this worker" not in killed.log.read_text():
+            assert time.monotonic() < deadline and killed.poll() is None, \
+                killed.log.read_text()[-3000:]
+            time.sleep(0.2)
+        again = group(mingpt, lighthouse, 1, *args, **slow)  # no fault this time
+        assert survivor.poll() is None, "the survivor stopped with the killed group"
+        second, kept = finish(again), finish(survivor)
+        finish(killed)
+    assert killed.returncode != 0  # its torchrun: the worker died, no restart asked for
+    assert again.returncode == 0, second[-4000:]
+    assert survivor.returncode == 0, kept[-4000:]
+    # The survivor took no peer's state after the kill (at the start it may have: the first
+    # group to ask takes step 0 alone, the other copies it), and trained to the end.
+    assert all(int(s) < 5 for s in re.findall(r"joined at step (\d+)", kept)), kept[-3000:]
+    assert "step 60/60" in kept, kept[-3000:]
+    joined = [int(s) for s in re.findall(r"joined at step (\d+): weights, AdamW and position "
+                                         r"from a peer", second)]
+    # The step it joined at: past the kill, so the survivor stepped alone in between.
+    assert len(joined) == 1 and 5 < joined[0] < 60, second[-4000:]
+    ft0, ft1 = snapshot(mingpt, "ft0"), snapshot(mingpt, "ft1")
+    assert (ft0["step"], ft1["step"]) == (60, 60)
+    assert same(ft0, ft1) == []
+    assert ft0["scheduler"] == ft1["scheduler"]  # the same lr schedule, step for step
+
+
+@pytest.mark.parametrize("args, message", [
+    (["trainer_config.ft_replicas=-1"],
+     "trainer_config.ft_replicas must be an integer >= 0 (0: off), got -1"),
+    (["trainer_config.ft_replicas=2", "trainer_config.ft_replica_group=2"],
+     "trainer_config.ft_replica_group must be in 0..1 (ft_replicas=2), got 2"),
+    (["trainer_config.ft_replicas=2", "trainer_config.precision=fp16"],
+     "trainer_config.ft_replicas needs precision fp32 or bf16, got fp16 (GradScaler's "
+     "skipped steps are not agreed across replica groups)"),
+])
+def test_config_refuses_replica_groups_that_do_not_fit(args, message):
+    with mingpt_imported() as m:
+        with pytest.raises(ValueError) as e:
+            m["config"].load(tiny(*args))
+    assert str(e.value) == message
+
