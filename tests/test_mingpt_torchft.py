@@ -110,7 +110,9 @@ def test_two_groups_train_as_ddp_over_two_processes_bit_for_bit(tmp_path):
     assert (ft0["step"], ft1["step"]) == (6, 6)
     assert same(ft0, ft1) == [] and same(ft0, ddp) == []
     # Each group reads its own rows: data-parallel rank g of 2, as DDP's rank g does.
-    assert "data-parallel size 2" in outs[0], outs[0][-3000:]
+    # The start line once said "0 processes per model replica" here (world 1 // dp 2).
+    assert "data-parallel size 2 across replica groups, 1 processes each" in outs[0], \
+        outs[0][-3000:]
 
 
 def test_a_killed_group_rejoins_without_a_restart_and_all_end_with_the_same_weights(

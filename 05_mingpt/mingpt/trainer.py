@@ -312,6 +312,9 @@ class Trainer:
                f"(batch_size {cfg.batch_size} x grad_accum_steps {cfg.grad_accum_steps} x "
                + (f"world size {self.world_size}" if self.dp_size == self.world_size else
                   f"{self.dp_size} devices of one process" if self.hooks.feeds_every_rank else
+                  # torchft's replica groups (parallel/ft.py): ranks of every group read data
+                  f"data-parallel size {self.dp_size} across replica groups, "
+                  f"{self.world_size} processes each" if self.dp_size > self.world_size else
                   f"data-parallel size {self.dp_size}; {self.world_size // self.dp_size} "
                   f"processes per model replica: {describe(self.model)}")
                + f"), {len(self.train_set):,} training samples")
