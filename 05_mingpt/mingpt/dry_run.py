@@ -23,6 +23,7 @@ The step's numbers are wrong (the weights are random, a pipeline stage receives 
 only shapes and bytes are meant. DRY_RUN.md explains the table; bench/plan_pictures.py draws it.
 """
 import itertools
+import logging
 import multiprocessing
 import weakref
 from collections import defaultdict
@@ -207,6 +208,8 @@ def representative_ranks(lay: layout.Layout) -> list[int]:
 
 def plan_rank(cfg: DictConfig, gpt_config: GPTConfig, world: int, rank: int) -> dict:
     """One rank of a `world`-rank run on the fake process group: its bytes (see the module)."""
+    # DTensor warns of each norm it reduces over two mesh dimensions: once per rank is noise.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     dist.init_process_group("fake", rank=rank, world_size=world)
     try:
         return _step(cfg, gpt_config)
@@ -281,12 +284,26 @@ def _step(cfg: DictConfig, gpt_config: GPTConfig) -> dict:
     _ddp_on_fake(model)
     o = cfg.optimizer_config
     optimizer = build_optimizer(model, t.distributed_method, o.lr, o.betas, o.weight_decay)
+    return measure_step(model, optimizer, t, batches(t, gpt_config))
+
+
+def batches(t: DictConfig, gpt_config: GPTConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One step's micro-batches of random token ids, in the shape the data loader gives."""
     g = torch.Generator().manual_seed(t.seed)
     shape = (t.batch_size, gpt_config.block_size)
-    micro_batches = [(torch.randint(0, gpt_config.vocab_size, shape, generator=g),
-                      torch.randint(0, gpt_config.vocab_size, shape, generator=g))
-                     for _ in range(t.grad_accum_steps)]
-    return measure_step(model, optimizer, t, micro_batches)
+    return [(torch.randint(0, gpt_config.vocab_size, shape, generator=g),
+             torch.randint(0, gpt_config.vocab_size, shape, generator=g))
+            for _ in range(t.grad_accum_steps)]
+
+
+def model_config(cfg: DictConfig) -> GPTConfig:
+    """The model a run of `cfg` builds: gpt_config with the data's vocabulary (its meta: the
+    char data's distinct characters, read from its text; no batches are made)."""
+    from mingpt import config  # noqa: PLC0415  (config imports the parallel package)
+    from mingpt.data import data_module  # noqa: PLC0415
+    _, _, meta = data_module(cfg.data_config.name).build_datasets(
+        cfg.data_config, cfg.gpt_config.block_size, cfg.trainer_config.seed)
+    return config.model_config(cfg, meta)[0]
 
 
 # --- the entry point (main.py) and the table ---------------------------------------------------
@@ -294,20 +311,17 @@ def _step(cfg: DictConfig, gpt_config: GPTConfig) -> dict:
 def plan(cfg: DictConfig) -> tuple[layout.Layout, dict[int, dict]]:
     """The layout of a trainer_config.dry_run-rank run and each representative rank's plan;
     ValueError (one line) where the data, the model or the layout does not fit."""
-    from mingpt import config  # noqa: PLC0415  (config imports the parallel package)
-    from mingpt.data import data_module  # noqa: PLC0415
     t = cfg.trainer_config
-    # The vocabulary is the data's (char: the text's distinct characters): its meta only.
-    _, _, meta = data_module(cfg.data_config.name).build_datasets(
-        cfg.data_config, cfg.gpt_config.block_size, t.seed)
-    gpt_config, _ = config.model_config(cfg, meta)
+    gpt_config = model_config(cfg)
     lay = layout.resolve(t.distributed_method, t.dry_run, t.tp_size, t.pp_size, t.cp_size)
     # Each rank in a child process forked from this one (imports done, no group yet): torch
     # caches what it learned about a mesh (DTensor's sharding decisions) by the mesh's shape,
     # and a second world in the same process would reuse the first one's groups.
     ranks = representative_ranks(lay)
-    with multiprocessing.get_context("fork").Pool(1, maxtasksperchild=1) as pool:
-        plans = pool.starmap(plan_rank, [(cfg, gpt_config, t.dry_run, r) for r in ranks])
+    # Two at a time: each is one process of mostly single-threaded work.
+    with multiprocessing.get_context("fork").Pool(2, maxtasksperchild=1) as pool:
+        plans = pool.starmap(plan_rank, [(cfg, gpt_config, t.dry_run, r) for r in ranks],
+                             chunksize=1)
     return lay, dict(zip(ranks, plans, strict=True))
 
 
