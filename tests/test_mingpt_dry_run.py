@@ -92,7 +92,7 @@ def test_dry_run_equals_the_real_run(m, tmp_path, world):
     real = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     for name, overrides in LAYOUTS[world].items():
         cfg = m["config"].load([*BASE, *overrides, f"trainer_config.dry_run={world}"])
-        _, plans = m["dry_run"].plan(cfg)
+        _, plans = m["main"].dry_run.plan(cfg)
         assert plans, name
         for rank, planned in plans.items():
             measured = json.loads(json.dumps(planned))  # as JSON keeps it (tuple keys, ints)
@@ -119,7 +119,7 @@ def test_a_refused_layout_is_one_error_line_in_dry_and_real_run(m, overrides, me
     dry = in_process(lambda: main.main([*args, "trainer_config.dry_run=6"]), args, MINGPT)
     # The real run's check, before any process group: torchrun's WORLD_SIZE (config.py).
     real = in_process(lambda: main.main(args), args, MINGPT, WORLD_SIZE="6")
-    assert dry.returncode == real.returncode == 1, (dry, real)
+    assert dry.returncode == real.returncode != 0, (dry, real)
     assert dry.stderr == real.stderr, (dry.stderr, real.stderr)
     assert dry.stderr.count("\n") == 1 and dry.stderr.startswith("error: "), dry.stderr
     if message is not None:

@@ -149,7 +149,8 @@ class CommCounter(TorchDispatchMode):
 def group_axes(model: torch.nn.Module) -> dict[str, str]:
     """Process group name -> axis name, for the mesh parallelize() built."""
     mesh = unwrap(model).mesh
-    names = list(mesh.mesh_dim_names) + (["dp_cp"] if "cp" in mesh.mesh_dim_names else [])
+    # dp_cp first: where dp is 1 it is the cp group itself, which the mesh's name then labels.
+    names = (["dp_cp"] if "cp" in mesh.mesh_dim_names else []) + list(mesh.mesh_dim_names)
     axes = {mesh[name].get_group().group_name: name for name in names}
     pipeline = getattr(unwrap(model), "pipeline", None)
     if pipeline is not None and pipeline.tied_group is not None:
@@ -273,9 +274,10 @@ def _step(cfg: DictConfig, gpt_config: GPTConfig) -> dict:
     # Storage for this rank's own shards only; swapped in place, so every reference the
     # layout kept (the pipeline's parameters, the tied weight) stays the rank's parameter.
     swap = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)
+    torch.__future__.set_swap_module_params_on_conversion("pp" in lay.sizes())
     try:
-        model.to_empty(device=CPU)
+        if lay.snapshot != "ddp":
+            model.to_empty(device=CPU)
     finally:
         torch.__future__.set_swap_module_params_on_conversion(swap)
     with torch.no_grad():  # small weights: no overflow, no denormals slowing the step down
