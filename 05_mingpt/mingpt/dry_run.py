@@ -120,11 +120,13 @@ class CommCounter(TorchDispatchMode):
         entry[3] = max(entry[3], payload)
 
     def add_ddp(self, model: torch.nn.Module, axis: str) -> None:
-        """DDP's bucket all-reduces of one synchronised backward (its reducer's record)."""
+        """DDP's all-reduce of one synchronised backward: its reducer (C++, below the
+        dispatcher) all-reduces every gradient once, in buckets, counted here as one call of
+        all the gradients' bytes (which is also what its buckets hold: `ddp_buckets`)."""
         if isinstance(model, DistributedDataParallel):
-            group = model.process_group
-            for size in model._get_ddp_logging_data()["bucket_sizes"].split(", "):
-                self.add(axis, "all-reduce", group.size(), int(size))
+            self.ddp_buckets = sum(p.numel() * p.element_size() for p in model.parameters()
+                                   if p.requires_grad)
+            self.add(axis, "all-reduce", model.process_group.size(), self.ddp_buckets)
 
     def table(self) -> dict[str, dict[str, int]]:
         """{axis: {"kind calls": n, "kind sent": bytes, "kind received": bytes}}."""
@@ -233,9 +235,6 @@ def measure_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, t: Di
         optimizer.step()
     dp_axis = "dp_cp" if "cp" in unwrap(model).mesh.mesh_dim_names else "dp"
     counter.add_ddp(model, dp_axis)
-    if isinstance(model, DistributedDataParallel):
-        counter.ddp_buckets = sum(int(s) for s in
-                                  model._get_ddp_logging_data()["bucket_sizes"].split(", "))
     state = memory.model_state_bytes(model, optimizer)
     forwards = len(micro_batches) * max(1, t.microbatches if hasattr(step, "stages") else 1)
     result = {**state, "model state": sum(state.values()),
@@ -258,6 +257,21 @@ def _ddp_on_fake(model: torch.nn.Module) -> None:
         model.register_comm_hook(None, hand_back)
 
 
+def _to_empty(model: torch.nn.Module) -> None:
+    """model.to_empty(device="cpu"), keeping tied parameters tied: to_empty gives each module
+    its own new tensor, so GPT's wte and lm_head would become two weights (twice the bytes
+    of a real run's one)."""
+    places: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                places.setdefault(id(p), []).append((module, name))
+    model.to_empty(device=CPU)
+    for (owner, name), *others in places.values():
+        for module, other in others:
+            setattr(module, other, getattr(owner, name))
+
+
 def _step(cfg: DictConfig, gpt_config: GPTConfig) -> dict:
     t = cfg.trainer_config
     settings = {key: t[key] for key in Settings._fields}
@@ -269,7 +283,7 @@ def _step(cfg: DictConfig, gpt_config: GPTConfig) -> dict:
     if lay.snapshot == "ddp":
         # Every rank holds the whole model (ddp, zero), and DDP's constructor reads real
         # tensors: storage first.
-        model.to_empty(device=CPU)
+        _to_empty(model)
     model = parallelize(model, CPU, t.distributed_method, **settings)
     # Storage for this rank's own shards only; swapped in place, so every reference the
     # layout kept (the pipeline's parameters, the tied weight) stays the rank's parameter.
@@ -277,7 +291,7 @@ def _step(cfg: DictConfig, gpt_config: GPTConfig) -> dict:
     torch.__future__.set_swap_module_params_on_conversion("pp" in lay.sizes())
     try:
         if lay.snapshot != "ddp":
-            model.to_empty(device=CPU)
+            _to_empty(model)
     finally:
         torch.__future__.set_swap_module_params_on_conversion(swap)
     with torch.no_grad():  # small weights: no overflow, no denormals slowing the step down
