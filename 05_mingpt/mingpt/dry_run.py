@@ -65,9 +65,8 @@ _OPS = {
 class CommCounter(TorchDispatchMode):
     """Counts what this rank sends and receives, per (axis, kind): calls and bytes.
 
-    Sees every collective that goes through torch's dispatcher (FSDP2, DTensor, the
-    pipeline's send/recv, dist.* calls). DDP's reducer all-reduces its gradient buckets in C++,
-    below the dispatcher: `add_ddp` counts those from DDP's own record of its buckets."""
+    Sees every collective that goes through torch's dispatcher: FSDP2's, DTensor's, the
+    pipeline's send/recv, dist.* calls, and DDP's reducer's bucket all-reduces."""
 
     def __init__(self, axes: dict[str, str]) -> None:
         super().__init__()
@@ -118,15 +117,6 @@ class CommCounter(TorchDispatchMode):
         if kind != "send/recv":
             entry[2] += share  # a collective receives as much as it sends
         entry[3] = max(entry[3], payload)
-
-    def add_ddp(self, model: torch.nn.Module, axis: str) -> None:
-        """DDP's all-reduce of one synchronised backward: its reducer (C++, below the
-        dispatcher) all-reduces every gradient once, in buckets, counted here as one call of
-        all the gradients' bytes (which is also what its buckets hold: `ddp_buckets`)."""
-        if isinstance(model, DistributedDataParallel):
-            self.ddp_buckets = sum(p.numel() * p.element_size() for p in model.parameters()
-                                   if p.requires_grad)
-            self.add(axis, "all-reduce", model.process_group.size(), self.ddp_buckets)
 
     def table(self) -> dict[str, dict[str, int]]:
         """{axis: {"kind calls": n, "kind sent": bytes, "kind received": bytes}}."""
@@ -233,8 +223,9 @@ def measure_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, t: Di
         if t.grad_clip > 0:
             step.clip_grad_norm(t.grad_clip)
         optimizer.step()
-    dp_axis = "dp_cp" if "cp" in unwrap(model).mesh.mesh_dim_names else "dp"
-    counter.add_ddp(model, dp_axis)
+    if isinstance(model, DistributedDataParallel):  # its buckets hold every gradient again
+        counter.ddp_buckets = sum(p.numel() * p.element_size() for p in model.parameters()
+                                  if p.requires_grad)
     state = memory.model_state_bytes(model, optimizer)
     forwards = len(micro_batches) * max(1, t.microbatches if hasattr(step, "stages") else 1)
     result = {**state, "model state": sum(state.values()),
@@ -248,13 +239,15 @@ def measure_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, t: Di
 
 def _ddp_on_fake(model: torch.nn.Module) -> None:
     """The fake backend's futures carry no value (torch 2.14), which DDP's reducer needs back
-    from its all-reduce: a hook that hands each bucket back as it is (nothing moves anyway)."""
+    from its all-reduce: a hook that all-reduces each bucket as the reducer would (the same
+    op, which CommCounter counts; nothing moves) and hands the bucket back itself."""
     if isinstance(model, DistributedDataParallel):
-        def hand_back(_, bucket):
+        def hand_back(group, bucket):
+            dist.all_reduce(bucket.buffer(), group=group)
             future = torch.futures.Future()
             future.set_result(bucket.buffer())
             return future
-        model.register_comm_hook(None, hand_back)
+        model.register_comm_hook(model.process_group, hand_back)
 
 
 def _to_empty(model: torch.nn.Module) -> None:
