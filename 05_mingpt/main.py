@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from mingpt import config, distributed, errors, forensics, profiling, snapshot, storage
+from mingpt import config, distributed, dry_run, errors, forensics, profiling, snapshot, storage
 from mingpt.data import data_module
 from mingpt.errors import fail
 from mingpt.log import print0, print_versions
@@ -190,6 +190,12 @@ def main(argv: list[str]) -> None:
         fail(e)
     if show:
         print(OmegaConf.to_yaml(cfg).rstrip())
+        return
+    if cfg.trainer_config.dry_run:  # plan N ranks in this process on a fake group, train nothing
+        try:
+            dry_run.run(cfg)
+        except ValueError as e:
+            fail(e)
         return
     run(cfg)
 

@@ -78,6 +78,7 @@ class TrainerConfig(LayoutKeys):
     # Replica groups that survive each other (FAULT_TOLERANCE.md)
     ft_replicas: int = MISSING
     ft_replica_group: int = MISSING
+    dry_run: int = MISSING  # > 0: plan a run of that many ranks in one process (dry_run.py)
 
 
 @dataclass
@@ -241,9 +242,14 @@ def _check_layout(t: DictConfig) -> None:
         tensor.check_config(t)
     if t.pp_size > 1 or "pp" in on:  # schedules, micro-batches, no fp16
         pipeline.check_config(t)
-    if "WORLD_SIZE" in os.environ and t.cp_size >= 0:
-        layout.resolve(method, int(os.environ["WORLD_SIZE"]), t.tp_size, t.pp_size, t.cp_size,
-                       t.ep_size)
+    require(t.dry_run >= 0, "trainer_config.dry_run", "an integer >= 0 (0: off, N: plan N ranks)",
+            t.dry_run)
+    require(not t.dry_run or flavour != "dp", "trainer_config.dry_run", "0 with "
+            "distributed_method=dp (one process drives every GPU: nothing to plan)", t.dry_run)
+    # A dry run's world is dry_run ranks; a real one's torchrun's WORLD_SIZE.
+    world = t.dry_run or int(os.environ.get("WORLD_SIZE", 0))
+    if world and t.cp_size >= 0:
+        layout.resolve(method, world, t.tp_size, t.pp_size, t.cp_size, t.ep_size)
 
 
 def _check_debugging(t: DictConfig) -> None:

@@ -52,6 +52,7 @@ class Settings(NamedTuple):
     microbatches: int = 1  # micro-batches each micro-step's batch is cut into
     pp_stages_per_rank: int = 2  # the looped schedules' stages per rank
     pp_split: list[int] | None = None  # blocks per stage; None: as even as possible
+    batch_size: int = 0  # sequences per micro-step (a dry run's pipeline stages: their shapes)
 
 
 # Flavours: how the data-parallel ranks hold the model. (None: no data-parallel axis; the

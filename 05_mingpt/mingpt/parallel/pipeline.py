@@ -395,13 +395,33 @@ def schedule(model: nn.Module, stages: list[nn.Module], mesh: DeviceMesh, s: Set
     blocks, mine = _plan(model, mesh, s)
     n_stages, pp = len(blocks), mesh["pp"].size()
     first, last = 0 in mine, n_stages - 1 in mine
-    pipeline_stages = [PipelineStage(stage, i, n_stages, device, group=mesh["pp"].get_group())
+    group = mesh["pp"].get_group()
+    pipeline_stages = [PipelineStage(stage, i, n_stages, device, group=group,
+                                     **_static_shapes(model.config, s, i, n_stages, group))
                        for stage, i in zip(stages, mine, strict=True)]
     last_rank = rank_of_stage(n_stages - 1, pp)
     tied_group = _tied_group(mesh, 0, last_rank)
     return Pipeline(pipeline_stages, s.pp_schedule, s.microbatches, mesh, last_rank,
                     model.wte.weight if (first or last) else None, tied_group,
                     tied_counted=first, params=list(model.parameters()), precision=s.precision)
+
+
+def _static_shapes(config, s: Settings, stage: int, n_stages: int,
+                   group: dist.ProcessGroup) -> dict:
+    """What a stage receives and sends, given up front on torch's fake process group (the dry
+    run, mingpt/dry_run.py), where the shapes cannot be learned from a first exchange; empty
+    elsewhere (torch infers them in the first round). fp32, as the dry run steps."""
+    if dist.get_backend(group) != "fake":
+        return {}
+    rows, seq = s.batch_size // s.microbatches, config.block_size
+    stream = torch.empty(rows, seq, config.n_embd, device="meta")  # the residual stream
+    inputs = torch.empty(rows, seq, dtype=torch.long, device="meta") if stage == 0 else stream
+    outputs = torch.empty(rows, seq, config.vocab_size, device="meta") \
+        if stage == n_stages - 1 else stream
+    # The gradients that flow back: of the stream it sent, of the stream it received.
+    return {"input_args": (inputs,), "output_args": (outputs,),
+            "output_grads": (None if stage == n_stages - 1 else stream,),
+            "input_grads": (None if stage == 0 else stream,)}
 
 
 def check_config(t: DictConfig) -> None:

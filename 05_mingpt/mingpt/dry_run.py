@@ -1,0 +1,391 @@
+"""A dry run: what each rank of an N-rank job would hold and send, planned in one process.
+
+    python main.py trainer_config.dry_run=1024 gpt_config.model_type=gpt2-medium \
+        trainer_config.distributed_method=fsdp trainer_config.tp_size=8 trainer_config.pp_size=4
+
+For a few ranks that stand for all (first, second and last pipeline stage; first and last
+data-parallel rank), `plan_rank` joins torch's fake process group as that rank of an N-rank
+world (its collectives return at once and move no data), builds the GPT on the meta device,
+lays it out with the real `parallelize`, gives the rank storage for its own shards only
+(`to_empty`), builds the real optimizer and runs one training step through the layout's
+runner: the trainer's forward_backward, clip and optimizer step. So a layout a real run
+refuses is refused here with the same line, and what is counted is what the real code does:
+
+- model state: memory.model_state_bytes of the rank's tensors after the step, as a real run
+  counts it (tests/test_mingpt_dry_run.py: equal to the byte on 2, 4 and 8 gloo processes);
+- communication: every collective and point-to-point op the step issues, by the axis of its
+  process group (CommCounter below; the same counter around a real run gives the same bytes);
+- activations: what autograd keeps for backward (memory.py's rule: every saved storage once,
+  parameters left out), per micro-batch and at its peak over the step;
+- the predicted peak: model state + communication buffers + peak activations (DRY_RUN.md).
+
+The step's numbers are wrong (the weights are random, a pipeline stage receives garbage):
+only shapes and bytes are meant. DRY_RUN.md explains the table; bench/plan_pictures.py draws it.
+"""
+import itertools
+import logging
+import multiprocessing
+import weakref
+from collections import defaultdict
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from mingpt import distributed, memory
+from mingpt.model import GPT, GPTConfig
+from mingpt.optim import build_optimizer
+from mingpt.parallel import Settings, layout, parallelize, runner
+from mingpt.parallel.wrappers import unwrap
+
+CPU = torch.device("cpu")
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "broadcast", "send/recv")
+# The c10d ops (dist.* calls, FSDP2's own) and functional collectives (DTensor, TP, CP), by
+# what they move. Each rank's share assumes ring algorithms (NCCL's and gloo's for large
+# tensors): an all-gather or reduce-scatter of B bytes over n ranks sends and receives
+# B (n - 1) / n per rank, an all-reduce twice that, an all-to-all (n - 1) / n of its input.
+_OPS = {
+    "_allgather_base_": "all-gather", "allgather_": "all-gather",
+    "allgather_into_tensor_coalesced_": "all-gather", "all_gather_into_tensor": "all-gather",
+    "_reduce_scatter_base_": "reduce-scatter", "reduce_scatter_": "reduce-scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce-scatter",
+    "reduce_scatter_tensor": "reduce-scatter",
+    "allreduce_": "all-reduce", "allreduce_coalesced_": "all-reduce", "all_reduce": "all-reduce",
+    "alltoall_base_": "all-to-all", "all_to_all_single": "all-to-all",
+    "broadcast_": "broadcast", "broadcast": "broadcast",
+    "send": "send/recv", "recv_": "send/recv",
+}
+
+
+class CommCounter(TorchDispatchMode):
+    """Counts what this rank sends and receives, per (axis, kind): calls and bytes.
+
+    Sees every collective that goes through torch's dispatcher: FSDP2's, DTensor's, the
+    pipeline's send/recv, dist.* calls, and DDP's reducer's bucket all-reduces."""
+
+    def __init__(self, axes: dict[str, str]) -> None:
+        super().__init__()
+        self.axes = axes  # process group name -> axis ("dp", "tp", ...)
+        # (axis, kind) -> [calls, bytes sent, bytes received, largest buffer]
+        self.counts: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        kind = _OPS.get(func._opname) if func.namespace in ("c10d", "_c10d_functional") \
+            else None
+        if kind is not None:
+            self._count(func._opname, kind, args)
+        return out
+
+    def _count(self, name: str, kind: str, args: tuple) -> None:
+        flat = tree_flatten(list(args))[0]
+        tensors = [a for a in flat if isinstance(a, torch.Tensor)]
+        group = next((a for a in flat if isinstance(a, torch.ScriptObject)
+                      and "ProcessGroup" in str(a._type())), None)
+        if group is not None:
+            group = dist.ProcessGroup.unbox(group)
+        else:  # a functional collective names its group
+            group = _resolve_process_group(args[-1])
+        n = group.size()
+        if name in ("_allgather_base_", "_reduce_scatter_base_", "alltoall_base_"):
+            tensors = tensors[1:] if kind != "all-gather" else tensors[:1]  # (output, input)
+        elif name in ("allgather_into_tensor_coalesced_", "reduce_scatter_tensor_coalesced_",
+                      "allgather_"):
+            half = len(tensors) // 2  # outputs, then inputs
+            tensors = tensors[:half] if kind == "all-gather" else tensors[half:]
+        elif name == "all_gather_into_tensor":  # the input: the output is n times it
+            tensors = [tensors[0]] * n
+        elif name == "reduce_scatter_":
+            tensors = tensors[len(tensors) // (n + 1):]  # the inputs, one per rank
+        payload = sum(t.numel() * t.element_size() for t in tensors)
+        self.add(self.axes.get(group.group_name, "world"), kind, n, payload,
+                 receive=name == "recv_")
+
+    def add(self, axis: str, kind: str, n: int, payload: int, receive: bool = False) -> None:
+        """One op of `kind` over `n` ranks moving `payload` bytes (the whole buffer)."""
+        share = {"all-reduce": 2 * payload * (n - 1) // n, "broadcast": payload,
+                 "send/recv": payload}.get(kind, payload * (n - 1) // n)
+        entry = self.counts[(axis, kind)]
+        entry[0] += 1
+        entry[2 if receive else 1] += share
+        if kind != "send/recv":
+            entry[2] += share  # a collective receives as much as it sends
+        entry[3] = max(entry[3], payload)
+
+    def table(self) -> dict[str, dict[str, int]]:
+        """{axis: {"kind calls": n, "kind sent": bytes, "kind received": bytes}}."""
+        out: dict[str, dict[str, int]] = defaultdict(dict)
+        for (axis, kind), (calls, sent, received, _) in sorted(self.counts.items()):
+            out[axis].update({f"{kind} calls": calls, f"{kind} sent": sent,
+                              f"{kind} received": received})
+        return dict(out)
+
+    def buffers(self) -> int:
+        """The communication buffers a rank holds at once, at most: the largest all-gather
+        (FSDP: the block it runs) twice (the next one is prefetched), the largest
+        reduce-scatter input (one block's whole gradient), and every DDP bucket (DDP keeps
+        its gradients a second time in them)."""
+        largest = {kind: max((c[3] for (_, k), c in self.counts.items() if k == kind),
+                             default=0) for kind in KINDS}
+        return 2 * largest["all-gather"] + largest["reduce-scatter"] + self.ddp_buckets
+
+    ddp_buckets = 0
+
+
+def group_axes(model: torch.nn.Module) -> dict[str, str]:
+    """Process group name -> axis name, for the mesh parallelize() built."""
+    mesh = unwrap(model).mesh
+    # dp_cp first: where dp is 1 it is the cp group itself, which the mesh's name then labels.
+    names = (["dp_cp"] if "cp" in mesh.mesh_dim_names else []) + list(mesh.mesh_dim_names)
+    axes = {mesh[name].get_group().group_name: name for name in names}
+    pipeline = getattr(unwrap(model), "pipeline", None)
+    if pipeline is not None and pipeline.tied_group is not None:
+        axes[pipeline.tied_group.group_name] = "pp"  # the tied embedding's pair, across stages
+    return axes
+
+
+@contextmanager
+def saved_activations(model: torch.nn.Module):
+    """What autograd keeps for backward while the block runs: {"total", "peak"} bytes.
+
+    memory.saved_activation_bytes's rule (every saved storage once, parameters left out), with
+    each storage's bytes given back when its last saved tensor is freed, so "peak" is the most
+    held at once (a pipeline keeps several micro-batches in flight)."""
+    params = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
+              for p in model.parameters()}
+    live: dict[int, list[int]] = {}  # storage address -> [bytes, saved tensors alive]
+    out = {"total": 0, "peak": 0, "now": 0}
+
+    def release(ptr: int) -> None:
+        entry = live[ptr]
+        entry[1] -= 1
+        if entry[1] == 0:
+            out["now"] -= entry[0]
+            del live[ptr]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor's own shard
+        if isinstance(t, torch.nn.Parameter) or local.device.type == "meta":
+            return t  # model state (FSDP's gathered weights are Parameters too)
+        ptr = local.untyped_storage().data_ptr()
+        if ptr in params:
+            return t
+        if ptr not in live:
+            live[ptr] = [local.untyped_storage().nbytes(), 0]
+            out["now"] += live[ptr][0]
+            out["total"] += live[ptr][0]
+            out["peak"] = max(out["peak"], out["now"])
+        live[ptr][1] += 1
+        weakref.finalize(t, release, ptr)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield out
+
+
+def representative_ranks(lay: layout.Layout) -> list[int]:
+    """Ranks that stand for all: the first, second and last pipeline stage, each with its
+    first and last data-parallel rank (FSDP's last chunk is the shortest); cp and tp rank 0
+    (their shards are equal: config.py refuses uneven heads, context.py uneven chunks)."""
+    pp = sorted({0, min(1, lay.pp - 1), lay.pp - 1})
+    dp = sorted({0, lay.dp - 1})
+    # Rank r = ((pp_rank x dp + dp_rank) x cp + cp_rank) x tp + tp_rank (layout.py).
+    return [(p * lay.dp + d) * lay.cp * lay.tp for p, d in itertools.product(pp, dp)]
+
+
+def plan_rank(cfg: DictConfig, gpt_config: GPTConfig, world: int, rank: int) -> dict:
+    """One rank of a `world`-rank run on the fake process group: its bytes (see the module)."""
+    # DTensor warns of each norm it reduces over two mesh dimensions: once per rank is noise.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    dist.init_process_group("fake", rank=rank, world_size=world)
+    try:
+        return _step(cfg, gpt_config)
+    finally:
+        distributed.release()
+
+
+def measure_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, t: DictConfig,
+                 micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
+    """One training step as the trainer runs it (runner.forward_backward, the clip, the
+    optimizer's step), counted: communication by axis, saved activations, model state.
+    Used on the fake group by the dry run and on a real one by its tests."""
+    step = runner(model, CPU, t.precision)
+    counter = CommCounter(group_axes(model))
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    with counter, saved_activations(model) as acts:
+        step.forward_backward(micro_batches, scaler, lambda phase: None)
+        if t.grad_clip > 0:
+            step.clip_grad_norm(t.grad_clip)
+        optimizer.step()
+    if isinstance(model, DistributedDataParallel):  # its buckets hold every gradient again
+        counter.ddp_buckets = sum(p.numel() * p.element_size() for p in model.parameters()
+                                  if p.requires_grad)
+    state = memory.model_state_bytes(model, optimizer)
+    forwards = len(micro_batches) * max(1, t.microbatches if hasattr(step, "stages") else 1)
+    result = {**state, "model state": sum(state.values()),
+              "buffers": counter.buffers(),
+              "activations / micro-batch": acts["total"] // forwards,
+              "peak activations": acts["peak"]}
+    result["predicted peak"] = result["model state"] + result["buffers"] + acts["peak"]
+    result["comm"] = counter.table()
+    return result
+
+
+def _ddp_on_fake(model: torch.nn.Module) -> None:
+    """The fake backend's futures carry no value (torch 2.14), which DDP's reducer needs back
+    from its all-reduce: a hook that all-reduces each bucket as the reducer would (the same
+    op, which CommCounter counts; nothing moves) and hands the bucket back itself."""
+    if isinstance(model, DistributedDataParallel):
+        def hand_back(group, bucket):
+            dist.all_reduce(bucket.buffer(), group=group)
+            future = torch.futures.Future()
+            future.set_result(bucket.buffer())
+            return future
+        model.register_comm_hook(model.process_group, hand_back)
+
+
+def _to_empty(model: torch.nn.Module) -> None:
+    """model.to_empty(device="cpu"), keeping tied parameters tied: to_empty gives each module
+    its own new tensor, so GPT's wte and lm_head would become two weights (twice the bytes
+    of a real run's one)."""
+    places: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                places.setdefault(id(p), []).append((module, name))
+    model.to_empty(device=CPU)
+    for (owner, name), *others in places.values():
+        for module, other in others:
+            setattr(module, other, getattr(owner, name))
+
+
+def _step(cfg: DictConfig, gpt_config: GPTConfig) -> dict:
+    t = cfg.trainer_config
+    settings = {key: t[key] for key in Settings._fields}
+    lay = layout.resolve(t.distributed_method, dist.get_world_size(), t.tp_size, t.pp_size,
+                         t.cp_size)
+    torch.manual_seed(t.seed)
+    with torch.device("meta"):
+        model = GPT(gpt_config)  # shapes only
+    if lay.snapshot == "ddp":
+        # Every rank holds the whole model (ddp, zero), and DDP's constructor reads real
+        # tensors: storage first.
+        _to_empty(model)
+    model = parallelize(model, CPU, t.distributed_method, **settings)
+    # Storage for this rank's own shards only; swapped in place, so every reference the
+    # layout kept (the pipeline's parameters, the tied weight) stays the rank's parameter.
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion("pp" in lay.sizes())
+    try:
+        if lay.snapshot != "ddp":
+            _to_empty(model)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+    with torch.no_grad():  # small weights: no overflow, no denormals slowing the step down
+        for p in model.parameters():
+            (p.to_local() if hasattr(p, "to_local") else p).normal_(0.0, 0.02)
+    _ddp_on_fake(model)
+    o = cfg.optimizer_config
+    optimizer = build_optimizer(model, t.distributed_method, o.lr, o.betas, o.weight_decay)
+    return measure_step(model, optimizer, t, batches(t, gpt_config))
+
+
+def batches(t: DictConfig, gpt_config: GPTConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One step's micro-batches of random token ids, in the shape the data loader gives."""
+    g = torch.Generator().manual_seed(t.seed)
+    shape = (t.batch_size, gpt_config.block_size)
+    return [(torch.randint(0, gpt_config.vocab_size, shape, generator=g),
+             torch.randint(0, gpt_config.vocab_size, shape, generator=g))
+            for _ in range(t.grad_accum_steps)]
+
+
+def model_config(cfg: DictConfig) -> GPTConfig:
+    """The model a run of `cfg` builds: gpt_config with the data's vocabulary (its meta: the
+    char data's distinct characters, read from its text; no batches are made)."""
+    from mingpt import config  # noqa: PLC0415  (config imports the parallel package)
+    from mingpt.data import data_module  # noqa: PLC0415
+    _, _, meta = data_module(cfg.data_config.name).build_datasets(
+        cfg.data_config, cfg.gpt_config.block_size, cfg.trainer_config.seed)
+    return config.model_config(cfg, meta)[0]
+
+
+# --- the entry point (main.py) and the table ---------------------------------------------------
+
+def plan(cfg: DictConfig) -> tuple[layout.Layout, dict[int, dict]]:
+    """The layout of a trainer_config.dry_run-rank run and each representative rank's plan;
+    ValueError (one line) where the data, the model or the layout does not fit."""
+    t = cfg.trainer_config
+    gpt_config = model_config(cfg)
+    lay = layout.resolve(t.distributed_method, t.dry_run, t.tp_size, t.pp_size, t.cp_size)
+    # Each rank in a child process forked from this one (imports done, no group yet): torch
+    # caches what it learned about a mesh (DTensor's sharding decisions) by the mesh's shape,
+    # and a second world in the same process would reuse the first one's groups.
+    ranks = representative_ranks(lay)
+    # Two at a time: each is one process of mostly single-threaded work.
+    with multiprocessing.get_context("fork").Pool(2, maxtasksperchild=1) as pool:
+        plans = pool.starmap(plan_rank, [(cfg, gpt_config, t.dry_run, r) for r in ranks],
+                             chunksize=1)
+    return lay, dict(zip(ranks, plans, strict=True))
+
+
+def human(n: float) -> str:
+    """Bytes with a binary prefix: 1536 -> '1.50 KiB'."""
+    for prefix in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or prefix == "TiB":
+            return f"{n:.0f} {prefix}" if prefix == "B" else f"{n:.2f} {prefix}"
+        n /= 1024
+    return ""
+
+
+def position(lay: layout.Layout, rank: int) -> str:
+    """Where `rank` sits: "pp 0 (first), dp 31 (last)"."""
+    coords = {}
+    rest = rank
+    for axis in reversed(layout.AXES):  # tp innermost
+        size = {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "tp": lay.tp}[axis]
+        rest, coords[axis] = divmod(rest, size)
+    parts = [f"{axis} {coords[axis]}" for axis in ("pp", "dp") if axis in lay.sizes()]
+    return ", ".join(parts)
+
+
+MEMORY_KEYS = ("parameters", "gradients", "optimizer", "buffers", "activations / micro-batch",
+               "peak activations", "predicted peak")
+
+
+def report(lay: layout.Layout, plans: dict[int, dict]) -> str:
+    """The table main.py prints: memory per rank, then bytes per step by axis and kind."""
+    ranks = list(plans)
+    heads = [f"rank {r}" for r in ranks]
+    lines = [f"dry run: {lay.describe()} ({lay.world} ranks), one training step per rank",
+             "rank positions: " + "; ".join(f"rank {r} = {position(lay, r)}" for r in ranks),
+             "", "memory per rank".ljust(28) + "".join(h.rjust(14) for h in heads)]
+    for key in MEMORY_KEYS:
+        lines.append(key.ljust(28) + "".join(human(plans[r][key]).rjust(14) for r in ranks))
+    lines += ["", "bytes per step (sent / received)".ljust(28)
+              + "".join(h.rjust(28) for h in heads)]
+    rows = sorted({(axis, kind) for p in plans.values() for axis, kinds in p["comm"].items()
+                   for kind in KINDS if f"{kind} calls" in kinds})
+    for axis, kind in rows:
+        cells = []
+        for r in ranks:
+            c = plans[r]["comm"].get(axis, {})
+            cells.append(f"{c.get(f'{kind} calls', 0)}x {human(c.get(f'{kind} sent', 0))} / "
+                         f"{human(c.get(f'{kind} received', 0))}" if c.get(f"{kind} calls")
+                         else "-")
+        lines.append(f"{axis} {kind}".ljust(28) + "".join(c.rjust(28) for c in cells))
+    lines.append("(ring shares: an all-gather or reduce-scatter of B bytes over n ranks moves "
+                 "B(n-1)/n per rank each way, an all-reduce twice that; DRY_RUN.md)")
+    return "\n".join(lines)
+
+
+def run(cfg: DictConfig) -> None:
+    """main.py with trainer_config.dry_run=N: print the plan; ValueError (one line) where a
+    real run of this layout would be refused."""
+    lay, plans = plan(cfg)
+    print(report(lay, plans))
