@@ -49,9 +49,11 @@ def draw(results: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
     names = list(LAYOUTS)
+    # Memory: one panel per world size, one stacked bar per layout (the Playbook's picture):
+    # parameters, gradients, AdamW's state, communication buffers and peak activations.
     fig, axes = plt.subplots(1, len(WORLDS), figsize=(15, 4.5), sharey=False)
     for ax, world in zip(axes, WORLDS, strict=True):
-        bottom = [0.0] * len(names)
+        bottom = [0.0] * len(names)  # the stack's height so far, per layout
         for kind in MEMORY:
             values = [results[str(world)][n][kind] / 2**20 for n in names]
             ax.bar(names, values, bottom=bottom, label=kind)
@@ -64,11 +66,14 @@ def draw(results: dict) -> None:
                  "8 x 128 tokens per micro-step, 1 step)")
     fig.tight_layout()
     fig.savefig(HERE / "plan_memory.png", dpi=90)
+    # Communication: the bytes a rank sends per step, stacked by the mesh axis they cross
+    # (ring shares, as the dry run counts them: what one rank puts on its link).
     fig, axes = plt.subplots(1, len(WORLDS), figsize=(15, 4.5))
     axis_names = sorted({a for w in results.values() for p in w.values() for a in p["comm"]})
     for ax, world in zip(axes, WORLDS, strict=True):
         bottom = [0.0] * len(names)
         for axis in axis_names:
+            # Every collective kind on this axis ("all_gather sent", ...), summed.
             values = [sum(v for k, v in results[str(world)][n]["comm"].get(axis, {}).items()
                           if k.endswith(" sent")) / 2**20 for n in names]
             ax.bar(names, values, bottom=bottom, label=axis)
@@ -83,6 +88,7 @@ def draw(results: dict) -> None:
 
 
 def main() -> None:
+    # The numbers first (plan.json, committed beside the pictures), then the two pictures.
     results = measure()
     (HERE / "plan.json").write_text(json.dumps(results, indent=1))
     draw(results)
