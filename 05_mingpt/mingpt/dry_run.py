@@ -322,13 +322,19 @@ def plan(cfg: DictConfig) -> tuple[layout.Layout, dict[int, dict]]:
     ValueError (one line) where the data, the model or the layout does not fit."""
     t = cfg.trainer_config
     gpt_config = model_config(cfg)
-    lay = layout.resolve(t.distributed_method, t.dry_run, t.tp_size, t.pp_size, t.cp_size)
-    # Each rank in a child process forked from this one (imports done, no group yet): torch
-    # caches what it learned about a mesh (DTensor's sharding decisions) by the mesh's shape,
-    # and a second world in the same process would reuse the first one's groups.
+    lay = layout.resolve(t.distributed_method, t.dry_run, t.tp_size, t.pp_size, t.cp_size,
+                         t.ep_size)
+    # Each rank in a child process of its own: torch caches what it learned about a mesh
+    # (DTensor's sharding decisions) by the mesh's shape, and a second world in the same
+    # process would reuse the first one's groups. Forked from a fork server (one clean,
+    # single-threaded process with this module imported), not from this process: a fork of a
+    # process with threads (gloo's, a test runner's) can inherit a lock held by one of them,
+    # and the child then waits on it forever.
     ranks = representative_ranks(lay)
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["mingpt.dry_run"])
     # Two at a time: each is one process of mostly single-threaded work.
-    with multiprocessing.get_context("fork").Pool(2, maxtasksperchild=1) as pool:
+    with context.Pool(2, maxtasksperchild=1) as pool:
         plans = pool.starmap(plan_rank, [(cfg, gpt_config, t.dry_run, r) for r in ranks],
                              chunksize=1)
     return lay, dict(zip(ranks, plans, strict=True))
