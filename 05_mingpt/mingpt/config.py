@@ -41,16 +41,10 @@ DISTRIBUTED_METHODS = tuple(STRATEGIES)
 DEVICES = ("auto", "cpu", "cuda")
 
 
-# The layout's keys (the degrees tp_size, pp_size, cp_size, ..., precision, compile, ...) are
-# the fields of parallel.layout.Settings, which every axis's apply reads: an axis declares its
-# degree there, and here it only becomes a key of trainer_config, typed, with no default.
-LayoutKeys = make_dataclass("LayoutKeys", [(name, hint, field(default=MISSING))
-                                           for name, hint in Settings.__annotations__.items()])
-
-
 @dataclass
-class TrainerConfig(LayoutKeys):
-    """Types of `trainer_config`; the values and their meaning live in gpt2_train_cfg.yaml."""
+class TrainerKeys:
+    """Types of `trainer_config` beyond the layout's; the values and their meaning live in
+    gpt2_train_cfg.yaml."""
 
     max_steps: int = MISSING
     batch_size: int = MISSING
@@ -79,6 +73,18 @@ class TrainerConfig(LayoutKeys):
     ft_replicas: int = MISSING
     ft_replica_group: int = MISSING
     dry_run: int = MISSING  # > 0: plan a run of that many ranks in one process (dry_run.py)
+
+
+# The layout's keys (the degrees tp_size, pp_size, cp_size, ..., precision, compile, ...) are
+# the fields of parallel.layout.Settings, which every axis's apply reads: an axis declares its
+# degree there, and here it only becomes a key of trainer_config, typed, with no default
+# (after the keys above, which keep their place in the printed config).
+TrainerConfig = make_dataclass(
+    "TrainerConfig", [(name, hint, field(default=MISSING))
+                      for name, hint in Settings.__annotations__.items()
+                      if name not in TrainerKeys.__annotations__],
+    bases=(TrainerKeys,))
+TrainerConfig.__module__ = __name__  # where pickle finds it (a dry run sends configs to ranks)
 
 
 @dataclass
