@@ -32,6 +32,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -157,32 +158,36 @@ def saved_activations(model: torch.nn.Module):
     memory.saved_activation_bytes's rule (every saved storage once, parameters left out), with
     each storage's bytes given back when its last saved tensor is freed, so "peak" is the most
     held at once (a pipeline keeps several micro-batches in flight)."""
-    params = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
-              for p in model.parameters()}
-    live: dict[int, list[int]] = {}  # storage address -> [bytes, saved tensors alive]
+    params = {memory.storage_key(p) for p in model.parameters()}
+    live: dict[int, list[int]] = {}  # storage -> [bytes, saved tensors alive]
     out = {"total": 0, "peak": 0, "now": 0}
 
-    def release(ptr: int) -> None:
-        entry = live[ptr]
+    def release(key: int) -> None:
+        entry = live[key]
         entry[1] -= 1
         if entry[1] == 0:
             out["now"] -= entry[0]
-            del live[ptr]
+            del live[key]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor's own shard
         if isinstance(t, torch.nn.Parameter) or local.device.type == "meta":
             return t  # model state (FSDP's gathered weights are Parameters too)
-        ptr = local.untyped_storage().data_ptr()
-        if ptr in params:
+        key = memory.storage_key(local)
+        if key in params:
             return t
-        if ptr not in live:
-            live[ptr] = [local.untyped_storage().nbytes(), 0]
-            out["now"] += live[ptr][0]
-            out["total"] += live[ptr][0]
+        # FSDP swaps its gathered (unsharded) weights in while a block runs: a Linear saves
+        # a view of one, which is model state in a communication buffer, not an activation.
+        params.update(memory.storage_key(p) for p in model.parameters())
+        if key in params:
+            return t
+        if key not in live:
+            live[key] = [local.untyped_storage().nbytes(), 0]
+            out["now"] += live[key][0]
+            out["total"] += live[key][0]
             out["peak"] = max(out["peak"], out["now"])
-        live[ptr][1] += 1
-        weakref.finalize(t, release, ptr)
+        live[key][1] += 1
+        weakref.finalize(t, release, key)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -268,9 +273,33 @@ def _to_empty(model: torch.nn.Module) -> None:
 def _step(cfg: DictConfig, gpt_config: GPTConfig) -> dict:
     t = cfg.trainer_config
     settings = {key: t[key] for key in Settings._fields}
-    lay = layout.resolve(t.distributed_method, dist.get_world_size(), t.tp_size, t.pp_size,
-                         t.cp_size)
     torch.manual_seed(t.seed)
+    if gpt_config.n_expert:
+        return _step_real_shards(cfg, gpt_config, settings)
+    # Fake tensors: shapes, dtypes and storages (views share one) without memory, and every
+    # op runs its shape rule instead of its kernel, so a rank of gpt2-xl plans in a second.
+    # The model is built whole as fake tensors (no memory either way), then laid out for
+    # real: the mesh is made of real tensors, which is why parallelize runs outside the mode
+    # (fake tensors carry their mode with them). The step runs inside it.
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake:
+        model = GPT(gpt_config)
+    model = parallelize(model, CPU, t.distributed_method, **settings)
+    _ddp_on_fake(model)
+    o = cfg.optimizer_config
+    optimizer = build_optimizer(model, t.distributed_method, o.lr, o.betas, o.weight_decay)
+    with fake:
+        return measure_step(model, optimizer, t, batches(t, gpt_config))
+
+
+def _step_real_shards(cfg: DictConfig, gpt_config: GPTConfig, settings: dict) -> dict:
+    """A mixture of experts routes by value: how many tokens go to each expert (the
+    all-to-all's split sizes) is read from the router's output, which a fake tensor does not
+    have. So here the rank gets real storage for its own shards (random weights) and the
+    step computes: the same counts, at a real step's cost for this rank's share."""
+    t = cfg.trainer_config
+    lay = layout.resolve(t.distributed_method, dist.get_world_size(), t.tp_size, t.pp_size,
+                         t.cp_size, t.ep_size)
     with torch.device("meta"):
         model = GPT(gpt_config)  # shapes only
     if lay.snapshot == "ddp":

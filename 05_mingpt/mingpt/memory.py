@@ -75,17 +75,23 @@ def local_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def storage_key(tensor: torch.Tensor) -> int:
+    """Which storage `tensor` lives in (views share one): the storage object's own address,
+    which a fake tensor (the dry run's, mingpt/dry_run.py) has too; its data pointer is 0."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor's shard
+    return local.untyped_storage()._cdata
+
+
 def saved_activation_bytes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
     """The bytes autograd keeps for backward in one forward of (x, y), counted from the tensors
     it saves: every storage once (views share one), parameters left out (Linear layers save
     their weight: model state, not activations). model_size.py predicts these."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    kept: dict[int, int] = {}  # storage address -> bytes
+    params = {storage_key(p) for p in model.parameters()}
+    kept: dict[int, int] = {}  # storage -> bytes
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            kept[storage.data_ptr()] = storage.nbytes()
+        if storage_key(t) not in params:
+            kept[storage_key(t)] = t.untyped_storage().nbytes()
         return t
 
     # Every tensor autograd saves passes through pack, including a custom Function's own.

@@ -414,9 +414,11 @@ def _static_shapes(config, s: Settings, stage: int, n_stages: int,
     if dist.get_backend(group) != "fake":
         return {}
     rows, seq = s.batch_size // s.microbatches, config.block_size
-    stream = torch.empty(rows, seq, config.n_embd, device="meta")  # the residual stream
+    # The residual stream, as a training stage sends it: with its gradient to come back (a
+    # received input that did not require grad would keep no backward for its first op).
+    stream = torch.empty(rows, seq, config.n_embd, device="meta", requires_grad=True)
     inputs = torch.empty(rows, seq, dtype=torch.long, device="meta") if stage == 0 else stream
-    outputs = torch.empty(rows, seq, config.vocab_size, device="meta") \
+    outputs = torch.empty(rows, seq, config.vocab_size, device="meta", requires_grad=True) \
         if stage == n_stages - 1 else stream
     # The gradients that flow back: of the stream it sent, of the stream it received.
     return {"input_args": (inputs,), "output_args": (outputs,),
