@@ -9,6 +9,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import pytest
 import torch
 
 from conftest import REPO, in_process
@@ -48,6 +49,15 @@ def copy_mingpt(dest: Path) -> Path:
     """05_mingpt without earlier runs: commands run as written, the repo stays clean."""
     return Path(shutil.copytree(MINGPT, dest / "05_mingpt", ignore=shutil.ignore_patterns(
         "__pycache__", "runs", "outputs")))
+
+
+def assert_refused(config, overrides: list[str], message: str) -> None:
+    """`config.load(overrides)` (config: mingpt/config.py, imported) refuses them with a
+    ValueError whose text is `message` to the letter: what main.py prints after `error: `."""
+    with pytest.raises(ValueError) as e:
+        config.load(overrides)
+    # Both texts in the failure: pytest rewrites the asserts of test files, not this one's.
+    assert str(e.value) == message, (str(e.value), message)
 
 
 def val_losses(stdout: str) -> dict[int, float]:

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 import pipeline_mesh_worker
 from conftest import REPO
-from mingpt_helpers import U, log_units, mingpt_imported, tiny, train_losses
+from mingpt_helpers import U, assert_refused, log_units, mingpt_imported, tiny, train_losses
 from test_mingpt_strategies import configure, fit, run
 
 CPU = torch.device("cpu")
@@ -317,9 +317,7 @@ def test_sizes_that_do_not_fit_are_one_line(spawned):
 ])
 def test_config_refuses_what_does_not_fit(args, message):
     with mingpt_imported() as m:
-        with pytest.raises(ValueError) as e:
-            m["config"].load(tiny(*args))
-    assert str(e.value) == message
+        assert_refused(m["config"], tiny(*args), message)
 
 
 def test_split_and_mesh_layout():

@@ -28,6 +28,7 @@ from conftest import REPO
 from mingpt_helpers import (
     U,
     assert_close_ulps,
+    assert_refused,
     log_units,
     mingpt_imported,
     other_cpu_kernels,
@@ -347,9 +348,7 @@ def test_parity_holds_on_other_cpu_kernels(tmp_path, monkeypatch):
 ])
 def test_config_refuses_tp_sizes_that_do_not_fit(args, message):
     with mingpt_imported() as m:
-        with pytest.raises(ValueError) as e:
-            m["config"].load(tiny(*args))
-    assert str(e.value) == message
+        assert_refused(m["config"], tiny(*args), message)
 
 
 @pytest.mark.parametrize("args, env, message", [

@@ -51,7 +51,7 @@ def ring_bytes_predicted(cfg, batch_size: int, cp: int) -> int:
     return cfg.n_layer * kv * (2 * (cp - 1) + cp)
 
 
-def worker(rank: int, cp: int, store: str, args: argparse.Namespace, out: str) -> None:
+def worker(rank: int, store: str, out: str, cp: int, args: argparse.Namespace) -> None:
     """One rank of a cp group: build, measure one forward's saved bytes, time the steps."""
     import torch
     import torch.distributed as dist
@@ -111,7 +111,8 @@ def worker(rank: int, cp: int, store: str, args: argparse.Namespace, out: str) -
         "grad_allreduce_bytes": 4 * inner.num_params() if cp > 1 else 0,
         "num_params": inner.num_params(),
     }
-    Path(out, f"cp{cp}_rank{rank}.json").write_text(json.dumps(result))
+    if rank == 0:  # every rank holds the same share: rank 0's figures stand for the group
+        Path(out).write_text(json.dumps(result))
     del model, optimizer, inner
     distributed.release()
 
@@ -169,16 +170,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import tempfile
 
-    import torch.multiprocessing as mp
+    from ranks import spawn  # bench/ranks.py: run as a script, its own folder is on the path
 
     results = []
-    # The group's FileStores and per-rank JSONs live in a folder removed afterwards.
+    # The groups' FileStores and rank 0's JSONs live in a folder removed afterwards.
     with tempfile.TemporaryDirectory() as tmp:
         for cp in args.cp:
-            # One group per cp size; rank 0's figures (every rank holds the same share).
-            mp.start_processes(worker, args=(cp, f"{tmp}/store{cp}", args, tmp), nprocs=cp,
-                               start_method="spawn")
-            results.append(json.loads(Path(tmp, f"cp{cp}_rank0.json").read_text()))
+            # One group per cp size, each in its own processes.
+            results.append(spawn(worker, cp, Path(tmp, f"cp{cp}.json"), cp, args))
             r = results[-1]
             print(f"cp {cp}: activations {r['activations_bytes'] / 2**20:.1f} MiB per rank "
                   f"(model_size {r['predicted_bytes'] / 2**20:.1f}), step {r['step_s']:.2f} s, "

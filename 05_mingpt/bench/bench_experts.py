@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import spawn  # bench/ranks.py: run as a script, its own folder is on the path
 
 # The scripts and the library live one folder up (05_mingpt/), from wherever this is run.
 HERE = Path(__file__).resolve().parent.parent
@@ -90,7 +90,7 @@ def measure(preset: str, ep: int, args: argparse.Namespace) -> dict:
             "all_to_all_bytes_per_step": sum(calls) // args.steps}
 
 
-def _worker(rank: int, store: str, args: argparse.Namespace, out: str) -> None:
+def _worker(rank: int, store: str, out: str, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)  # four processes share the cores: one thread each
     dist.init_process_group("gloo", store=dist.FileStore(store, WORLD), rank=rank,
                             world_size=WORLD, timeout=timedelta(seconds=300))
@@ -106,12 +106,7 @@ def _worker(rank: int, store: str, args: argparse.Namespace, out: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    out = HERE / f"{args.out}.json"
-    out.with_suffix(".store").unlink(missing_ok=True)  # a FileStore left by a failed run
-    mp.start_processes(_worker, args=(str(out.with_suffix(".store")), args, str(out)),
-                       nprocs=WORLD, start_method="spawn")
-    out.with_suffix(".store").unlink(missing_ok=True)
-    for row in json.loads(out.read_text())["rank0"]:
+    for row in spawn(_worker, WORLD, HERE / f"{args.out}.json", args)["rank0"]:
         print(row)
 
 

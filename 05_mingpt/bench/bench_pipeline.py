@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import spawn  # bench/ranks.py: run as a script, its own folder is on the path
 
 # The scripts and the library live one folder up (05_mingpt/), from wherever this is run.
 HERE = Path(__file__).resolve().parent.parent
@@ -69,7 +69,7 @@ def busy_seconds(stages: list[torch.nn.Module], x: torch.Tensor, m: int, n_embd:
     return time.perf_counter() - start
 
 
-def worker(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
+def worker(rank: int, store: str, out: str, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)  # one core per stage: the ranks share the machine's cores
     from torch.distributed.pipelining import schedules  # noqa: PLC0415
 
@@ -170,12 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    store = out.with_suffix(".store")
-    store.unlink(missing_ok=True)
-    mp.start_processes(worker, args=(args, str(store), str(out.with_suffix(".json"))),
-                       nprocs=args.ranks, start_method="spawn")
-    store.unlink(missing_ok=True)
-    rows = json.loads(out.with_suffix(".json").read_text())
+    rows = spawn(worker, args.ranks, out.with_suffix(".json"), args)
     info = {"args": vars(args), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "torch": torch.__version__, "rows": rows}
     out.with_suffix(".json").write_text(json.dumps(info, indent=1))
