@@ -27,6 +27,8 @@ import logging
 import multiprocessing
 import weakref
 from collections import defaultdict
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 
 import torch
@@ -346,27 +348,41 @@ def model_config(cfg: DictConfig) -> GPTConfig:
 
 # --- the entry point (main.py) and the table ---------------------------------------------------
 
-def plan(cfg: DictConfig) -> tuple[layout.Layout, dict[int, dict]]:
-    """The layout of a trainer_config.dry_run-rank run and each representative rank's plan;
+def plan(cfg: DictConfig, gpt_config: GPTConfig | None = None,
+         ranks: list[int] | None = None) -> tuple[layout.Layout, dict[int, dict]]:
+    """The layout of a trainer_config.dry_run-rank run and the plan of each of `ranks` (by
+    default the representative ones), for `gpt_config` (by default the model `cfg` builds);
     ValueError (one line) where the data, the model or the layout does not fit."""
     t = cfg.trainer_config
-    gpt_config = model_config(cfg)
+    gpt_config = gpt_config or model_config(cfg)
     lay = layout.resolve(t.distributed_method, t.dry_run, t.tp_size, t.pp_size, t.cp_size,
                          t.ep_size)
-    # Each rank in a child process of its own: torch caches what it learned about a mesh
-    # (DTensor's sharding decisions) by the mesh's shape, and a second world in the same
-    # process would reuse the first one's groups. Forked from a fork server (one clean,
-    # single-threaded process with this module imported), not from this process: a fork of a
-    # process with threads (gloo's, a test runner's) can inherit a lock held by one of them,
-    # and the child then waits on it forever.
-    ranks = representative_ranks(lay)
+    ranks = representative_ranks(lay) if ranks is None else ranks
+    plans = plan_ranks([(cfg, gpt_config, t.dry_run, r) for r in ranks])
+    return lay, dict(zip(ranks, plans, strict=True))
+
+
+def plan_ranks(jobs: list[tuple[DictConfig, GPTConfig, int, int]]) -> list[dict]:
+    """plan_rank(*job) for each job, two at a time, each in a process of its own.
+
+    A process per rank, as in a real job: torch keeps what it learned about a mesh (DTensor's
+    sharding decisions, keyed by the mesh's shape) for the life of the process, and a second
+    rank's plan in the same process would run on the first one's groups. The processes come
+    from multiprocessing's fork server (one clean, single-threaded process with this module
+    imported), not from a fork of this one: a fork of a process with threads (gloo's, a test
+    runner's) can inherit a lock one of them holds, and the child then waits on it forever.
+    A process that dies (for instance a script calling this without the
+    `if __name__ == "__main__":` guard multiprocessing needs) ends the dry run with an error,
+    never a wait."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["mingpt.dry_run"])
-    # Two at a time: each is one process of mostly single-threaded work.
-    with context.Pool(2, maxtasksperchild=1) as pool:
-        plans = pool.starmap(plan_rank, [(cfg, gpt_config, t.dry_run, r) for r in ranks],
-                             chunksize=1)
-    return lay, dict(zip(ranks, plans, strict=True))
+    try:
+        with ProcessPoolExecutor(2, mp_context=context, max_tasks_per_child=1) as pool:
+            return list(pool.map(plan_rank, *zip(*jobs, strict=True)))
+    except BrokenProcessPool:
+        raise RuntimeError("a dry-run process died before it finished; a script that calls "
+                           "the dry run needs multiprocessing's `if __name__ == "
+                           "\"__main__\":` guard") from None
 
 
 def human(n: float) -> str:
