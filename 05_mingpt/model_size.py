@@ -1,30 +1,30 @@
 """How big is each GPT preset: parameters, training FLOPs per token, and snapshot size on disk;
-with --memory, what one rank holds in training under each strategy.
+with --memory, what one rank holds in training under each layout.
 
     python model_size.py                      # every preset, GPT-2 vocabulary and context
     python model_size.py --preset gpt2-xl     # one preset
     python model_size.py --vocab_size 65 --block_size 256
     python model_size.py --memory --preset gpt2-medium --vocab_size 65 --block_size 256 \
-        --world_size 2 --tp_size 2 --batch_size 4   # per-rank bytes: ddp, zero, fsdp, tp, fsdp_tp
+        --world_size 2 --tp_size 2 --batch_size 4   # rank 0's bytes per layout
     python model_size.py --memory --preset gpt-mini --block_size 2048 --cp_size 4  # and cp
     python model_size.py --memory --preset gpt-micro-moe --vocab_size 65 --world_size 4
-        # and a MoE preset's expert parameters per rank under each ep_size (MOE.md)
+        # and a MoE preset's experts over ep_size 2, 4 (MOE.md)
 
 The models are built on the `meta` device: modules get shapes but no storage, so counting the
-parameters of the 1.5B-parameter gpt2-xl takes no memory and no time. The memory predictions
-are formulas over those shapes (how each strategy splits each parameter), so they do not
-depend on mingpt/parallel/; tests/test_mingpt_memory.py compares them with the local shards of
-real runs, and bench/bench_memory.py with measured peaks.
+parameters of the 1.5B-parameter gpt2-xl takes no memory and no time. --memory keeps no
+formulas of its own: it asks the dry run (mingpt/dry_run.py, DRY_RUN.md) to plan rank 0 of
+each layout, which runs the real layout code and one training step on fake tensors and
+counts what the rank holds; tests/test_mingpt_dry_run.py holds those counts equal to real
+runs', and bench/bench_memory.py compares them with measured peaks.
 """
 import argparse
-import math
 import sys
 
 import torch
+from omegaconf import DictConfig
 
 from mingpt.model import GPT, PRESETS, GPTConfig
 from mingpt.parallel import STRATEGIES as REGISTRY
-from mingpt.parallel import pipeline
 
 # Bytes per parameter. A training snapshot keeps fp32 weights plus AdamW's two fp32 moments
 # (exp_avg, exp_avg_sq): 3 x 4 bytes. Mixed precision does not change this: the optimizer
@@ -75,6 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cp_size", type=positive_int, default=2,
                         help="--memory: largest context-parallel group to show (default: 2)")
     args = parser.parse_args(argv)
+    if args.memory and args.preset is None:
+        parser.error("--memory needs --preset (it plans one model at a time)")
     if args.memory and args.world_size % args.tp_size:
         parser.error(f"--world_size {args.world_size} must be divisible by --tp_size "
                      f"{args.tp_size}")
@@ -144,242 +146,101 @@ def print_table(rows: list[dict[str, object]]) -> None:
         print(line([row[h] for h in headers]))
 
 
-# --- per-rank training memory, per strategy (--memory) ----------------------------------------
+# --- per-rank training memory (--memory): the dry run's counts --------------------------------
 
-# The strategies whose memory split the registry describes (parallel.STRATEGIES, `memory`).
-MEMORY = {name: s for name, s in REGISTRY.items() if s.memory is not None}
-# How tensor parallelism splits a block's weights (mingpt/parallel/tensor.py, Megatron's layout):
-# q/k/v and the MLP's widening matmul column-wise (dim 0 of an nn.Linear weight, and its
-# bias), both output projections row-wise (dim 1; their biases stay whole). Every other
-# parameter (embeddings, LayerNorms, the tied lm_head) is whole on every rank.
-TP_DIM = {"attn.c_attn.weight": 0, "attn.c_attn.bias": 0, "mlp.c_fc.weight": 0,
-          "mlp.c_fc.bias": 0, "attn.c_proj.weight": 1, "mlp.c_proj.weight": 1}
-
-
-def chunk(n: int, parts: int, index: int) -> int:
-    """Length of part `index` of n cut by torch.chunk, as FSDP2 and DTensor's Shard cut: parts
-    of ceil(n / parts), the last one shorter (FSDP pads it for its collectives), maybe empty."""
-    size = -(-n // parts)  # ceil(n / parts), in integers
-    # Part `index` starts at index * size; parts past the end are empty, not negative.
-    return max(0, min(n, (index + 1) * size) - index * size)
+def model_overrides(model: GPT) -> list[str]:
+    """main.py's gpt_config keys for `model`'s sizes (model_type null: the sizes themselves)."""
+    c = model.config
+    keys = ("n_layer", "n_head", "n_embd", "block_size", "dropout", "bias", "n_expert",
+            "expert_top_k", "aux_loss_coef")
+    return ["gpt_config.model_type=null", *(f"gpt_config.{key}={getattr(c, key)}"
+                                            for key in keys)]
 
 
-def local_shape(name: str, shape: tuple[int, ...], strategy: str, world_size: int,
-                tp_size: int, rank: int, ep_size: int = 1) -> tuple[int, ...]:
-    """The shape of parameter `name` that `rank` stores under `strategy` (with `ep_size`:
-    each MoE block's experts split over groups of ep_size consecutive dp ranks, expert.py)."""
-    shape, s = list(shape), MEMORY[strategy]
-    dp_rank, tp_rank = divmod(rank, tp_size)  # a (dp, tp) mesh: TP groups are neighbours
-    if s.tp:
-        dim = next((d for suffix, d in TP_DIM.items() if name.endswith(suffix)), None)
-        if dim is not None:
-            shape[dim] = chunk(shape[dim], tp_size, tp_rank)
-    ep = ep_size if ".mlp.experts." in name else 1
-    edp_rank, ep_rank = divmod(dp_rank, ep)  # dp = edp x ep
-    shape[0] = chunk(shape[0], ep, ep_rank)  # the experts (dim 0) over the ep group
-    # FSDP shards dim 0 of what is left over the ranks that hold the same part: every rank
-    # (fsdp), the dp ranks (fsdp_tp and the pipelines), each over ep fewer for the experts.
-    if s.memory.shards_over == "world":  # fsdp: dim 0 over all ranks
-        shape[0] = chunk(shape[0], world_size // ep, rank // ep)
-    if s.memory.shards_over == "dp":  # fsdp_tp: TP inside, then dim 0 of the TP shard over dp
-        shape[0] = chunk(shape[0], world_size // tp_size // ep, edp_rank)
-    return tuple(shape)
+def layout_config(model: GPT, overrides: list[str], world_size: int, batch_size: int,
+                  microbatches: int | None = None) -> DictConfig:
+    """main.py's checked config for `model` under `overrides` on world_size ranks, one
+    micro-step of batch_size sequences per data-parallel rank; ValueError (one line) where
+    a real run of it would be refused."""
+    from mingpt import config  # noqa: PLC0415
+    # Micro-batches for a pipeline: 4 where they divide the batch (1f1b), fewer otherwise.
+    microbatches = microbatches or next(m for m in (4, 2, 1) if batch_size % m == 0)
+    return config.load([*model_overrides(model), f"trainer_config.dry_run={world_size}",
+                        f"trainer_config.batch_size={batch_size}",
+                        "trainer_config.grad_accum_steps=1",
+                        f"trainer_config.microbatches={microbatches}", *overrides])
 
 
-def pipeline_holds(model: GPT, pp_size: int, pp_rank: int, stages_per_rank: int = 1
-                   ) -> set[str]:
-    """The parameter names pipeline rank `pp_rank` holds (pipeline.py's layout: blocks split
-    as evenly as possible over pp_size x stages_per_rank stages, stage s on rank s % pp_size;
-    the embeddings with the first stage, the final LayerNorm and the tied head with the last)."""
-    n_stages = pp_size * stages_per_rank
-    blocks = pipeline.split_blocks(model.config.n_layer, n_stages)
-    mine = [s for s in range(n_stages) if pipeline.rank_of_stage(s, pp_size) == pp_rank]
-    first, last = 0 in mine, n_stages - 1 in mine
-    owned = {f"blocks.{b}." for s in mine for b in blocks[s]}
-    held = set()
-    for name, _ in model.named_parameters():  # the tied wte/lm_head weight as "wte.weight"
-        if any(name.startswith(prefix) for prefix in owned) or \
-                (name.startswith("wpe.") and first) or (name.startswith("ln_f.") and last) or \
-                (name.startswith("wte.") and (first or last)):
-            held.add(name)
-    return held
+def predict(model: GPT, layouts: dict[str, list[str]], world_size: int, batch_size: int,
+            ranks: tuple[int, ...] = (0,), microbatches: int | None = None
+            ) -> dict[str, dict[int, dict]]:
+    """What `ranks` hold and send in a training step of `model` (built on the meta device)
+    under each layout (name -> main.py overrides), `batch_size` sequences per data-parallel
+    rank: the dry run's plan (mingpt/dry_run.py), one process per rank, all layouts at once.
+    ValueError (one line) where a layout does not fit the model or the world size."""
+    # The import is here: the size table needs none of the distributed machinery.
+    from mingpt import config, dry_run  # noqa: PLC0415
+    jobs, names = [], []
+    for name, overrides in layouts.items():
+        cfg = layout_config(model, overrides, world_size, batch_size, microbatches)
+        # The model as the layout's config has it (cp sets dropout 0), the vocabulary as given.
+        gpt_config = config.model_config(cfg, {"vocab_size": model.config.vocab_size,
+                                               "block_size": model.config.block_size})[0]
+        jobs += [(cfg, gpt_config, world_size, rank) for rank in ranks]
+        names += [(name, rank) for rank in ranks]
+    plans: dict[str, dict[int, dict]] = {name: {} for name in layouts}
+    for (name, rank), plan in zip(names, dry_run.plan_ranks(jobs), strict=True):
+        plans[name][rank] = plan
+    return plans
 
 
-def zero_partition(model: GPT, world_size: int) -> list[set[str]]:
-    """Which parameters' optimizer state each rank keeps under ZeroRedundancyOptimizer.
-
-    Its rule: group by group (optim_groups: decayed, then not), largest parameter first, each
-    to the rank with the fewest elements so far. Whole parameters, so the split is uneven.
-    """
-    names = {id(p): name for name, p in model.named_parameters()}
-    owned: list[set[str]] = [set() for _ in range(world_size)]
-    sizes = [0] * world_size  # elements owned so far, per rank, over all groups
-    # The groups main.py builds (the weight-decay value does not matter, only the grouping).
-    for group in model.optim_groups(weight_decay=0.1):
-        # sorted() is stable: equal sizes keep the model's order, as in ZeRO's own sort.
-        for p in sorted(group["params"], key=lambda t: t.numel(), reverse=True):
-            rank = sizes.index(min(sizes))  # the first of the least-loaded ranks
-            owned[rank].add(names[id(p)])
-            sizes[rank] += p.numel()
-    return owned
-
-
-def activation_bytes(model: GPT, batch_size: int, tp_size: int = 1) -> int:
-    """A rough estimate of what autograd keeps for backward in one fp32 micro-step.
-
-    Per block and token: 16 fp32 vectors of width C (LayerNorm inputs and outputs, q/k/v,
-    attention output, MLP hidden before and after GELU; 12 of them split by TP) and two 1-byte
-    dropout masks; attention on the math path (dropout during training) keeps probabilities,
-    mask and dropped probabilities per head: 9 bytes x T x T. Outside the blocks: embeddings,
-    final LayerNorm, and the logits plus cross-entropy's log-softmax (8 bytes x vocab).
-    """
-    cfg = model.config
-    # TP splits the heads (and the MLP's hidden width) but every rank sees the whole batch.
-    tokens, seq, heads = batch_size * cfg.block_size, cfg.block_size, cfg.n_head // tp_size
-    block = 4 * tokens * cfg.n_embd * (4 + 12 / tp_size) + 2 * tokens * cfg.n_embd \
-        + 9 * batch_size * heads * seq * seq
-    outside = 17 * tokens * cfg.n_embd + 8 * tokens * cfg.vocab_size
-    return int(cfg.n_layer * block + outside)
-
-
-def flash_activation_bytes(model: GPT, batch_size: int, cp_size: int = 1) -> int:
-    """What autograd keeps for backward in one fp32 micro-step without dropout, per rank, when
-    each rank holds 1/cp_size of every sequence (context parallelism; cp_size 1: none).
-
-    Without dropout, attention runs in a flash kernel (no T x T matrix): it keeps q, k, v, its
-    output and one fp32 log-sum-exp per head and token. Per block and local token, 16 fp32
-    vectors of width C: the LayerNorms' inputs and outputs (4), q/k/v (3), attention's output
-    (1), the MLP's hidden layer before and after GELU (8); and two LayerNorms' mean and rstd
-    (4 floats). Under cp the ring's merged output is a fresh tensor that the head transpose
-    copies once more for c_proj: one vector more. Outside the blocks: token ids and targets
-    (int64), positions, the final LayerNorm's input, output and statistics, cross-entropy's
-    log-softmax over the vocabulary and its scalar total weight. Every term scales with the
-    local tokens, so the whole falls as 1/cp_size; tests/test_mingpt_context.py counts the
-    real tensors.
-    """
-    cfg = model.config
-    seq = cfg.block_size // cp_size  # the positions each rank keeps
-    tokens = batch_size * seq
-    vectors = 16 + (1 if cp_size > 1 else 0)
-    block = BYTES_FP32 * tokens * (vectors * cfg.n_embd + 4 + cfg.n_head)
-    outside = 8 * (2 * tokens + seq) + BYTES_FP32 * tokens * (2 * cfg.n_embd + 2
-                                                              + cfg.vocab_size)
-    return cfg.n_layer * block + outside + BYTES_FP32
-
-
-def buffer_bytes(model: GPT, strategy: str, tp_size: int) -> int:
-    """Communication and gathering buffers besides the model state (fp32).
-
-    DDP (and ZeRO, which is DDP plus a sharded optimizer) keeps every gradient a second time in
-    its all-reduce buckets. FSDP gathers the root (embeddings, last LayerNorm: whole for the
-    whole step), the running block and the prefetched next one, and one block's unsharded
-    gradient before its reduce-scatter. TP moves activations only.
-    """
-    total = model.num_params()
-    # All blocks are the same size: FSDP's units are the blocks, plus the root's leftovers.
-    block = sum(p.numel() for p in model.blocks[0].parameters())
-    s = MEMORY[strategy]
-    if s.pipeline and s.memory.buffers == "gathers":  # FSDP over the stage's own blocks only
-        return BYTES_FP32 * 3 * block // (tp_size if s.tp else 1)
-    if s.memory.buffers == "buckets":
-        return BYTES_FP32 * total
-    if s.memory.buffers == "gathers":
-        root = total - model.config.n_layer * block
-        return BYTES_FP32 * (root + 3 * block // (tp_size if s.tp else 1))
-    return 0
-
-
-def memory_row(model: GPT, strategy: str, world_size: int, tp_size: int, batch_size: int,
-               rank: int = 0, pp_size: int = 1, microbatches: int = 4, ep_size: int = 1
-               ) -> dict[str, int]:
-    """Bytes `rank` holds under `strategy`: fp32 parameters and gradients, AdamW's state (two
-    moments per element and a 4-byte step per parameter it updates), buffers, activations;
-    the experts split over ep_size ranks (buffers and activations: as without)."""
-    named = list(model.named_parameters())  # the tied wte/lm_head weight once
-    pp = pp_size if MEMORY[strategy].pipeline else 1
-    # A (pp, dp, tp) mesh: each pipeline rank holds its stage's parameters, which tp and dp
-    # then split as fsdp_tp does over the ranks of one stage.
-    pp_rank, rank = divmod(rank, world_size // pp)
-    world_size //= pp
-    tp_size = tp_size if MEMORY[strategy].tp else 1  # fsdp_pp: dp is every rank of a stage
-    if pp > 1 or MEMORY[strategy].pipeline:
-        held = pipeline_holds(model, pp, pp_rank)
-        named = [(name, p) for name, p in named if name in held]
-    # Gradients have their parameters' shapes (and shards); AdamW's moments too, but ZeRO
-    # keeps them only for the parameters this rank owns.
-    local = {name: math.prod(local_shape(name, tuple(p.shape), strategy, world_size, tp_size,
-                                         rank, ep_size)) for name, p in named}
-    sharded = MEMORY[strategy].memory.sharded_optimizer  # zero
-    updated = zero_partition(model, world_size)[rank] if sharded else set(local)
-    row = {
-        "parameters": BYTES_FP32 * sum(local.values()),
-        "gradients": BYTES_FP32 * sum(local.values()),
-        "optimizer": sum(2 * BYTES_FP32 * local[name] + BYTES_FP32 for name in updated),
-    }
-    row["model state"] = sum(row.values())
-    row["buffers"] = buffer_bytes(model, strategy, tp_size)
-    row["activations"] = activation_bytes(model, batch_size,
-                                          tp_size if MEMORY[strategy].tp else 1)
-    if MEMORY[strategy].pipeline:
-        # 1F1B: stage r keeps the activations of up to pp - r micro-batches (of batch_size /
-        # microbatches sequences) in flight, for its share of the blocks (rough, as above).
-        in_flight = min(pp - pp_rank, microbatches)
-        share = len({n.split(".")[1] for n in held if n.startswith("blocks.")}) \
-            / model.config.n_layer
-        row["activations"] = int(row["activations"] * share * in_flight / microbatches)
-    row["total"] = row["model state"] + row["buffers"] + row["activations"]
-    return row
-
-
-def cp_rows(model: GPT, batch_size: int, cp_size: int) -> list[dict[str, object]]:
-    """Context parallelism: activations per rank for cp 1, 2, 4, ... up to cp_size, where the
-    block size splits into 2 x cp chunks (the model state is the data-parallel strategy's)."""
-    rows, cp = [], 1
-    while cp <= cp_size and model.config.block_size % (2 * cp if cp > 1 else 1) == 0:
-        rows.append({"cp_size": cp, "tokens per rank": batch_size * model.config.block_size // cp,
-                     "activations": human_bytes(flash_activation_bytes(model, batch_size, cp))})
+def memory_layouts(model: GPT, args: argparse.Namespace) -> dict[str, list[str]]:
+    """The layouts --memory shows: each strategy name (tp_size, pp_size as given), ddp with
+    cp_size 2, 4, ... up to --cp_size, and a MoE model's experts over ep_size 2, 4, ..."""
+    method = "trainer_config.distributed_method="
+    layouts = {}
+    for name, strategy in REGISTRY.items():
+        if name == "dp":  # one process: nothing to plan
+            continue
+        layouts[name] = [method + name]
+        # fsdp_tp, fsdp_pp, fsdp_tp_pp take the degrees given; tp and pp take every rank.
+        if strategy.tp and name != "tp":
+            layouts[name].append(f"trainer_config.tp_size={args.tp_size}")
+        if strategy.pipeline and name != "pp":
+            layouts[name].append(f"trainer_config.pp_size={args.pp_size}")
+    cp = 2
+    while cp <= args.cp_size:
+        layouts[f"ddp cp {cp}"] = [method + "ddp", f"trainer_config.cp_size={cp}",
+                                   "gpt_config.dropout=0.0"]  # cp refuses dropout
         cp *= 2
-    return rows
-
-
-def expert_rows(model: GPT, world_size: int, batch_size: int) -> list[dict[str, object]]:
-    """A MoE model under ddp and fsdp with its experts over ep_size = 1, 2, 4, ... ranks (those
-    dividing n_expert and the world size): rank 0's expert parameters and model state."""
-    rows, ep = [], 1
-    experts = [name for name, _ in model.named_parameters() if ".mlp.experts." in name]
-    while ep <= world_size and model.config.n_expert % ep == 0 and world_size % ep == 0:
-        for strategy in ("ddp", "fsdp"):
-            held = sum(math.prod(local_shape(name, tuple(p.shape), strategy, world_size, 1, 0,
-                                             ep))
-                       for name, p in model.named_parameters() if name in experts)
-            state = memory_row(model, strategy, world_size, 1, batch_size, ep_size=ep)
-            rows.append({"strategy": strategy, "ep_size": ep, "expert params": f"{held:,}",
-                         "model state": human_bytes(state["model state"])})
+    ep = 2
+    while model.config.n_expert and ep <= args.world_size:
+        layouts[f"fsdp ep {ep}"] = [method + "fsdp", f"trainer_config.ep_size={ep}"]
         ep *= 2
-    return rows
+    return layouts
 
 
-def memory_rows(model: GPT, world_size: int, tp_size: int, batch_size: int, pp_size: int = 2
-                ) -> list[dict[str, object]]:
-    """One row per strategy: rank 0's bytes (the largest share where shards are uneven)."""
+MEMORY_KEYS = ("parameters", "gradients", "optimizer", "model state", "buffers",
+               "activations / micro-batch", "peak activations", "predicted peak")
+
+
+def memory_rows(model: GPT, args: argparse.Namespace) -> tuple[list[dict[str, object]],
+                                                                 list[str]]:
+    """Rank 0's bytes under every layout that fits (one row each), and a line for each
+    that does not (the config's own reason)."""
+    fits, refused = {}, []
+    for name, overrides in memory_layouts(model, args).items():
+        try:
+            layout_config(model, overrides, args.world_size, args.batch_size)
+            fits[name] = overrides
+        except ValueError as err:
+            refused.append(f"{name}: {err}")
+    plans = predict(model, fits, args.world_size, args.batch_size)
     rows = []
-    # Rank 0 stands for all: FSDP's uneven chunks give it the most, ZeRO's partition nearly so.
-    for strategy, s in MEMORY.items():
-        if s.tp and (model.config.n_head % tp_size or model.config.n_embd % tp_size):
-            continue  # TP needs the heads and the width to split evenly
-        pp = pp_size if s.pipeline else 1
-        tp = tp_size if s.tp else 1
-        if world_size % (pp * tp) or (strategy == "pp" and pp != world_size) \
-                or model.config.n_layer < pp:
-            continue  # the mesh does not fit these sizes
-        layout = f"tp {tp_size} x dp {world_size // tp_size}" if s.tp else f"{world_size} ranks"
-        if s.pipeline:
-            layout = f"pp {pp} x dp {world_size // (pp * tp)} x tp {tp}"
-        sizes = memory_row(model, strategy, world_size, tp_size, batch_size, pp_size=pp)
-        # Human-readable sizes for the table; memory_row keeps the exact bytes for tests.
-        rows.append({"strategy": strategy, "layout": layout,
-                     **{key: human_bytes(value) for key, value in sizes.items()}})
-    return rows
+    for name, by_rank in plans.items():
+        plan = by_rank[0]
+        rows.append({"layout": name, **{key: human_bytes(plan[key]) for key in MEMORY_KEYS}})
+    return rows, refused
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -387,26 +248,19 @@ def main(argv: list[str] | None = None) -> int:
     presets = [args.preset] if args.preset else list(PRESETS)
     try:
         if args.memory:
-            for preset in presets:
-                model = build_on_meta(preset, args.vocab_size, args.block_size)
-                print(f"{preset}: {model.num_params():,} parameters, vocab_size="
-                      f"{args.vocab_size}, block_size={args.block_size}, batch_size="
-                      f"{args.batch_size} per rank, fp32, AdamW; bytes per rank (rank 0)")
-                print_table(memory_rows(model, args.world_size, args.tp_size, args.batch_size,
-                                        args.pp_size))
-                # Context parallelism (cp_size) splits the sequences, not the model state.
-                print("\ncontext parallelism (ddp, zero or fsdp x cp_size; dropout 0): "
-                      "activations per rank")
-                print_table(cp_rows(model, args.batch_size, args.cp_size))
-                if model.config.n_expert:  # expert parallelism splits the experts' state
-                    print(f"\nexpert parallelism ({model.config.n_expert} experts per block, "
-                          f"{args.world_size} ranks): rank 0's share")
-                    print_table(expert_rows(model, args.world_size, args.batch_size))
-                print()
-            print("model state = parameters + gradients + optimizer (exp_avg, exp_avg_sq); "
-                  "buffers: DDP's gradient buckets, FSDP's gathered blocks; activations: a "
-                  "rough estimate (model_size.activation_bytes); cp's: counted for dropout 0 "
-                  "(model_size.flash_activation_bytes)")
+            model = build_on_meta(args.preset, args.vocab_size, args.block_size)
+            print(f"{args.preset}: {model.num_params():,} parameters, vocab_size="
+                  f"{args.vocab_size}, block_size={args.block_size}, batch_size="
+                  f"{args.batch_size} per data-parallel rank, {args.world_size} ranks, fp32, "
+                  "AdamW; rank 0's bytes, planned by the dry run (DRY_RUN.md)")
+            rows, refused = memory_rows(model, args)
+            print_table(rows)
+            for line in refused:
+                print(f"not shown: {line}")
+            print("model state = parameters + gradients + AdamW's state; buffers: DDP's "
+                  "gradient buckets, FSDP's gathered blocks; activations: what autograd "
+                  "keeps for backward; predicted peak = model state + buffers + peak "
+                  "activations")
             return 0
         rows = [size_row(p, args.vocab_size, args.block_size) for p in presets]
     except ValueError as err:  # an invalid model config: one line, no traceback

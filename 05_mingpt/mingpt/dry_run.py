@@ -213,6 +213,11 @@ def plan_rank(cfg: DictConfig, gpt_config: GPTConfig, world: int, rank: int) -> 
     dist.init_process_group("fake", rank=rank, world_size=world)
     try:
         return _step(cfg, gpt_config)
+    except ValueError:
+        raise  # a layout that does not fit: its one line, for main.py's `error:`
+    except Exception as err:  # as text: some of torch's errors cannot be pickled back
+        raise RuntimeError(f"the dry run of rank {rank} failed: {type(err).__name__}: "
+                           f"{err}") from None
     finally:
         distributed.release()
 
@@ -283,7 +288,7 @@ def _step(cfg: DictConfig, gpt_config: GPTConfig) -> dict:
     # The model is built whole as fake tensors (no memory either way), then laid out for
     # real: the mesh is made of real tensors, which is why parallelize runs outside the mode
     # (fake tensors carry their mode with them). The step runs inside it.
-    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    fake = _PlanningMode(allow_non_fake_inputs=True)
     with fake:
         model = GPT(gpt_config)
     model = parallelize(model, CPU, t.distributed_method, **settings)
@@ -292,6 +297,19 @@ def _step(cfg: DictConfig, gpt_config: GPTConfig) -> dict:
     optimizer = build_optimizer(model, t.distributed_method, o.lr, o.betas, o.weight_decay)
     with fake:
         return measure_step(model, optimizer, t, batches(t, gpt_config))
+
+
+class _PlanningMode(FakeTensorMode):
+    """Fake tensors whose value, read back into Python (`.item()`, `int(t)`), is 0 where the
+    fake tensor has none (one made from a Python number, as AdamW's step count, keeps its
+    value): the step's numbers are garbage anyway. The one such read in a dense step is TP's
+    dropout seed (tensor.py), which only picks the masks' bits."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default and \
+                getattr(args[0], "constant", None) is None:  # AdamW's step count has one
+            return 0
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 def _step_real_shards(cfg: DictConfig, gpt_config: GPTConfig, settings: dict) -> dict:
