@@ -16,6 +16,7 @@ One spawn of W processes per world size runs every layout of that size. A layout
 refuses is refused by the dry run with the same one `error:` line."""
 import importlib
 import json
+import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -138,3 +139,25 @@ def test_a_refused_layout_is_one_error_line_in_dry_and_real_run(m, overrides, me
     assert dry.stderr.count("\n") == 1 and dry.stderr.startswith("error: "), dry.stderr
     if message is not None:
         assert dry.stderr == message + "\n"
+
+
+# --- a script without the __main__ guard: an error, not a wait --------------------------------
+
+def test_a_script_without_the_main_guard_ends_in_one_error(tmp_path):
+    """The dry run plans each rank in a child from multiprocessing's fork server, which runs
+    the calling script's top level again in the child: without the guard, the child dies
+    while starting. multiprocessing.Pool (the first version) replaced it for ever and the
+    caller waited; the executor now reports the broken pool."""
+    script = tmp_path / "plan.py"
+    script.write_text(
+        f"import sys\nsys.path.insert(0, {str(MINGPT)!r})\n"
+        "from mingpt import config, dry_run\n"
+        "cfg = config.load(['trainer_config.distributed_method=fsdp', "
+        "'trainer_config.dry_run=2'])\n"
+        "dry_run.plan(cfg)\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=240, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stderr.splitlines()[-1] == (
+        "RuntimeError: a dry-run process died before it finished; a script that calls the "
+        "dry run needs multiprocessing's `if __name__ == \"__main__\":` guard"), proc.stderr

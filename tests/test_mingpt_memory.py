@@ -1,6 +1,6 @@
 """05_mingpt's memory story: FSDP built on the meta device holds the plain model's weights bit
-for bit, the trainer's memory counters, and model_size.py's per-rank predictions against the
-local shards of real models.
+for bit, the trainer's memory counters, and model_size.py's per-rank predictions (the dry
+run's plans) against the local shards of real models.
 
 In-process checks run in a one-rank gloo group with an in-memory store; what needs two ranks
 (uneven shards, ZeRO's partition, TP's split) runs in ONE pair of spawned processes that does
@@ -60,7 +60,7 @@ def meta_fsdp_gpt(m, seed: int = 0, checkpointing: bool = False, **config) -> to
 
 
 def meta_gpt(m, **config) -> torch.nn.Module:
-    """Shapes only, for model_size's formulas."""
+    """Shapes only, for the dry run (model_size.predict)."""
     with torch.device("meta"):
         return m["model"].GPT(m["model"].GPTConfig(**(CONFIG | config)))
 
@@ -123,7 +123,8 @@ def test_model_state_bytes_counts_parameters_gradients_and_adamw_state(m, group)
     n_tensors = len(list(model.parameters()))
     assert counted == {"parameters": 4 * n, "gradients": 4 * n,
                        "optimizer": 8 * n + 4 * n_tensors}  # two fp32 moments, a scalar step
-    predicted = model_size.memory_row(meta_gpt(m), "ddp", 1, 1, BATCH)
+    predicted = model_size.predict(meta_gpt(m), {"ddp": ["trainer_config.distributed_method=ddp"]},
+                                   1, BATCH)["ddp"][0]
     assert {key: predicted[key] for key in counted} == counted
 
 
@@ -141,41 +142,41 @@ def test_reset_peak_memory_starts_a_new_cpu_peak(m, group):
 
 # --- model_size.py ----------------------------------------------------------------------------
 
-def test_chunk_cuts_as_torch_chunk_does(m):
-    chunk = m["model_size"].chunk
-    for n in (1, 5, 11, 54, 64):
-        for parts in (1, 2, 3, 4, 7):
-            expected = [len(c) for c in torch.arange(n).chunk(parts)]
-            expected += [0] * (parts - len(expected))  # torch.chunk leaves empty ones out
-            assert [chunk(n, parts, i) for i in range(parts)] == expected, (n, parts)
-
-
 def test_model_size_memory_table_shows_what_each_strategy_saves(m, capsys):
     model_size = m["model_size"]
-    assert model_size.main(["--memory", "--preset", "gpt2-medium", "--vocab_size", "65",
-                            "--block_size", "256", "--world_size", "2", "--tp_size", "2"]) == 0
+    argv = ["--memory", "--preset", "gpt-mini", "--vocab_size", "65", "--block_size", "64",
+            "--world_size", "2", "--tp_size", "2"]
+    assert model_size.main(argv) == 0
     out = capsys.readouterr().out
-    rows = {line.split()[0]: line for line in out.splitlines()
-            if line.split() and line.split()[0] in model_size.MEMORY}
-    # Every strategy whose mesh fits 2 ranks (fsdp_tp_pp's pp 2 x tp 2 needs 4).
-    assert list(rows) == [s for s in model_size.MEMORY if s != "fsdp_tp_pp"], out
-    gpt = model_size.build_on_meta("gpt2-medium", 65, 256)
-    ddp, zero, fsdp = (model_size.memory_row(gpt, s, 2, 2, 4)["model state"]
-                       for s in ("ddp", "zero", "fsdp"))
+    shown = [line[:10].strip() for line in out.splitlines()
+             if line[:10].strip() in model_size.memory_layouts(
+                 model_size.build_on_meta("gpt-mini", 65, 64), model_size.parse_args(argv))]
+    # Every strategy whose mesh fits 2 ranks (fsdp_tp_pp's pp 2 x tp 2 needs 4), ddp with cp 2;
+    # the one that does not fit, with the config's own reason.
+    assert shown == ["ddp", "fsdp", "zero", "tp", "fsdp_tp", "pp", "fsdp_pp", "ddp cp 2"], out
+    assert "not shown: fsdp_tp_pp: pp_size=2 x tp_size=2 = 4 must divide the world size 2" in out
+    gpt = model_size.build_on_meta("gpt-mini", 65, 64)
+    plans = model_size.predict(gpt, {s: [f"trainer_config.distributed_method={s}"]
+                                     for s in ("ddp", "zero", "fsdp")}, 2, 4)
+    ddp, zero, fsdp = (plans[s][0]["model state"] for s in ("ddp", "zero", "fsdp"))
     n = gpt.num_params()
     assert ddp == 16 * n + 4 * len(list(gpt.parameters()))  # 4 + 4 + 8 bytes per parameter
     assert fsdp / ddp == pytest.approx(0.5, abs=0.002)  # every part halved at 2 ranks
     assert zero / ddp == pytest.approx(0.75, abs=0.01)  # only the optimizer's half (8 of 16)
-    with pytest.raises(SystemExit) as e:
-        model_size.main(["--memory", "--world_size", "3", "--tp_size", "2"])
-    assert e.value.code == 2
-    assert capsys.readouterr().err == "error: --world_size 3 must be divisible by --tp_size 2\n"
+    for bad, line in ((["--memory", "--preset", "gpt-mini", "--world_size", "3", "--tp_size",
+                        "2"], "error: --world_size 3 must be divisible by --tp_size 2\n"),
+                      (["--memory"], "error: --memory needs --preset (it plans one model at "
+                                     "a time)\n")):
+        with pytest.raises(SystemExit) as e:
+            model_size.main(bad)
+        assert e.value.code == 2
+        assert capsys.readouterr().err == line
 
 
-# --- two ranks: local shards against model_size's formulas ------------------------------------
+# --- two ranks: local shards against the dry run's plans -------------------------------------
 
 def available_methods(m) -> list[str]:
-    """The strategies whose per-rank memory model_size.py predicts, as the config lists them."""
+    """The strategies checked on two ranks, as the config lists them."""
     return [s for s in ("ddp", "fsdp", "zero", "tp") if s in m["config"].DISTRIBUTED_METHODS]
 
 
@@ -188,13 +189,11 @@ def _two_rank_worker(rank: int, store_path: str, out_dir: str, methods: list[str
     # the trainer's TensorBoard and hydra imports would double the start-up time.
     sys.path.insert(0, str(MINGPT))
     m = {name.rpartition(".")[2]: importlib.import_module(name) for name in (
-        "mingpt.model", "mingpt.parallel", "mingpt.optim", "mingpt.memory", "mingpt.distributed",
-        "model_size")}
-    memory, model_size = m["memory"], m["model_size"]
+        "mingpt.model", "mingpt.parallel", "mingpt.optim", "mingpt.memory", "mingpt.distributed")}
+    memory = m["memory"]
     result: dict = {"methods": methods}
     reference = plain_gpt(m, seed=5)
     result["n"] = reference.num_params()
-    shapes = meta_gpt(m)
     for method in result["methods"]:
         kwargs = {"tp_size": 2} if method == "tp" else {}  # both ranks in one TP group
         model = meta_fsdp_gpt(m, seed=5) if method == "fsdp" else \
@@ -202,20 +201,11 @@ def _two_rank_worker(rank: int, store_path: str, out_dir: str, methods: list[str
         if method == "fsdp":
             result["bitwise"] = all(torch.equal(a.full_tensor(), b) for a, b in
                                     zip(model.parameters(), reference.parameters(), strict=True))
-            # Each rank stores only its chunk, of the size model_size predicts.
-            result["local_shapes"] = [
-                [list(a.to_local().shape),
-                 list(model_size.local_shape(name, tuple(b.shape), "fsdp", 2, 1, rank))]
-                for (name, a), b in zip(model.named_parameters(), shapes.parameters(),
-                                        strict=True)]
         optimizer = m["optim"].build_optimizer(model, method, 1e-3)  # zero: ZeRO's own
         x, y = batch(7 + (0 if method == "tp" else rank))  # a TP group shares its batch
         model(x, y)[1].backward()
         optimizer.step()
-        result[method] = {
-            "measured": memory.model_state_bytes(model, optimizer),
-            "predicted": model_size.memory_row(shapes, method, 2, 2, BATCH, rank),
-        }
+        result[method] = memory.model_state_bytes(model, optimizer)
         del model, optimizer
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     # As main.py does: free everything that holds the group, so destroy_process_group joins
@@ -225,26 +215,24 @@ def _two_rank_worker(rank: int, store_path: str, out_dir: str, methods: list[str
 
 
 def test_two_ranks_hold_the_predicted_shards(m, tmp_path):
-    mp.start_processes(_two_rank_worker, args=(str(tmp_path / "store"), str(tmp_path),
-                                               available_methods(m)),
+    methods = available_methods(m)
+    mp.start_processes(_two_rank_worker, args=(str(tmp_path / "store"), str(tmp_path), methods),
                        nprocs=2, start_method="spawn")  # any failure, an abort at exit too, raises
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    # The dry run's plan of both ranks of each layout (tp: both ranks in one TP group).
+    plans = m["model_size"].predict(
+        meta_gpt(m), {method: [f"trainer_config.distributed_method={method}"]
+                      for method in methods}, 2, BATCH, ranks=(0, 1))
     for rank, result in enumerate(results):
         assert result["bitwise"], rank  # FSDP on meta == the plain model, on both ranks
-        for measured, predicted in result["local_shapes"]:
-            assert measured == predicted, rank
-        for method in result["methods"]:
-            measured, predicted = result[method]["measured"], result[method]["predicted"]
-            for key in ("parameters", "gradients", "optimizer"):
-                # ddp and fsdp exactly; zero and tp within 2 % (should a strategy keep a
-                # buffer the formula leaves out, the message names it).
-                tolerance = 0 if method in ("ddp", "fsdp") else 0.02
-                assert measured[key] == pytest.approx(predicted[key], rel=tolerance), \
-                    (method, rank, key, measured, predicted)
+        for method in methods:
+            measured, planned = result[method], plans[method][rank]
+            # To the byte, every strategy: uneven FSDP chunks, ZeRO's partition, TP's split.
+            assert measured == {key: planned[key] for key in measured}, (method, rank)
     # The point of sharding: FSDP's model state per rank is half of DDP's (uneven chunks
     # make rank 0's a little more), on each rank.
     for result in results:
-        ratio = sum(result["fsdp"]["measured"].values()) / sum(result["ddp"]["measured"].values())
+        ratio = sum(result["fsdp"].values()) / sum(result["ddp"].values())
         assert ratio == pytest.approx(0.5, abs=0.05), ratio
     # Both ranks' chunks together are the whole model: nothing is held twice.
-    assert sum(r["fsdp"]["measured"]["parameters"] for r in results) == 4 * results[0]["n"]
+    assert sum(r["fsdp"]["parameters"] for r in results) == 4 * results[0]["n"]
