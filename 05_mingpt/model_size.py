@@ -150,7 +150,8 @@ def print_table(rows: list[dict[str, object]]) -> None:
 
 def model_overrides(model: GPT) -> list[str]:
     """main.py's gpt_config keys for `model`'s sizes (model_type null: the sizes themselves)."""
-    c = model.config
+    c = model.config  # resolved: a preset's sizes are filled in
+    # Every key that changes what a rank holds; vocab_size is not a key (it comes from the data).
     keys = ("n_layer", "n_head", "n_embd", "block_size", "dropout", "bias", "n_expert",
             "expert_top_k", "aux_loss_coef")
     return ["gpt_config.model_type=null", *(f"gpt_config.{key}={getattr(c, key)}"
@@ -180,6 +181,8 @@ def predict(model: GPT, layouts: dict[str, list[str]], world_size: int, batch_si
     ValueError (one line) where a layout does not fit the model or the world size."""
     # The import is here: the size table needs none of the distributed machinery.
     from mingpt import config, dry_run  # noqa: PLC0415
+    # Every (layout, rank) is one job for the dry run's pool: all of them planned at once, two
+    # processes at a time, rather than one pool per layout.
     jobs, names = [], []
     for name, overrides in layouts.items():
         cfg = layout_config(model, overrides, world_size, batch_size, microbatches)
@@ -188,6 +191,7 @@ def predict(model: GPT, layouts: dict[str, list[str]], world_size: int, batch_si
                                                "block_size": model.config.block_size})[0]
         jobs += [(cfg, gpt_config, world_size, rank) for rank in ranks]
         names += [(name, rank) for rank in ranks]
+    # The pool returns the plans in the jobs' order: file each under its layout and rank.
     plans: dict[str, dict[int, dict]] = {name: {} for name in layouts}
     for (name, rank), plan in zip(names, dry_run.plan_ranks(jobs), strict=True):
         plans[name][rank] = plan
@@ -236,6 +240,7 @@ def memory_rows(model: GPT, args: argparse.Namespace) -> tuple[list[dict[str, ob
         except ValueError as err:
             refused.append(f"{name}: {err}")
     plans = predict(model, fits, args.world_size, args.batch_size)
+    # Human-readable sizes for the table; predict() keeps the exact bytes for tests.
     rows = []
     for name, by_rank in plans.items():
         plan = by_rank[0]

@@ -3,7 +3,7 @@
     setup = peak_memory_mb(device); reset_peak_memory(device)  # then train: a training peak
     model_state_bytes(model, optimizer)  # this rank's parameters, gradients, optimizer state
     saved_activation_bytes(model, x, y)  # what autograd keeps for backward in one forward
-model_size.py predicts each of these; its tests compare the two.
+The dry run (dry_run.py) plans each of these; its tests compare the two.
 """
 import resource
 import sys
@@ -85,7 +85,7 @@ def storage_key(tensor: torch.Tensor) -> int:
 def saved_activation_bytes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
     """The bytes autograd keeps for backward in one forward of (x, y), counted from the tensors
     it saves: every storage once (views share one), parameters left out (Linear layers save
-    their weight: model state, not activations). model_size.py predicts these."""
+    their weight: model state, not activations)."""
     params = {storage_key(p) for p in model.parameters()}
     kept: dict[int, int] = {}  # storage -> bytes
 
@@ -103,7 +103,7 @@ def saved_activation_bytes(model: torch.nn.Module, x: torch.Tensor, y: torch.Ten
 def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer
                       ) -> dict[str, int]:
     """This rank's bytes of parameters, gradients and optimizer state, counted from the
-    tensors it holds (local shards), not from a formula: model_size.py predicts these.
+    tensors it holds (local shards), not from a formula: the dry run counts the same.
 
     Gradients count only while they exist (between backward and zero_grad). ZeRO's optimizer
     keeps the state of this rank's parameters in its local optimizer (`.optim`).

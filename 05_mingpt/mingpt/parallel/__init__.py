@@ -34,18 +34,6 @@ from mingpt.parallel.wrappers import unwrap, wrap_blocks
 
 
 @dataclass(frozen=True)
-class Memory:
-    """How a named layout splits what a rank holds: model_size.py predicts bytes per rank
-    from it (tests/test_mingpt_memory.py checks the predictions against real shards)."""
-
-    shards_over: str | None = None  # dim 0 of every parameter over "world" or the "dp" ranks
-    sharded_optimizer: bool = False  # each rank keeps AdamW's state for the parameters it owns
-    # DDP's all-reduce buckets hold every gradient a second time ("buckets"); FSDP gathers the
-    # root, the running and the next block and one block's gradient ("gathers").
-    buffers: str | None = None
-
-
-@dataclass(frozen=True)
 class Strategy:
     """A name of distributed_method: a flavour, or a shorthand for degrees (layout.py)."""
 
@@ -53,27 +41,21 @@ class Strategy:
     summary: str  # one line for the docs and --help
     tp: bool = False  # tp_size is this name's own (0: every rank)
     pipeline: bool = False  # pp_size is this name's own (0: every rank)
-    memory: Memory | None = None  # None: model_size.py does not predict it (dp: one process)
 
 
 STRATEGIES = {
-    "ddp": Strategy("ddp", "a whole replica per rank, gradients all-reduced",
-                    memory=Memory(buffers="buckets")),
-    "fsdp": Strategy("fsdp", "parameters, gradients and optimizer state sharded over all ranks",
-                     memory=Memory(shards_over="world", buffers="gathers")),
-    "zero": Strategy("ddp", "ddp, with AdamW's state sharded over the ranks",
-                     memory=Memory(sharded_optimizer=True, buffers="buckets")),
-    "tp": Strategy("fsdp", "every block's matmuls split over all ranks", tp=True,
-                   memory=Memory()),
+    "ddp": Strategy("ddp", "a whole replica per rank, gradients all-reduced"),
+    "fsdp": Strategy("fsdp", "parameters, gradients and optimizer state sharded over all ranks"),
+    "zero": Strategy("ddp", "ddp, with AdamW's state sharded over the ranks"),
+    "tp": Strategy("fsdp", "every block's matmuls split over all ranks", tp=True),
     "fsdp_tp": Strategy("fsdp", "TP inside groups of tp_size ranks, FSDP across the groups",
-                        tp=True, memory=Memory(shards_over="dp", buffers="gathers")),
+                        tp=True),
     "pp": Strategy("fsdp", "the blocks split into stages over all ranks, micro-batches "
-                   "pipelined", pipeline=True, memory=Memory()),
+                   "pipelined", pipeline=True),
     "fsdp_pp": Strategy("fsdp", "pipelines of pp_size ranks, FSDP across the pipelines",
-                        pipeline=True, memory=Memory(shards_over="dp", buffers="gathers")),
+                        pipeline=True),
     "fsdp_tp_pp": Strategy("fsdp", "TP inside each stage, pipelines of pp_size stages, FSDP "
-                           "across", tp=True, pipeline=True,
-                           memory=Memory(shards_over="dp", buffers="gathers")),
+                           "across", tp=True, pipeline=True),
     "dp": Strategy("ddp", "nn.DataParallel: one process drives every GPU"),
 }
 assert set(STRATEGIES) == set(METHODS), "every name of layout.py has an entry here"

@@ -132,8 +132,8 @@ def _set_ring_options() -> tuple:
 
     ALL_TO_ALL is the ring proper: each rank holds two K/V blocks at a time (torch's default,
     ALL_GATHER, gathers all of them at once: fewer launches on a GPU, cp times the memory).
-    Both rings use it, so the activations measured on the CPU (bench/README.md) and
-    model_size.py's cp prediction hold on GPUs too."""
+    Both rings use it, so the activations measured on the CPU (bench/README.md) and the
+    dry run's cp plan hold on GPUs too."""
     options = torch_cp()._cp_options
     saved = (options.enable_load_balance, options.rotate_method)
     options.enable_load_balance = True

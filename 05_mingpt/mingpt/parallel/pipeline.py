@@ -83,7 +83,7 @@ LOOPED = {"interleaved_1f1b": ScheduleInterleaved1F1B, "looped_bfs": ScheduleLoo
 SCHEDULES = {**SINGLE, **LOOPED}
 
 
-# --- the layout: pure functions (model_size.py predicts memory from them) --------------------
+# --- the layout: pure functions --------------------------------------------------------------
 
 def stages_per_rank(schedule: str, per_rank: int) -> int:
     """Stages each rank runs: 1 (gpipe, 1f1b), `per_rank` (the looped ones)."""
