@@ -35,17 +35,25 @@ BASE = ["gpt_config.model_type=null", "gpt_config.n_layer=2", "gpt_config.n_head
         "gpt_config.n_embd=32", "gpt_config.block_size=32", "gpt_config.dropout=0.0",
         "trainer_config.batch_size=4", "trainer_config.microbatches=2",
         "trainer_config.grad_accum_steps=2"]
-# world size -> layouts (their overrides): ddp, zero, fsdp, tp, pp and cp at 2; FSDP x TP and
-# FSDP x PP at 4; the 3-D FSDP x TP x PP at 8.
+# world size -> layouts (their overrides): ddp, zero, fsdp, tp, pp, cp and pp in bf16 at 2;
+# FSDP x TP, FSDP x PP, DDP x PP in bf16 and DDP x PP x CP at 4; FSDP x TP x PP at 8.
 LAYOUTS = {
     2: {"ddp": ["trainer_config.distributed_method=ddp"],
         "zero": ["trainer_config.distributed_method=zero"],
         "fsdp": ["trainer_config.distributed_method=fsdp"],
         "tp": ["trainer_config.distributed_method=tp"],
         "pp": ["trainer_config.distributed_method=pp"],
-        "ddp_cp": ["trainer_config.distributed_method=ddp", "trainer_config.cp_size=2"]},
+        "ddp_cp": ["trainer_config.distributed_method=ddp", "trainer_config.cp_size=2"],
+        # bf16 through a pipeline: the stages send what autocast or FSDP2's policy leaves
+        "pp_bf16": ["trainer_config.distributed_method=pp", "trainer_config.precision=bf16"]},
     4: {"fsdp_tp": ["trainer_config.distributed_method=fsdp", "trainer_config.tp_size=2"],
-        "fsdp_pp": ["trainer_config.distributed_method=fsdp", "trainer_config.pp_size=2"]},
+        "fsdp_pp": ["trainer_config.distributed_method=fsdp", "trainer_config.pp_size=2"],
+        # ddp's replicate over 2 pipelines in bf16; cp's share of each sequence between stages
+        # (the dry run's stage shapes were fp32 and whole sequences: its backward failed)
+        "ddp_pp_bf16": ["trainer_config.distributed_method=ddp", "trainer_config.pp_size=2",
+                        "trainer_config.precision=bf16"],
+        "ddp_pp_cp": ["trainer_config.distributed_method=ddp", "trainer_config.pp_size=2",
+                      "trainer_config.cp_size=2"]},
     8: {"fsdp_tp_pp": ["trainer_config.distributed_method=fsdp", "trainer_config.tp_size=2",
                        "trainer_config.pp_size=2"]},
 }

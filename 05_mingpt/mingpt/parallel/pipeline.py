@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -71,7 +72,7 @@ from mingpt.errors import require
 from mingpt.model import AuxLossGrad, MoE
 from mingpt.parallel.grads import clip_grad_norm_
 from mingpt.parallel.layout import Settings
-from mingpt.precision import autocast
+from mingpt.precision import DTYPES, autocast
 
 # pp_schedule -> torch's class. Single: one stage per rank; looped: several, stage s on rank
 # s % pp. Left out: the V schedules (ScheduleZBVZeroBubble, ScheduleDualPipeV). They train
@@ -397,7 +398,8 @@ def schedule(model: nn.Module, stages: list[nn.Module], mesh: DeviceMesh, s: Set
     first, last = 0 in mine, n_stages - 1 in mine
     group = mesh["pp"].get_group()
     pipeline_stages = [PipelineStage(stage, i, n_stages, device, group=group,
-                                     **_static_shapes(model.config, s, i, n_stages, group))
+                                     **_static_shapes(model.config, s, i, n_stages, group,
+                                                      isinstance(stage, FSDPModule)))
                        for stage, i in zip(stages, mine, strict=True)]
     last_rank = rank_of_stage(n_stages - 1, pp)
     tied_group = _tied_group(mesh, 0, last_rank)
@@ -407,19 +409,25 @@ def schedule(model: nn.Module, stages: list[nn.Module], mesh: DeviceMesh, s: Set
 
 
 def _static_shapes(config, s: Settings, stage: int, n_stages: int,
-                   group: dist.ProcessGroup) -> dict:
+                   group: dist.ProcessGroup, fsdp2: bool) -> dict:
     """What a stage receives and sends, given up front on torch's fake process group (the dry
     run, mingpt/dry_run.py), where the shapes cannot be learned from a first exchange; empty
-    elsewhere (torch infers them in the first round). fp32, as the dry run steps."""
+    elsewhere (torch infers them in the first round). `fsdp2`: the stage is FSDP2's (fsdp, or
+    ddp's replicate), which computes in `precision` (its mixed-precision policy)."""
     if dist.get_backend(group) != "fake":
         return {}
     rows, seq = s.batch_size // s.microbatches, config.block_size
+    kept = seq // max(1, s.cp_size)  # cp: stages pass this rank's share of each sequence
+    low = DTYPES[s.precision]
     # The residual stream, as a training stage sends it: with its gradient to come back (a
-    # received input that did not require grad would keep no backward for its first op).
-    stream = torch.empty(rows, seq, config.n_embd, device="meta", requires_grad=True)
+    # received input that did not require grad would keep no backward for its first op). In
+    # `precision` where FSDP2 casts the weights and inputs; autocast alone (no FSDP2) leaves
+    # the residual additions in fp32. The logits come from a matmul: `precision` either way.
+    stream = torch.empty(rows, kept, config.n_embd, device="meta", requires_grad=True,
+                         dtype=low if fsdp2 else torch.float32)
     inputs = torch.empty(rows, seq, dtype=torch.long, device="meta") if stage == 0 else stream
-    outputs = torch.empty(rows, seq, config.vocab_size, device="meta", requires_grad=True) \
-        if stage == n_stages - 1 else stream
+    outputs = torch.empty(rows, kept, config.vocab_size, device="meta", requires_grad=True,
+                          dtype=low) if stage == n_stages - 1 else stream
     # The gradients that flow back: of the stream it sent, of the stream it received.
     return {"input_args": (inputs,), "output_args": (outputs,),
             "output_grads": (None if stage == n_stages - 1 else stream,),
