@@ -8,9 +8,9 @@ the same numbers for every rank it plans:
 - bytes sent and received per axis and kind of collective (CommCounter), and the call counts,
   exactly: the dry run issues the collectives the real step issues, with the same shapes;
 - saved activations per micro-batch and at their peak, to the byte: autograd saves tensors of
-  the same shapes whatever the values (the fake group's received data is garbage, its shapes
-  are right), and no term of them depends on a value. Not yet under FSDP, where the dry run
-  counts 2 KiB more per micro-batch at 2 ranks (open, DRY_RUN.md).
+  the same shapes whatever the values (the dry run's are fake tensors: shapes only), and no
+  term of them depends on a value. FSDP's gathered weights, saved by each Linear, are model
+  state in a buffer, not activations, in both counts.
 
 One spawn of W processes per world size runs every layout of that size. A layout a real run
 refuses is refused by the dry run with the same one `error:` line."""
@@ -57,7 +57,6 @@ LAYOUTS = {
     8: {"fsdp_tp_pp": ["trainer_config.distributed_method=fsdp", "trainer_config.tp_size=2",
                        "trainer_config.pp_size=2"]},
 }
-ACTIVATIONS = ("activations / micro-batch", "peak activations")
 KEYS = ("parameters", "gradients", "optimizer", "activations / micro-batch",
         "peak activations", "comm")
 
