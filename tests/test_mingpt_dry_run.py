@@ -16,6 +16,7 @@ One spawn of W processes per world size runs every layout of that size. A layout
 refuses is refused by the dry run with the same one `error:` line."""
 import importlib
 import json
+import os
 import subprocess
 import sys
 from datetime import timedelta
@@ -168,3 +169,63 @@ def test_a_script_without_the_main_guard_ends_in_one_error(tmp_path):
     assert proc.stderr.splitlines()[-1] == (
         "RuntimeError: a dry-run process died before it finished; a script that calls the "
         "dry run needs multiprocessing's `if __name__ == \"__main__\":` guard"), proc.stderr
+
+
+# --- the predicted peak against the resident set ----------------------------------------------
+
+PEAK_SCRIPT = """
+import json, sys
+sys.path.insert(0, {mingpt!r})
+import torch, torch.distributed as dist
+from mingpt import config, dry_run, memory, model, optim, parallel
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    cfg = config.load({overrides!r})
+    t, o = cfg.trainer_config, cfg.optimizer_config
+    gpt_config = dry_run.model_config(cfg)
+    planned = dry_run.plan(cfg, gpt_config, [0])[1][0]
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    torch.manual_seed(t.seed)
+    gpt = parallel.parallelize(model.GPT(gpt_config), dry_run.CPU, t.distributed_method)
+    opt = optim.build_optimizer(gpt, t.distributed_method, o.lr, o.betas, o.weight_decay)
+    batches = dry_run.batches(t, gpt_config)
+    dry_run.measure_step(gpt, opt, t, batches)  # AdamW's state exists from here on
+    opt.zero_grad(set_to_none=True)
+    memory.reset_peak_memory(dry_run.CPU)
+    before = memory.peak_memory_mb(dry_run.CPU)[0]
+    dry_run.measure_step(gpt, opt, t, batches)
+    grown = (memory.peak_memory_mb(dry_run.CPU)[0] - before) * 2**20
+    print(json.dumps({{"planned": {{k: v for k, v in planned.items() if k != "comm"}},
+                      "grown": grown}}))
+"""
+
+
+def test_the_predicted_peak_bounds_the_resident_set(tmp_path):
+    """One process, gpt-mini's sizes, 8 x 256 tokens: the resident set's growth over a
+    training step against the plan's. Before the step the process holds the parameters and
+    AdamW's state (and torch, the data, Python: the baseline, which is not compared); the
+    step adds the gradients, buffers and saved activations, which the plan counts, and
+    transients it does not. With glibc returning every block over 128 KiB to the kernel
+    when freed (MALLOC_MMAP_THRESHOLD_), the resident set follows the live tensors:
+    - at least the peak of saved activations: they are all alive at the end of the forward;
+    - at most gradients + buffers + peak activations (the plan's peak less what was there
+      before) plus the transients of a backward: two MLP-wide activation gradients
+      (B x T x 4C fp32: the GELU's input and output) and two of the logits (B x T x vocab).
+    """
+    overrides = ["gpt_config.model_type=gpt-mini", "gpt_config.block_size=256",
+                 "trainer_config.batch_size=8", "trainer_config.distributed_method=ddp",
+                 "trainer_config.dry_run=1"]
+    script = tmp_path / "peak.py"
+    script.write_text(PEAK_SCRIPT.format(mingpt=str(MINGPT), overrides=overrides))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300, cwd=MINGPT, env={**os.environ,
+                                                        "MALLOC_MMAP_THRESHOLD_": "131072"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.splitlines()[-1])
+    planned, grown = result["planned"], result["grown"]
+    tokens, width, vocab = 8 * 256, 4 * 192, 65  # gpt-mini: n_embd 192; the char vocabulary
+    transients = 4 * tokens * (2 * width + 2 * vocab)
+    low = planned["peak activations"]
+    high = planned["gradients"] + planned["buffers"] + planned["peak activations"] + transients
+    assert low <= grown <= high, (low, grown, high)
