@@ -173,12 +173,13 @@ def layout_config(model: GPT, overrides: list[str], world_size: int, batch_size:
 
 
 def predict(model: GPT, layouts: dict[str, list[str]], world_size: int, batch_size: int,
-            ranks: tuple[int, ...] = (0,), microbatches: int | None = None
-            ) -> dict[str, dict[int, dict]]:
+            ranks: tuple[int, ...] = (0,), microbatches: int | None = None,
+            keep_refusals: bool = False) -> dict[str, dict[int, dict | ValueError]]:
     """What `ranks` hold and send in a training step of `model` (built on the meta device)
     under each layout (name -> main.py overrides), `batch_size` sequences per data-parallel
     rank: the dry run's plan (mingpt/dry_run.py), one process per rank, all layouts at once.
-    ValueError (one line) where a layout does not fit the model or the world size."""
+    ValueError (one line) where a layout does not fit the model or the world size; with
+    keep_refusals, that ValueError in the plan's place (the others are planned)."""
     # The import is here: the size table needs none of the distributed machinery.
     from mingpt import config, dry_run  # noqa: PLC0415
     # Every (layout, rank) is one job for the dry run's pool: all of them planned at once, two
@@ -193,7 +194,7 @@ def predict(model: GPT, layouts: dict[str, list[str]], world_size: int, batch_si
         names += [(name, rank) for rank in ranks]
     # The pool returns the plans in the jobs' order: file each under its layout and rank.
     plans: dict[str, dict[int, dict]] = {name: {} for name in layouts}
-    for (name, rank), plan in zip(names, dry_run.plan_ranks(jobs), strict=True):
+    for (name, rank), plan in zip(names, dry_run.plan_ranks(jobs, keep_refusals), strict=True):
         plans[name][rank] = plan
     return plans
 
@@ -239,11 +240,15 @@ def memory_rows(model: GPT, args: argparse.Namespace) -> tuple[list[dict[str, ob
             fits[name] = overrides
         except ValueError as err:
             refused.append(f"{name}: {err}")
-    plans = predict(model, fits, args.world_size, args.batch_size)
-    # Human-readable sizes for the table; predict() keeps the exact bytes for tests.
+    plans = predict(model, fits, args.world_size, args.batch_size, keep_refusals=True)
+    # Human-readable sizes for the table; predict() keeps the exact bytes for tests. Some
+    # refusals come from the layout code itself (TP's heads, a pipeline's micro-batches).
     rows = []
     for name, by_rank in plans.items():
         plan = by_rank[0]
+        if isinstance(plan, ValueError):
+            refused.append(f"{name}: {plan}")
+            continue
         rows.append({"layout": name, **{key: human_bytes(plan[key]) for key in MEMORY_KEYS}})
     return rows, refused
 

@@ -27,7 +27,7 @@ import logging
 import multiprocessing
 import weakref
 from collections import defaultdict
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 
@@ -175,12 +175,12 @@ def saved_activations(model: torch.nn.Module):
         local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor's own shard
         if isinstance(t, torch.nn.Parameter) or local.device.type == "meta":
             return t  # model state (FSDP's gathered weights are Parameters too)
-        key = memory.storage_key(local)
-        if key in params:
-            return t
         # FSDP swaps its gathered (unsharded) weights in while a block runs: a Linear saves
-        # a view of one, which is model state in a communication buffer, not an activation.
-        params.update(memory.storage_key(p) for p in model.parameters())
+        # a view of one (its transpose), which is model state in a communication buffer, not
+        # an activation.
+        if isinstance(local._base, torch.nn.Parameter):
+            return t
+        key = memory.storage_key(local)
         if key in params:
             return t
         if key not in live:
@@ -380,8 +380,11 @@ def plan(cfg: DictConfig, gpt_config: GPTConfig | None = None,
     return lay, dict(zip(ranks, plans, strict=True))
 
 
-def plan_ranks(jobs: list[tuple[DictConfig, GPTConfig, int, int]]) -> list[dict]:
-    """plan_rank(*job) for each job, two at a time, each in a process of its own.
+def plan_ranks(jobs: list[tuple[DictConfig, GPTConfig, int, int]],
+               keep_refusals: bool = False) -> list[dict | ValueError]:
+    """plan_rank(*job) for each job, two at a time, each in a process of its own; with
+    keep_refusals, a job the layout code refuses gives its ValueError in its place instead of
+    ending them all.
 
     A process per rank, as in a real job: torch keeps what it learned about a mesh (DTensor's
     sharding decisions, keyed by the mesh's shape) for the life of the process, and a second
@@ -396,11 +399,22 @@ def plan_ranks(jobs: list[tuple[DictConfig, GPTConfig, int, int]]) -> list[dict]
     context.set_forkserver_preload(["mingpt.dry_run"])
     try:
         with ProcessPoolExecutor(2, mp_context=context, max_tasks_per_child=1) as pool:
-            return list(pool.map(plan_rank, *zip(*jobs, strict=True)))
+            futures = [pool.submit(plan_rank, *job) for job in jobs]
+            return [_outcome(future, keep_refusals) for future in futures]
     except BrokenProcessPool:
         raise RuntimeError("a dry-run process died before it finished; a script that calls "
                            "the dry run needs multiprocessing's `if __name__ == "
                            "\"__main__\":` guard") from None
+
+
+def _outcome(future: Future, keep_refusals: bool) -> dict | ValueError:
+    """A plan's result; its ValueError returned rather than raised with keep_refusals."""
+    try:
+        return future.result()
+    except ValueError as err:
+        if keep_refusals:
+            return err
+        raise
 
 
 def human(n: float) -> str:
