@@ -1,6 +1,7 @@
 """05_mingpt's pipeline parallelism (pp): every schedule computes what one process computes with
 the same micro-batch accumulation, resumes bit for bit, trades snapshots with fsdp both ways,
-holds the model state the dry run predicts (model_size.predict), and refuses sizes that do not fit in one line.
+holds the model state the dry run predicts (model_size.predict), and refuses sizes that do
+not fit in one line.
 
 Two spawned gloo processes train every schedule in-process through main.load_train_objs and
 the Trainer, as main.py does; the one-process reference trains in this process (a one-rank
