@@ -51,6 +51,7 @@ import analyze_hang  # noqa: E402, F401  the notebook reads the hang's traces wi
 import model_size  # noqa: E402
 from mingpt import distributed, forensics, memory, snapshot  # noqa: E402
 from mingpt.model import GPT, GPTConfig  # noqa: E402
+from mingpt.optim import build_optimizer  # noqa: E402
 from mingpt.parallel import parallelize  # noqa: E402
 from mingpt.parallel.fsdp import init_sharded  # noqa: E402
 from mingpt.parallel.grads import set_grad_sync  # noqa: E402
@@ -464,29 +465,42 @@ def reshard_load(rank: int, world_size: int, folder: str, naive: bool) -> dict:
     return _weights_and_rows(model, optimizer)
 
 
-# --- 9. will it fit: model_size.py against the tensors a rank holds ----------------------------
+# --- 9. will it fit: the dry run against the tensors a rank holds ---------------------------
+
+FIT_METHODS = ("ddp", "fsdp")
+MODEL_STATE = ("parameters", "gradients", "optimizer")
+
 
 def fit(rank: int, world_size: int, batch: int = 3) -> dict:
-    """05's ddp and fsdp on the tiny GPT, one AdamW step each: the bytes of parameters,
-    gradients and optimizer state this rank holds (memory.model_state_bytes, counted from
-    its tensors) and what model_size.memory_row predicts for it."""
-    with torch.device("meta"):
-        shapes = GPT(GPTConfig(**TINY))  # shapes only, for the formulas
-    found = {}
-    for method in ("ddp", "fsdp"):
+    """05's ddp and fsdp on the tiny GPT, one step of 05's AdamW each: the bytes of
+    parameters, gradients and optimizer state this rank holds (memory.model_state_bytes,
+    counted from its tensors)."""
+    held = {}
+    for method in FIT_METHODS:
         torch.manual_seed(5)
         model = _fsdp_gpt() if method == "fsdp" else \
             parallelize(GPT(GPTConfig(**TINY)), CPU, method)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        optimizer = build_optimizer(model, method, lr=1e-3)
         x, y = _batch(7 + rank, size=batch)
         model(x, y)[1].backward()
         optimizer.step()  # gradients kept: model_state_bytes counts them until zero_grad
-        row = model_size.memory_row(shapes, method, world_size, 1, batch, rank)
-        found[method] = {"measured": memory.model_state_bytes(model, optimizer),
-                         "predicted": {k: row[k] for k in ("parameters", "gradients",
-                                                           "optimizer")}}
+        held[method] = memory.model_state_bytes(model, optimizer)
         del model, optimizer
-    return found
+    return held
+
+
+def fit_predicted(world_size: int, batch: int = 3) -> list[dict]:
+    """What the dry run plans for each rank of `fit`'s runs (model_size.predict: the same
+    layouts and one training step on fake tensors), per rank and method. Called from the
+    notebook's own process: the dry run starts a process per rank, which it may do only from
+    a main process, not from one of launch's ranks."""
+    with torch.device("meta"):
+        shapes = GPT(GPTConfig(**TINY))  # shapes only: the dry run lays them out itself
+    plans = model_size.predict(
+        shapes, {m: [f"trainer_config.distributed_method={m}"] for m in FIT_METHODS},
+        world_size, batch, ranks=tuple(range(world_size)))
+    return [{m: {k: plans[m][rank][k] for k in MODEL_STATE} for m in FIT_METHODS}
+            for rank in range(world_size)]
 
 
 # --- 10. resuming in the middle of an epoch: 05's rank_indices --------------------------------

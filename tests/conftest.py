@@ -83,7 +83,9 @@ SLOW_FILES = (
     "test_mingpt_torchft.py",
     # 85 with pip's cache cold, 24 warm, 1 once its venv exists (aws-parallelcluster's schema)
     "test_cluster.py",
-    "test_notebooks.py",  # 75, plus 97 for pitfalls.ipynb (alone, at a load average of 10)
+    # 75, plus 97 for pitfalls.ipynb (alone, at a load average of 10), 263 since its section 9
+    # plans GPT-2 XL with the dry run (at a load average of 8)
+    "test_notebooks.py",
     "test_steps.py",  # 70
     "test_teardown.py",  # 48
     "test_mingpt_pretrained.py",  # 41

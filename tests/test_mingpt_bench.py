@@ -70,11 +70,12 @@ def test_bench_quality_times_main_py_to_every_validation(mingpt):
     assert (mingpt / "bench/quality.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_bench_pipeline_measures_the_bubble_and_matches_model_size(mingpt):
+def test_bench_pipeline_measures_the_bubble_and_matches_the_dry_run(mingpt):
     """bench/bench_pipeline.py on a tiny model: one row per rank, schedule and m; the idle
     and wait shares are fractions of the step; the ideal is (p - 1) / (m + p - 1) for 1f1b and
     (p - 1) / (v m + p - 1) for interleaved_1f1b; torch's refusal (1f1b needs m >= p) is a row,
-    not a crash; each rank's model state is model_size's prediction, byte for byte."""
+    not a crash; each 1f1b rank's model state is the dry run's plan of that rank
+    (model_size.predict), byte for byte; the looped schedules have no prediction."""
     run([PYTHON, "bench/bench_pipeline.py", "--schedules", "1f1b", "interleaved_1f1b",
          "--microbatches", "1", "2", "--steps", "1", "--n_layer", "4", "--n_embd", "16",
          "--block_size", "8", "--batch_size", "4", "--out", "bench/tiny_pp"], cwd=mingpt)
@@ -90,3 +91,6 @@ def test_bench_pipeline_measures_the_bubble_and_matches_model_size(mingpt):
         assert 0 <= row["idle_share"] <= 1 and 0 <= row["wait_share"] <= 1, row
         if row["schedule"] == "1f1b":
             assert row["model_state"] == row["predicted_model_state"], row
+            assert sum(row["model_state"].values()) > 0, row
+        else:
+            assert row["predicted_model_state"] is None, row

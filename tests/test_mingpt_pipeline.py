@@ -1,6 +1,7 @@
 """05_mingpt's pipeline parallelism (pp): every schedule computes what one process computes with
 the same micro-batch accumulation, resumes bit for bit, trades snapshots with fsdp both ways,
-holds the memory model_size.py predicts, and refuses sizes that do not fit in one line.
+holds the model state the dry run predicts (model_size.predict), and refuses sizes that do
+not fit in one line.
 
 Two spawned gloo processes train every schedule in-process through main.load_train_objs and
 the Trainer, as main.py does; the one-process reference trains in this process (a one-rank
@@ -93,7 +94,7 @@ def _worker(rank: int, store: str, out: str, text: str) -> None:
             log, model, optimizer = run(m, overrides(out_dir / schedule, text, STEPS,
                                                      schedule=schedule))
             result[schedule] = log
-            if schedule == "1f1b":  # the bytes this rank holds, for model_size's prediction
+            if schedule == "1f1b":  # the bytes this rank holds, for the dry run's prediction
                 model_state = m["memory"].model_state_bytes(model, optimizer)
                 result["model_state"] = model_state | {"gradients": sum(
                     p.numel() * 4 for p in model.parameters())}  # zero_grad freed them
@@ -277,14 +278,17 @@ def test_sample_reads_a_pipelines_snapshot_whole(spawned):
 
 
 def test_model_size_predicts_each_ranks_model_state(spawned):
+    """The dry run's plan of each stage (model_size.predict: 2 ranks, 8 sequences in 4
+    micro-batches, 1f1b, as the spawned run) holds what the real stage held, to the byte."""
     _, _, results = spawned
     with mingpt_imported("model_size") as m:
         with torch.device("meta"):
             model = m["model"].GPT(m["model"].GPTConfig(**m["snapshot"].load_train_state(
                 str(spawned[0] / "1f1b/snapshot"), "fsdp")["model_config"]))
-        for rank, result in enumerate(results):
-            row = m["model_size"].memory_row(model, "pp", 2, 1, 8, rank=rank, pp_size=2)
-            assert {k: row[k] for k in result["model_state"]} == result["model_state"], rank
+        plans = m["model_size"].predict(model, {"pp": ["trainer_config.distributed_method=pp"]},
+                                        2, 8, ranks=(0, 1), microbatches=4)["pp"]
+    for rank, result in enumerate(results):
+        assert {k: plans[rank][k] for k in result["model_state"]} == result["model_state"], rank
 
 
 def test_sizes_that_do_not_fit_are_one_line(spawned):

@@ -1,4 +1,4 @@
-"""Measure what one rank holds per strategy, next to model_size.py's prediction; JSON + a plot.
+"""Measure what one rank holds per strategy, next to the dry run's prediction; JSON + a plot.
 
     python bench/bench_memory.py                                   # gpt2-medium sizes, 2 CPU ranks
     python bench/bench_memory.py --preset gpt-mini --steps 3 --strategies ddp fsdp
@@ -9,7 +9,10 @@ worker builds data, model and optimizer with main.py's own load_train_objs (so F
 on the meta device, exactly as in training), runs a few optimizer steps with the Trainer's own
 step (`_run_batch`), and reports per rank: the resident set before the model exists, the setup
 peak, the training peak (after reset_peak_memory) and the model-state bytes counted from the
-local shards. No evaluation, no snapshot: the peaks are building and training only.
+local shards. No evaluation, no snapshot: the peaks are building and training only. Beside
+them, the dry run's plan of each rank (model_size.predict, mingpt/dry_run.py): the same
+layout and one training step on fake tensors, counted; its predicted peak plus the measured
+baseline is set against the measured training peak.
 """
 import argparse
 import json
@@ -125,20 +128,40 @@ def worker(args: argparse.Namespace, strategy: str) -> None:
         distributed.release()
 
 
-def predict(args: argparse.Namespace, strategy: str) -> dict[str, int]:
-    """model_size.py's rank-0 bytes for this configuration (a meta model: no memory)."""
+def predict(args: argparse.Namespace, strategies: list[str]) -> dict[str, list[dict]]:
+    """The dry run's plan of every rank for each strategy (model_size.predict; a meta model
+    and fake tensors: no memory): {strategy: [rank 0's bytes by kind, rank 1's, ...]}. A
+    strategy the config refuses gets none (its workers are refused with the same line)."""
     import torch
 
     import model_size
-    from mingpt.model import GPT, GPTConfig
+    from mingpt import config
+    from mingpt.model import GPT
 
-    # vocab_size 65: the character data main.py trains on by default.
-    with torch.device("meta"):
-        gpt = GPT(GPTConfig(model_type=args.preset, vocab_size=65, block_size=args.block_size))
-    tp_size = args.ranks if strategy == "tp" else args.tp_size
+    layouts, model = {}, None
+    for strategy in strategies:
+        try:
+            cfg = config.load(overrides(args, strategy))
+        except ValueError:
+            continue
+        # The model the workers build: the config's sizes (dropout included), and the
+        # 65-character vocabulary of the character data main.py trains on by default.
+        gpt_config = config.model_config(cfg, {"vocab_size": 65,
+                                               "block_size": args.block_size})[0]
+        if model is None:  # one model for all: the strategies share its sizes
+            with torch.device("meta"):
+                model = GPT(gpt_config)
+        t = cfg.trainer_config
+        layouts[strategy] = [f"trainer_config.distributed_method={strategy}",
+                             f"trainer_config.tp_size={t.tp_size}"]
+    if not layouts:
+        return {}
     # pp: one pipeline of all ranks, micro-batches of one sequence (as overrides() sets).
-    return model_size.memory_row(gpt, strategy, args.ranks, tp_size, args.batch_size,
-                                 pp_size=args.ranks, microbatches=args.batch_size)
+    plans = model_size.predict(model, layouts, args.ranks, args.batch_size,
+                               ranks=tuple(range(args.ranks)), microbatches=args.batch_size)
+    # Bytes by kind; the communication table is the dry run's own report (DRY_RUN.md).
+    return {strategy: [{k: v for k, v in by_rank[rank].items() if k != "comm"}
+                       for rank in range(args.ranks)] for strategy, by_rank in plans.items()}
 
 
 def launch(args: argparse.Namespace, strategy: str) -> dict | None:
@@ -182,10 +205,9 @@ def plot(results: list[dict], path: Path, title: str) -> None:
         "setup peak (RSS)": [max(r["setup_peak_mb"]) for r in results],
         "training peak (RSS)": [max(r["training_peak_mb"]) for r in results],
         "model state, counted": [r["model_state_mb"] for r in results],
-        # model_size's total is what training adds; the process itself (torch, data) was
-        # measured before the model existed: the baseline.
-        "predicted peak (model_size + baseline)": [
-            r["predicted"]["total"] / 2**20 + max(r["baseline_mb"]) for r in results],
+        # The dry run's peak is what training adds; the process itself (torch, data, the
+        # process group) was measured before the model existed: the baseline.
+        "predicted peak (dry run + baseline)": [max(predicted_peak_mb(r)) for r in results],
     }
     width = 0.8 / len(bars)  # the bars of one strategy side by side, 0.8 of a slot
     for i, (label, values) in enumerate(bars.items()):
@@ -207,13 +229,21 @@ def title(info: dict) -> str:
             f"{a['block_size']}, MALLOC_MMAP_THRESHOLD_={info['MALLOC_MMAP_THRESHOLD_']}")
 
 
+def predicted_peak_mb(result: dict) -> list[float]:
+    """Each rank's predicted training peak, MiB: the dry run's (model state + buffers + peak
+    activations) on top of the resident set the rank had before its model existed."""
+    return [plan["predicted peak"] / 2**20 + baseline
+            for plan, baseline in zip(result["predicted"], result["baseline_mb"], strict=True)]
+
+
 def summary(result: dict) -> str:
     """One line per strategy: measured against predicted, MiB per rank (the largest rank)."""
-    predicted = {key: value / 2**20 for key, value in result["predicted"].items()}
+    measured, predicted = max(result["training_peak_mb"]), max(predicted_peak_mb(result))
+    state = max(p["model state"] for p in result["predicted"]) / 2**20
     return (f"{result['strategy']:8} setup peak {max(result['setup_peak_mb']):7,.0f} | training "
-            f"peak {max(result['training_peak_mb']):7,.0f} (predicted {predicted['total']:,.0f}"
-            f" + baseline {max(result['baseline_mb']):,.0f}) | model state "
-            f"{result['model_state_mb']:7,.1f} (predicted {predicted['model state']:,.1f}) MiB "
+            f"peak {measured:7,.0f}, predicted {predicted:7,.0f} ({predicted / measured - 1:+.1%};"
+            f" baseline {max(result['baseline_mb']):,.0f}) | model state "
+            f"{result['model_state_mb']:7,.1f} (predicted {state:,.1f}) MiB "
             f"| {result['tokens_per_s']:,.0f} tokens/s")
 
 
@@ -226,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
         info = json.loads(Path(args.replot).read_text())
         plot(info["results"], Path(args.replot).with_suffix(".png"), title(info))
         return 0
+    # The dry run first, all strategies at once: its processes are gone before any worker
+    # starts, so they take no memory from the measurement.
+    plans = predict(args, args.strategies)
     results = []
     for strategy in args.strategies:
         start = time.perf_counter()
@@ -233,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         if result is None:
             continue
         result["wall_s"] = time.perf_counter() - start
-        result["predicted"] = predict(args, strategy)
+        result["predicted"] = plans[strategy]
         result["model_state_mb"] = max(sum(result[f"{k}_bytes"][r] for k in
                                            ("parameters", "gradients", "optimizer"))
                                        for r in range(args.ranks)) / 2**20

@@ -1,5 +1,5 @@
 """Measure the pipeline bubble per schedule against (p - 1) / (m + p - 1), and each rank's model
-state against model_size.py's prediction; JSON + a plot.
+state against the dry run's prediction; JSON + a plot.
 
     python bench/bench_pipeline.py                          # 2 CPU ranks, m = 2, 4, 8, 16
     python bench/bench_pipeline.py --microbatches 4 8 16 --schedules 1f1b interleaved_zb
@@ -13,7 +13,9 @@ time in point-to-point waits, torch's `_wait_batch_p2p` timed, is recorded too: 
 the previous stage's activations or the next one's gradients.) Its share of the step is set
 beside the schedule's ideal: (p - 1) / (m + p - 1) for gpipe and 1f1b, (p - 1) / (v m + p - 1)
 for the looped schedules with v stages per rank (Narayanan et al. 2021), 0 for a perfect
-zero-bubble one.
+zero-bubble one. For gpipe and 1f1b, each rank's model state after a step is set beside the
+dry run's plan of that rank (model_size.predict, made by this script's main process after
+the ranks are done: the dry run's own processes are no gloo rank's).
 """
 import argparse
 import json
@@ -69,13 +71,44 @@ def busy_seconds(stages: list[torch.nn.Module], x: torch.Tensor, m: int, n_embd:
     return time.perf_counter() - start
 
 
+def gpt_config(args: argparse.Namespace):
+    """The model every rank builds: n_layer blocks of width n_embd, 4 heads, no dropout."""
+    from mingpt.model import GPTConfig  # noqa: PLC0415  (path set above)
+    return GPTConfig(model_type=None, n_layer=args.n_layer, n_head=4, n_embd=args.n_embd,
+                     vocab_size=65, block_size=args.block_size, dropout=0.0)
+
+
+def predict(args: argparse.Namespace, rows: list[dict]) -> None:
+    """Each gpipe and 1f1b row gets the dry run's model state of its rank (model_size.predict:
+    the same pipeline of --ranks stages, planned on fake tensors) as predicted_model_state;
+    the looped schedules get None (the dry run plans the config's schedules of one stage
+    per rank)."""
+    import model_size  # noqa: PLC0415
+    from mingpt.model import GPT  # noqa: PLC0415
+    with torch.device("meta"):
+        model = GPT(gpt_config(args))  # shapes only
+    for schedule in ("gpipe", "1f1b"):
+        for m in sorted({r["microbatches"] for r in rows if r["schedule"] == schedule
+                         and "refused" not in r}):
+            plans = model_size.predict(
+                model, {schedule: ["trainer_config.distributed_method=pp",
+                                   f"trainer_config.pp_schedule={schedule}"]},
+                args.ranks, args.batch_size, ranks=tuple(range(args.ranks)), microbatches=m)
+            for row in rows:
+                if (row["schedule"], row["microbatches"]) == (schedule, m):
+                    plan = plans[schedule][row["rank"]]
+                    row["predicted_model_state"] = {k: plan[k] for k in row["model_state"]}
+    for row in rows:
+        if "refused" not in row:
+            row.setdefault("predicted_model_state", None)
+
+
 def worker(rank: int, store: str, out: str, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)  # one core per stage: the ranks share the machine's cores
     from torch.distributed.pipelining import schedules  # noqa: PLC0415
 
-    import model_size  # noqa: PLC0415
     from mingpt import distributed, memory, optim, parallel  # noqa: PLC0415
-    from mingpt.model import GPT, GPTConfig  # noqa: PLC0415
+    from mingpt.model import GPT  # noqa: PLC0415
     dist.init_process_group("gloo", store=dist.FileStore(store, args.ranks), rank=rank,
                             world_size=args.ranks, timeout=timedelta(seconds=600))
     waited = [0.0]  # seconds in point-to-point waits (the bubble), this rank
@@ -86,8 +119,7 @@ def worker(rank: int, store: str, out: str, args: argparse.Namespace) -> None:
         wait(work)
         waited[0] += time.perf_counter() - start
     schedules._wait_batch_p2p = timed_wait
-    config = GPTConfig(model_type=None, n_layer=args.n_layer, n_head=4, n_embd=args.n_embd,
-                       vocab_size=65, block_size=args.block_size, dropout=0.0)
+    config = gpt_config(args)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 65, (args.batch_size, args.block_size), generator=g)
     rows = []
@@ -119,11 +151,6 @@ def worker(rank: int, store: str, out: str, args: argparse.Namespace) -> None:
                     idle.append(waited[0])
             busy = sorted(busy_seconds([s.submod for s in pipe.stages], x, m, args.n_embd)
                           for _ in range(args.steps))[args.steps // 2]
-            with torch.device("meta"):
-                shapes = GPT(config)
-            predicted = model_size.memory_row(shapes, "pp", args.ranks, 1, args.batch_size,
-                                              rank=rank, pp_size=args.ranks, microbatches=m) \
-                if schedule in ("gpipe", "1f1b") else None
             rows.append({"schedule": schedule, "microbatches": m, "rank": rank,
                          "step_s": sorted(times)[len(times) // 2],  # the median
                          # Idle: the step less this rank's own compute; and the time in
@@ -131,9 +158,7 @@ def worker(rank: int, store: str, out: str, args: argparse.Namespace) -> None:
                          "idle_share": max(0.0, 1 - busy / sorted(times)[len(times) // 2]),
                          "wait_share": sum(idle) / sum(times),
                          "ideal_bubble": ideal_bubble(schedule, args.ranks, m),
-                         "model_state": state,
-                         "predicted_model_state": predicted and {
-                             k: predicted[k] for k in state}})
+                         "model_state": state})
             del model, optimizer, pipe
     gathered: list = [None] * args.ranks
     dist.all_gather_object(gathered, rows)
@@ -171,6 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = spawn(worker, args.ranks, out.with_suffix(".json"), args)
+    predict(args, rows)
     info = {"args": vars(args), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "torch": torch.__version__, "rows": rows}
     out.with_suffix(".json").write_text(json.dumps(info, indent=1))
