@@ -143,6 +143,28 @@ def weights_apart(weights: dict, reference: dict, bound: float) -> tuple[float, 
     return diffs.max().item(), int((diffs > bound).sum())
 
 
+def snapshot_weights(run_dir: Path) -> dict:
+    """A run's final snapshot's weights (run_dir/snapshot), whole: sample.py's reader, which
+    takes ddp's one file and DCP shards alike."""
+    with mingpt_imported() as m:
+        return m["sample"].load_model(str(run_dir / "snapshot"), torch.device("cpu"))[0] \
+            .state_dict()
+
+
+def assert_retraces(out: Path, logs: dict, name: str, reference: str, steps: range, *,
+                    loss_units: int, tolerance: float, outliers: int) -> None:
+    """Run `name` retraces run `reference` (rank 0's logs in logs[run]["log"], final
+    snapshots in out/<run>/snapshot): it logs a loss at exactly `steps`, each within
+    `loss_units` of the log's last decimal of the reference's at that step, and its weights
+    lie within `tolerance` of the reference's, at most `outliers` of them beyond."""
+    losses, ref = train_losses(logs[name]["log"]), train_losses(logs[reference]["log"])
+    assert sorted(losses) == list(steps), (name, losses)
+    assert all(log_units(losses[s], ref[s]) <= loss_units for s in losses), (name, losses, ref)
+    worst, beyond = weights_apart(snapshot_weights(out / name),
+                                  snapshot_weights(out / reference), tolerance)
+    assert beyond <= outliers, (name, worst, beyond)
+
+
 def load_ddp_snapshot(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
@@ -164,7 +186,7 @@ MINGPT_MODULES = {
     "snapshot": "mingpt.snapshot", "storage": "mingpt.storage", "trainer": "mingpt.trainer",
     "sample": "sample"}
 EXTRA_MODULES = {"bpe_dataset": "mingpt.data.bpe", "image_dataset": "mingpt.data.image",
-                 "pretrained": "mingpt.pretrained"}
+                 "pretrained": "mingpt.pretrained", "dry_run": "mingpt.dry_run"}
 SCRIPTS = ("main", "sample", "launch", "prepare", "model_size", "export_hf")
 
 
@@ -187,6 +209,20 @@ def mingpt_imported(*extra: str):
         for name in [name for name in sys.modules if is_mingpt_module(name)]:
             sys.modules.pop(name)
         sys.modules.update(saved)
+
+
+def real_step(m: dict, cfg, gpt_config) -> dict:
+    """One training step of `cfg`'s layout on this process's group, laid out as main.py lays
+    it out and counted by the dry run's own counters (dry_run.measure_step): what the dry run
+    of the same config plans, measured. `m`: mingpt_imported(..., "dry_run")."""
+    t, o, dry_run = cfg.trainer_config, cfg.optimizer_config, m["dry_run"]
+    torch.manual_seed(t.seed)
+    model = m["parallel"].parallelize(m["model"].GPT(gpt_config), torch.device("cpu"),
+                                      t.distributed_method,
+                                      **{key: t[key] for key in m["parallel"].Settings._fields})
+    optimizer = m["optim"].build_optimizer(model, t.distributed_method, o.lr, o.betas,
+                                           o.weight_decay)
+    return dry_run.measure_step(model, optimizer, t, dry_run.batches(t, gpt_config))
 
 
 def script_in_process(module, cwd: Path, *argv: str, **env: str) -> subprocess.CompletedProcess:

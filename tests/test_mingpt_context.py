@@ -27,6 +27,7 @@ from mingpt_helpers import (
     copy_mingpt,
     log_units,
     mingpt_imported,
+    real_step,
     tiny,
     train_losses,
     val_losses,
@@ -168,18 +169,34 @@ def _four_worker(rank: int, store: str, out: str, text: str) -> None:
     m["distributed"].release()  # every reference dropped first: gloo's threads are joined
 
 
+# Activations with and without cp: one step of this model on the pair, 4 sequences of 64
+# tokens per data-parallel rank (ddp: each rank its own 4; cp 2: both ranks the same 4, half
+# of each sequence).
+ACTIVATION_MODEL = {"model_type": None, "n_layer": 2, "n_head": 2, "n_embd": 32,
+                    "vocab_size": 65, "block_size": 64, "dropout": 0.0}
+ACTIVATION_LAYOUTS = {"ddp": ["trainer_config.distributed_method=ddp"],
+                      "ddp cp 2": ["trainer_config.distributed_method=ddp",
+                                   "trainer_config.cp_size=2"]}
+ACTIVATIONS = ("activations / micro-batch", "peak activations")
+
+
+def activation_model(m: dict):
+    """ACTIVATION_MODEL on the meta device: what model_size.predict plans from."""
+    with torch.device("meta"):
+        return m["model"].GPT(m["model"].GPTConfig(**ACTIVATION_MODEL))
+
+
 def activation_memory(m: dict) -> dict:
-    """Saved bytes of one forward without and with cp 2, and model_size.py's predictions."""
-    torch.manual_seed(0)
-    gpt = m["model"].GPT(m["model"].GPTConfig(model_type=None, n_layer=2, n_head=2, n_embd=32,
-                                              vocab_size=65, block_size=64, dropout=0.0))
-    x, y = torch.randint(0, 65, (4, 64)), torch.randint(0, 65, (4, 64))
-    measured = [m["memory"].saved_activation_bytes(gpt, x, y)]
-    m["parallel"].context.apply(gpt, m["layout"].build_mesh(
-        m["layout"].resolve("ddp", 2, cp_size=2), CPU)["cp"])
-    measured.append(m["memory"].saved_activation_bytes(gpt, x, y))
-    predict = m["model_size"].flash_activation_bytes
-    return {"measured": measured, "predicted": [predict(gpt, 4), predict(gpt, 4, 2)]}
+    """What autograd keeps for backward in one real training step of each layout on this
+    rank, counted by the dry run's own counter (dry_run.measure_step), under the config
+    model_size.predict plans (layout_config)."""
+    found = {}
+    for name, overrides in ACTIVATION_LAYOUTS.items():
+        cfg = m["model_size"].layout_config(activation_model(m), overrides, 2, 4)
+        gpt_config = m["config"].model_config(cfg, {"vocab_size": 65, "block_size": 64})[0]
+        counted = real_step(m, cfg, gpt_config)
+        found[name] = {key: counted[key] for key in ACTIVATIONS}
+    return found
 
 
 def _pair_worker(rank: int, store: str, out: str, text: str) -> None:
@@ -188,7 +205,7 @@ def _pair_worker(rank: int, store: str, out: str, text: str) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,
                             timeout=timedelta(seconds=120))
     out_dir, text, result = Path(out), Path(text), {}
-    with mingpt_imported("main", "model_size") as m:
+    with mingpt_imported("main", "model_size", "dry_run") as m:
         result["memory"] = activation_memory(m)
         # ddp: 4 + 4 sequences; cp 2 (dp 1): both ranks take all 8, half of each sequence.
         result["ddp_log"], ddp = fit(m, overrides(out_dir / "ddp", text, "ddp", 0, 4, STEPS))
@@ -288,13 +305,21 @@ def test_cp_resumes_bitwise_and_into_plain_ddp(pair):
 
 
 def test_model_size_predicts_cps_activations_exactly(pair):
-    """model_size.flash_activation_bytes counts every tensor autograd keeps, so prediction and
-    measurement agree to the byte, without cp and with cp 2 on each rank; cp 2 keeps about
-    half (all but the positions' ids and one vector more per block for the ring's output)."""
-    for result in pair[1]:
+    """model_size.predict (the dry run: the same step on fake tensors) plans what autograd
+    keeps for backward per micro-batch and at its peak, to the byte, without cp and with
+    cp 2, on each rank: what a real step counts. cp 2 keeps about half (all but the
+    positions' ids and one vector more per block for the ring's output). Planned here, in
+    the test's process: the dry run starts a process per rank, which a spawned gloo rank
+    should not."""
+    with mingpt_imported("model_size") as m:
+        planned = m["model_size"].predict(activation_model(m), ACTIVATION_LAYOUTS, 2, 4,
+                                          ranks=(0, 1))
+    for rank, result in enumerate(pair[1]):
         memory = result["memory"]
-        assert memory["measured"] == memory["predicted"], memory
-        plain, split = memory["measured"]
+        for name in ACTIVATION_LAYOUTS:
+            plan = {key: planned[name][rank][key] for key in ACTIVATIONS}
+            assert memory[name] == plan, (rank, name, memory[name], plan)
+        plain, split = (memory[name]["activations / micro-batch"] for name in ACTIVATION_LAYOUTS)
         assert 0.5 < split / plain < 0.55, memory
 
 

@@ -20,7 +20,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import REPO
-from mingpt_helpers import log_units, mingpt_imported, tiny, train_losses, weights_apart
+from mingpt_helpers import (
+    assert_refused,
+    assert_retraces,
+    mingpt_imported,
+    snapshot_weights,
+    tiny,
+    train_losses,
+)
 from test_mingpt_strategies import HALF, LOSS_UNITS, OUTLIERS, STEP_BUDGET, STEPS, run
 
 WORLD = 4
@@ -47,6 +54,9 @@ LAYOUTS_8 = {
 # tied-embedding sum over two stages and cp's ring, both a few ulps per term): rounding moves
 # a weight by ~1e-7 of its step budget, a bug by O(STEP_BUDGET); 1% of it, OUTLIERS beyond.
 WEIGHT_TOLERANCE = 1e-2 * STEP_BUDGET
+# A run against its reference (mingpt_helpers.assert_retraces): test_mingpt_strategies's loss
+# bound, the weight bound above.
+BOUNDS = {"loss_units": LOSS_UNITS, "tolerance": WEIGHT_TOLERANCE, "outliers": OUTLIERS}
 BREAKDOWN = re.compile(r"^step (\d+)/\d+ \| .* ms: data (\d+)% forward (\d+)% backward (\d+)% "
                        r"optimizer (\d+)%$", re.M)
 
@@ -118,24 +128,13 @@ def spawned8(tmp_path_factory):
     return spawn(tmp_path_factory, 8)
 
 
-def weights(run_dir: Path) -> dict:
-    """The final snapshot's weights, whole (sample.py's reader: one file or DCP shards)."""
-    with mingpt_imported() as m:
-        return m["sample"].load_model(str(run_dir / "snapshot"), torch.device("cpu"))[0] \
-            .state_dict()
-
-
 @pytest.mark.parametrize("world", [WORLD, 8])
 def test_every_layout_follows_ddps_losses_and_weights(world, request):
     out, result = request.getfixturevalue("spawned" if world == WORLD else "spawned8")
-    ddp, ddp_weights = train_losses(result["ddp"]["log"]), weights(out / "ddp")
+    ddp = train_losses(result["ddp"]["log"])
     assert sorted(ddp) == list(range(1, STEPS + 1)) and ddp[STEPS] < ddp[1] - 0.1, ddp
     for name in (LAYOUTS if world == WORLD else LAYOUTS_8):
-        losses = train_losses(result[name]["log"])
-        assert sorted(losses) == sorted(ddp), (name, losses)
-        assert all(log_units(losses[s], ddp[s]) <= LOSS_UNITS for s in ddp), (name, losses, ddp)
-        worst, beyond = weights_apart(weights(out / name), ddp_weights, WEIGHT_TOLERANCE)
-        assert beyond <= OUTLIERS, (name, worst, beyond)
+        assert_retraces(out, result, name, "ddp", range(1, STEPS + 1), **BOUNDS)
 
 
 def test_the_start_line_names_the_axes_of_a_replica(spawned):
@@ -150,17 +149,12 @@ def test_the_start_line_names_the_axes_of_a_replica(spawned):
 
 def test_a_resume_is_bitwise_and_other_degrees_resume_it(spawned):
     out, result = spawned
-    whole, resumed = weights(out / "ddp_pp2"), weights(out / "half")
+    whole, resumed = snapshot_weights(out / "ddp_pp2"), snapshot_weights(out / "half")
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
     # ddp (one file) for HALF steps, then fsdp x pp 2 from it: still ddp's trajectory, and the
     # file is kept beside the new shards.
     assert (out / "moved/snapshot.ddp").is_file() and (out / "moved/snapshot/latest").is_file()
-    ddp = train_losses(result["ddp"]["log"])
-    moved = train_losses(result["moved"]["log"])
-    assert sorted(moved) == list(range(HALF + 1, STEPS + 1)), moved
-    assert all(log_units(moved[s], ddp[s]) <= LOSS_UNITS for s in moved), (moved, ddp)
-    worst, beyond = weights_apart(weights(out / "moved"), weights(out / "ddp"), WEIGHT_TOLERANCE)
-    assert beyond <= OUTLIERS, (worst, beyond)
+    assert_retraces(out, result, "moved", "ddp", range(HALF + 1, STEPS + 1), **BOUNDS)
 
 
 def test_every_layouts_breakdown_marks_forward_and_backward(spawned):
@@ -204,9 +198,7 @@ def test_a_layout_that_cannot_work_is_one_line_before_any_group(monkeypatch, arg
     the config, before any process group or run folder exists."""
     monkeypatch.setenv("WORLD_SIZE", world)
     with mingpt_imported() as m:
-        with pytest.raises(ValueError) as e:
-            m["config"].load(tiny(*args))
-    assert str(e.value) == message
+        assert_refused(m["config"], tiny(*args), message)
 
 
 def test_shorthands_are_degrees():

@@ -8,8 +8,10 @@ cp_size 1 (no cp, one process), 2 and 4; JSON + a plot.
 Each cp size runs in its own group of cp processes (spawned, gloo, one dp group): the model is
 wrapped as main.py wraps it (`parallelize(..., "ddp", cp_size=cp)`), every rank gets the same
 batch and keeps its zig-zag half (or quarter) of each sequence. Per rank it reports:
-- activations: the bytes autograd keeps for backward in one forward, counted tensor by tensor
-  (saved-tensor hooks; parameters left out), next to model_size.py's flash_activation_bytes;
+- activations: the bytes autograd keeps for backward in the warm-up step (one micro-batch),
+  counted tensor by tensor as the dry run counts a step (dry_run.saved_activations: saved-tensor
+  hooks, every storage once, parameters left out), next to what the dry run plans for the rank
+  (model_size.predict: the same layout and step on fake tensors, DRY_RUN.md);
 - the training peak of the resident set above the resident set before the first step (coarse:
   the CPU allocator keeps freed memory; README: CPU memory);
 - step time (forward, backward, AdamW), the median of the timed steps after a warm-up one;
@@ -17,6 +19,7 @@ batch and keeps its zig-zag half (or quarter) of each sequence. Per rank it repo
   next to the count the algorithm predicts, and DDP's gradient all-reduce payload.
 """
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -52,15 +55,15 @@ def ring_bytes_predicted(cfg, batch_size: int, cp: int) -> int:
 
 
 def worker(rank: int, store: str, out: str, cp: int, args: argparse.Namespace) -> None:
-    """One rank of a cp group: build, measure one forward's saved bytes, time the steps."""
+    """One rank of a cp group: build, count the warm-up step's saved bytes, time the steps."""
     import torch
     import torch.distributed as dist
     from torch.distributed._functional_collectives import permute_tensor
     from torch.distributed.tensor.experimental._context_parallel import _attention as torch_cp
 
-    import model_size
     from mingpt import distributed
-    from mingpt.memory import peak_memory_mb, reset_peak_memory, saved_activation_bytes
+    from mingpt.dry_run import saved_activations
+    from mingpt.memory import peak_memory_mb, reset_peak_memory
     from mingpt.model import GPT, GPTConfig
     from mingpt.optim import build_optimizer
     from mingpt.parallel import parallelize
@@ -84,7 +87,6 @@ def worker(rank: int, store: str, out: str, cp: int, args: argparse.Namespace) -
     # Random tokens: the memory and the bytes do not depend on the text, only on the shapes.
     x = torch.randint(0, 65, (args.batch_size, args.block_size))  # the same on every rank
     y = torch.randint(0, 65, (args.batch_size, args.block_size))
-    activations = saved_activation_bytes(inner, x, y)
     # RSS before the steps (the model, the process group): the peak is read above it.
     rss_before = peak_memory_mb(torch.device("cpu"))[0]
     reset_peak_memory(torch.device("cpu"))
@@ -93,8 +95,12 @@ def worker(rank: int, store: str, out: str, cp: int, args: argparse.Namespace) -
         sent[0] = 0  # so the last step's bytes are reported
         dist.barrier()  # the ranks start each step together: its time is the group's
         start = time.perf_counter()
-        _, loss = model(x, y)
-        loss.backward()
+        # The warm-up step (not timed) counts what autograd keeps for backward.
+        with saved_activations(model) if step == 0 else contextlib.nullcontext() as kept:
+            _, loss = model(x, y)
+            loss.backward()
+        if step == 0:
+            activations = kept["total"]
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if step:  # the first step creates AdamW's state: not timed
@@ -103,8 +109,6 @@ def worker(rank: int, store: str, out: str, cp: int, args: argparse.Namespace) -
     gpt = inner.config
     result = {
         "cp": cp, "rank": rank, "activations_bytes": activations,
-        "predicted_bytes": model_size.flash_activation_bytes(inner,
-                                                             args.batch_size, cp),
         "training_peak_above_start_mb": peak - rss_before, "step_s": statistics.median(seconds),
         "ring_bytes_sent": sent[0],
         "ring_bytes_predicted": ring_bytes_predicted(gpt, args.batch_size, cp),
@@ -115,6 +119,24 @@ def worker(rank: int, store: str, out: str, cp: int, args: argparse.Namespace) -
         Path(out).write_text(json.dumps(result))
     del model, optimizer, inner
     distributed.release()
+
+
+def planned_activations(args: argparse.Namespace, cp: int) -> int:
+    """What the dry run plans for rank 0 of the cp group: the bytes autograd keeps for
+    backward per micro-batch (model_size.predict; the model and layout the worker builds, the
+    same batch_size sequences on every rank: one data-parallel group). Called here, in the
+    parent: the dry run starts a process per rank."""
+    import torch
+
+    import model_size
+    from mingpt.model import GPT, GPTConfig
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(model_type=args.preset, vocab_size=65,
+                              block_size=args.block_size, dropout=0.0))
+    layout = ["trainer_config.distributed_method=ddp", f"trainer_config.cp_size={cp}"]
+    plan = model_size.predict(model, {"cp": layout}, cp, args.batch_size)["cp"][0]
+    return plan["activations / micro-batch"]
 
 
 def machine() -> dict:
@@ -141,7 +163,7 @@ def plot(info: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
     axes[0].plot(cps, [r["activations_bytes"] / 2**20 for r in rows], "o-", label="measured")
     axes[0].plot(cps, [r["predicted_bytes"] / 2**20 for r in rows], "x--",
-                 label="model_size.py")
+                 label="dry run (model_size.predict)")
     axes[0].plot(cps, [rows[0]["activations_bytes"] / 2**20 / c for c in cps], ":",
                  color="gray", label="1/cp of cp 1")
     axes[0].set(xlabel="cp_size", ylabel="MiB per rank", title="activations kept for backward")
@@ -179,8 +201,9 @@ def main(argv: list[str] | None = None) -> int:
             # One group per cp size, each in its own processes.
             results.append(spawn(worker, cp, Path(tmp, f"cp{cp}.json"), cp, args))
             r = results[-1]
+            r["predicted_bytes"] = planned_activations(args, cp)
             print(f"cp {cp}: activations {r['activations_bytes'] / 2**20:.1f} MiB per rank "
-                  f"(model_size {r['predicted_bytes'] / 2**20:.1f}), step {r['step_s']:.2f} s, "
+                  f"(planned {r['predicted_bytes'] / 2**20:.1f}), step {r['step_s']:.2f} s, "
                   f"ring {r['ring_bytes_sent'] / 2**20:.1f} MiB sent "
                   f"(predicted {r['ring_bytes_predicted'] / 2**20:.1f})", flush=True)
     info = {"command": "python bench/bench_context.py " + " ".join(argv or sys.argv[1:]),
