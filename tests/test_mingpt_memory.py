@@ -144,20 +144,20 @@ def test_reset_peak_memory_starts_a_new_cpu_peak(m, group):
 
 def test_model_size_memory_table_shows_what_each_strategy_saves(m, capsys):
     model_size = m["model_size"]
-    argv = ["--memory", "--preset", "gpt-mini", "--vocab_size", "65", "--block_size", "64",
-            "--world_size", "2", "--tp_size", "2"]
+    argv = ["--memory", "--preset", "gpt-micro", "--vocab_size", "65", "--block_size", "32",
+            "--world_size", "2", "--tp_size", "2", "--batch_size", "2"]
     assert model_size.main(argv) == 0
     out = capsys.readouterr().out
     shown = [line[:10].strip() for line in out.splitlines()
              if line[:10].strip() in model_size.memory_layouts(
-                 model_size.build_on_meta("gpt-mini", 65, 64), model_size.parse_args(argv))]
+                 model_size.build_on_meta("gpt-micro", 65, 32), model_size.parse_args(argv))]
     # Every strategy whose mesh fits 2 ranks (fsdp_tp_pp's pp 2 x tp 2 needs 4), ddp with cp 2;
     # the one that does not fit, with the config's own reason.
     assert shown == ["ddp", "fsdp", "zero", "tp", "fsdp_tp", "pp", "fsdp_pp", "ddp cp 2"], out
     assert "not shown: fsdp_tp_pp: pp_size=2 x tp_size=2 = 4 must divide the world size 2" in out
-    gpt = model_size.build_on_meta("gpt-mini", 65, 64)
+    gpt = model_size.build_on_meta("gpt-micro", 65, 32)
     plans = model_size.predict(gpt, {s: [f"trainer_config.distributed_method={s}"]
-                                     for s in ("ddp", "zero", "fsdp")}, 2, 4)
+                                     for s in ("ddp", "zero", "fsdp")}, 2, 2)
     ddp, zero, fsdp = (plans[s][0]["model state"] for s in ("ddp", "zero", "fsdp"))
     n = gpt.num_params()
     assert ddp == 16 * n + 4 * len(list(gpt.parameters()))  # 4 + 4 + 8 bytes per parameter
@@ -166,7 +166,7 @@ def test_model_size_memory_table_shows_what_each_strategy_saves(m, capsys):
     # A layout the layout code refuses while planning (TP's heads: gpt-nano has 3) is listed
     # with its reason too, and the others are planned (it used to end the whole table).
     assert model_size.main(["--memory", "--preset", "gpt-nano", "--vocab_size", "65",
-                            "--block_size", "64", "--world_size", "4", "--batch_size", "2"]) == 0
+                            "--block_size", "16", "--world_size", "4", "--batch_size", "1"]) == 0
     out = capsys.readouterr().out
     assert "not shown: tp: tensor parallelism over tp_size=4 ranks needs n_head and n_embd " \
            "divisible by 4, got n_head=3, n_embd=48" in out, out
