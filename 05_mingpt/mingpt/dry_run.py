@@ -164,14 +164,32 @@ def saved_activations(model: torch.nn.Module):
     live: dict[int, list[int]] = {}  # storage -> [bytes, saved tensors alive]
     out = {"total": 0, "peak": 0, "now": 0}
 
-    def release(key: int) -> None:
+    class Saved:
+        """One saved tensor and its storage; given back when backward unpacks it, or, if it
+        never does, when autograd drops it. Not when the tensor object dies: an object in a
+        reference cycle dies whenever Python's collector runs, and a storage saved again in
+        the next micro-batch (a pipeline's receive buffer) was then found still alive and
+        not counted again, on some runs only."""
+
+        def __init__(self, t: torch.Tensor, key: int) -> None:
+            self.t, self.key = t, [key]  # the key, None once given back (by either way)
+            weakref.finalize(self, release, self.key)
+
+        def unpack(self) -> torch.Tensor:
+            release(self.key)
+            return self.t
+
+    def release(holder: list[int | None]) -> None:
+        key, holder[0] = holder[0], None
+        if key is None:
+            return
         entry = live[key]
         entry[1] -= 1
         if entry[1] == 0:
             out["now"] -= entry[0]
             del live[key]
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
+    def pack(t: torch.Tensor):
         local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor's own shard
         if isinstance(t, torch.nn.Parameter) or local.device.type == "meta":
             return t  # model state (FSDP's gathered weights are Parameters too)
@@ -189,10 +207,12 @@ def saved_activations(model: torch.nn.Module):
             out["total"] += live[key][0]
             out["peak"] = max(out["peak"], out["now"])
         live[key][1] += 1
-        weakref.finalize(t, release, key)
-        return t
+        return Saved(t, key)
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    def unpack(saved):
+        return saved.unpack() if isinstance(saved, Saved) else saved
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield out
 
 
