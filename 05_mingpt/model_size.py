@@ -185,15 +185,21 @@ def predict(model: GPT, layouts: dict[str, list[str]], world_size: int, batch_si
     # Every (layout, rank) is one job for the dry run's pool: all of them planned at once, two
     # processes at a time, rather than one pool per layout.
     jobs, names = [], []
+    plans: dict[str, dict[int, dict | ValueError]] = {name: {} for name in layouts}
     for name, overrides in layouts.items():
-        cfg = layout_config(model, overrides, world_size, batch_size, microbatches)
+        try:
+            cfg = layout_config(model, overrides, world_size, batch_size, microbatches)
+        except ValueError as err:  # refused by the config's checks, before any planning
+            if not keep_refusals:
+                raise
+            plans[name] = dict.fromkeys(ranks, err)
+            continue
         # The model as the layout's config has it (cp sets dropout 0), the vocabulary as given.
         gpt_config = config.model_config(cfg, {"vocab_size": model.config.vocab_size,
                                                "block_size": model.config.block_size})[0]
         jobs += [(cfg, gpt_config, world_size, rank) for rank in ranks]
         names += [(name, rank) for rank in ranks]
     # The pool returns the plans in the jobs' order: file each under its layout and rank.
-    plans: dict[str, dict[int, dict]] = {name: {} for name in layouts}
     for (name, rank), plan in zip(names, dry_run.plan_ranks(jobs, keep_refusals), strict=True):
         plans[name][rank] = plan
     return plans
@@ -232,18 +238,12 @@ MEMORY_KEYS = ("parameters", "gradients", "optimizer", "model state", "buffers",
 def memory_rows(model: GPT, args: argparse.Namespace) -> tuple[list[dict[str, object]],
                                                                  list[str]]:
     """Rank 0's bytes under every layout that fits (one row each), and a line for each
-    that does not (the config's own reason)."""
-    fits, refused = {}, []
-    for name, overrides in memory_layouts(model, args).items():
-        try:
-            layout_config(model, overrides, args.world_size, args.batch_size)
-            fits[name] = overrides
-        except ValueError as err:
-            refused.append(f"{name}: {err}")
-    plans = predict(model, fits, args.world_size, args.batch_size, keep_refusals=True)
-    # Human-readable sizes for the table; predict() keeps the exact bytes for tests. Some
-    # refusals come from the layout code itself (TP's heads, a pipeline's micro-batches).
-    rows = []
+    that does not (its own reason: the config's checks, or the layout code's, as TP's heads
+    or a pipeline's micro-batches)."""
+    plans = predict(model, memory_layouts(model, args), args.world_size, args.batch_size,
+                    keep_refusals=True)
+    # Human-readable sizes for the table; predict() keeps the exact bytes for tests.
+    rows, refused = [], []
     for name, by_rank in plans.items():
         plan = by_rank[0]
         if isinstance(plan, ValueError):

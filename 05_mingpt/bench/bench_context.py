@@ -9,7 +9,7 @@ Each cp size runs in its own group of cp processes (spawned, gloo, one dp group)
 wrapped as main.py wraps it (`parallelize(..., "ddp", cp_size=cp)`), every rank gets the same
 batch and keeps its zig-zag half (or quarter) of each sequence. Per rank it reports:
 - activations: the bytes autograd keeps for backward in the warm-up step (one micro-batch),
-  counted tensor by tensor as the dry run counts a step (dry_run.saved_activations: saved-tensor
+  counted tensor by tensor as the dry run counts a step (memory.saved_activations: saved-tensor
   hooks, every storage once, parameters left out), next to what the dry run plans for the rank
   (model_size.predict: the same layout and step on fake tensors, DRY_RUN.md);
 - the training peak of the resident set above the resident set before the first step (coarse:
@@ -62,8 +62,7 @@ def worker(rank: int, store: str, out: str, cp: int, args: argparse.Namespace) -
     from torch.distributed.tensor.experimental._context_parallel import _attention as torch_cp
 
     from mingpt import distributed
-    from mingpt.dry_run import saved_activations
-    from mingpt.memory import peak_memory_mb, reset_peak_memory
+    from mingpt.memory import peak_memory_mb, reset_peak_memory, saved_activations
     from mingpt.model import GPT, GPTConfig
     from mingpt.optim import build_optimizer
     from mingpt.parallel import parallelize

@@ -1,22 +1,22 @@
-"""A dry run: what each rank of an N-rank job would hold and send, planned in one process.
+"""A dry run: what each rank of an N-rank job would hold and send, planned on one machine.
 
     python main.py trainer_config.dry_run=1024 gpt_config.model_type=gpt2-medium \
         trainer_config.distributed_method=fsdp trainer_config.tp_size=8 trainer_config.pp_size=4
 
 For a few ranks that stand for all (first, second and last pipeline stage; first and last
 data-parallel rank), `plan_rank` joins torch's fake process group as that rank of an N-rank
-world (its collectives return at once and move no data), builds the GPT on the meta device,
-lays it out with the real `parallelize`, gives the rank storage for its own shards only
-(`to_empty`), builds the real optimizer and runs one training step through the layout's
-runner: the trainer's forward_backward, clip and optimizer step. So a layout a real run
+world (its collectives return at once and move no data), builds the GPT as fake tensors
+(shapes without memory; a MoE model: real storage for the rank's own shards only), lays it
+out with the real `parallelize`, builds the real optimizer and runs one training step through
+the layout's runner: the trainer's forward_backward, clip and optimizer step. So a layout a real run
 refuses is refused here with the same line, and what is counted is what the real code does:
 
 - model state: memory.model_state_bytes of the rank's tensors after the step, as a real run
   counts it (tests/test_mingpt_dry_run.py: equal to the byte on 2, 4 and 8 gloo processes);
 - communication: every collective and point-to-point op the step issues, by the axis of its
   process group (CommCounter below; the same counter around a real run gives the same bytes);
-- activations: what autograd keeps for backward (memory.py's rule: every saved storage once,
-  parameters left out), per micro-batch and at its peak over the step;
+- activations: what autograd keeps for backward (memory.saved_activations: every saved
+  storage once, parameters left out), per micro-batch and at its peak over the step;
 - the predicted peak: model state + communication buffers + peak activations (DRY_RUN.md).
 
 The step's numbers are wrong (the weights are random, a pipeline stage receives garbage):
@@ -25,11 +25,10 @@ only shapes and bytes are meant. DRY_RUN.md explains the table; bench/plan_pictu
 import itertools
 import logging
 import multiprocessing
-import weakref
 from collections import defaultdict
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from contextlib import contextmanager
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -153,69 +152,6 @@ def group_axes(model: torch.nn.Module) -> dict[str, str]:
     return axes
 
 
-@contextmanager
-def saved_activations(model: torch.nn.Module):
-    """What autograd keeps for backward while the block runs: {"total", "peak"} bytes.
-
-    memory.saved_activation_bytes's rule (every saved storage once, parameters left out), with
-    each storage's bytes given back when its last saved tensor is freed, so "peak" is the most
-    held at once (a pipeline keeps several micro-batches in flight)."""
-    params = {memory.storage_key(p) for p in model.parameters()}
-    live: dict[int, list[int]] = {}  # storage -> [bytes, saved tensors alive]
-    out = {"total": 0, "peak": 0, "now": 0}
-
-    class Saved:
-        """One saved tensor and its storage; given back when backward unpacks it, or, if it
-        never does, when autograd drops it. Not when the tensor object dies: an object in a
-        reference cycle dies whenever Python's collector runs, and a storage saved again in
-        the next micro-batch (a pipeline's receive buffer) was then found still alive and
-        not counted again, on some runs only."""
-
-        def __init__(self, t: torch.Tensor, key: int) -> None:
-            self.t, self.key = t, [key]  # the key, None once given back (by either way)
-            weakref.finalize(self, release, self.key)
-
-        def unpack(self) -> torch.Tensor:
-            release(self.key)
-            return self.t
-
-    def release(holder: list[int | None]) -> None:
-        key, holder[0] = holder[0], None
-        if key is None:
-            return
-        entry = live[key]
-        entry[1] -= 1
-        if entry[1] == 0:
-            out["now"] -= entry[0]
-            del live[key]
-
-    def pack(t: torch.Tensor):
-        local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor's own shard
-        if isinstance(t, torch.nn.Parameter) or local.device.type == "meta":
-            return t  # model state (FSDP's gathered weights are Parameters too)
-        # FSDP swaps its gathered (unsharded) weights in while a block runs: a Linear saves
-        # a view of one (its transpose), which is model state in a communication buffer, not
-        # an activation.
-        if isinstance(local._base, torch.nn.Parameter):
-            return t
-        key = memory.storage_key(local)
-        if key in params:
-            return t
-        if key not in live:
-            live[key] = [local.untyped_storage().nbytes(), 0]
-            out["now"] += live[key][0]
-            out["total"] += live[key][0]
-            out["peak"] = max(out["peak"], out["now"])
-        live[key][1] += 1
-        return Saved(t, key)
-
-    def unpack(saved):
-        return saved.unpack() if isinstance(saved, Saved) else saved
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield out
-
-
 def representative_ranks(lay: layout.Layout) -> list[int]:
     """Ranks that stand for all: the first, second and last pipeline stage, each with its
     first and last data-parallel rank (FSDP's last chunk is the shortest); cp and tp rank 0
@@ -250,7 +186,7 @@ def measure_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, t: Di
     step = runner(model, CPU, t.precision)
     counter = CommCounter(group_axes(model))
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    with counter, saved_activations(model) as acts:
+    with counter, memory.saved_activations(model) as acts:
         step.forward_backward(micro_batches, scaler, lambda phase: None)
         if t.grad_clip > 0:
             step.clip_grad_norm(t.grad_clip)
@@ -302,20 +238,23 @@ def _step(cfg: DictConfig, gpt_config: GPTConfig) -> dict:
     settings = {key: t[key] for key in Settings._fields}
     torch.manual_seed(t.seed)
     if gpt_config.n_expert:
-        return _step_real_shards(cfg, gpt_config, settings)
-    # Fake tensors: shapes, dtypes and storages (views share one) without memory, and every
-    # op runs its shape rule instead of its kernel, so a rank of gpt2-xl plans in a second.
-    # The model is built whole as fake tensors (no memory either way), then laid out for
-    # real: the mesh is made of real tensors, which is why parallelize runs outside the mode
-    # (fake tensors carry their mode with them). The step runs inside it.
-    fake = _PlanningMode(allow_non_fake_inputs=True)
-    with fake:
-        model = GPT(gpt_config)
-    model = parallelize(model, CPU, t.distributed_method, **settings)
+        model, mode = _real_shards(cfg, gpt_config, settings), nullcontext()
+    else:
+        # Fake tensors: shapes, dtypes and storages (views share one) without memory, and
+        # every op runs its shape rule instead of its kernel, so a rank of gpt2-xl plans in a
+        # second. The model is built whole as fake tensors (no memory either way), then laid
+        # out for real: the mesh is made of real tensors, which is why parallelize runs
+        # outside the mode (fake tensors carry their mode with them). The step runs inside it.
+        mode = _PlanningMode(allow_non_fake_inputs=True)
+        with mode:
+            model = GPT(gpt_config)
+        model = parallelize(model, CPU, t.distributed_method, **settings)
+    # From here on as the trainer would: DDP's buckets handed back on the fake group, the real
+    # optimizer (ZeRO's own for zero), one counted step.
     _ddp_on_fake(model)
     o = cfg.optimizer_config
     optimizer = build_optimizer(model, t.distributed_method, o.lr, o.betas, o.weight_decay)
-    with fake:
+    with mode:
         return measure_step(model, optimizer, t, batches(t, gpt_config))
 
 
@@ -332,11 +271,12 @@ class _PlanningMode(FakeTensorMode):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
-def _step_real_shards(cfg: DictConfig, gpt_config: GPTConfig, settings: dict) -> dict:
+def _real_shards(cfg: DictConfig, gpt_config: GPTConfig, settings: dict) -> torch.nn.Module:
     """A mixture of experts routes by value: how many tokens go to each expert (the
     all-to-all's split sizes) is read from the router's output, which a fake tensor does not
-    have. So here the rank gets real storage for its own shards (random weights) and the
-    step computes: the same counts, at a real step's cost for this rank's share."""
+    have. So here the model is laid out with real storage for the rank's own shards only
+    (random weights), and the step computes: the same counts, at a real step's cost for this
+    rank's share."""
     t = cfg.trainer_config
     lay = layout.resolve(t.distributed_method, dist.get_world_size(), t.tp_size, t.pp_size,
                          t.cp_size, t.ep_size)
@@ -359,10 +299,7 @@ def _step_real_shards(cfg: DictConfig, gpt_config: GPTConfig, settings: dict) ->
     with torch.no_grad():  # small weights: no overflow, no denormals slowing the step down
         for p in model.parameters():
             (p.to_local() if hasattr(p, "to_local") else p).normal_(0.0, 0.02)
-    _ddp_on_fake(model)
-    o = cfg.optimizer_config
-    optimizer = build_optimizer(model, t.distributed_method, o.lr, o.betas, o.weight_decay)
-    return measure_step(model, optimizer, t, batches(t, gpt_config))
+    return model
 
 
 def batches(t: DictConfig, gpt_config: GPTConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -415,10 +352,13 @@ def plan_ranks(jobs: list[tuple[DictConfig, GPTConfig, int, int]],
     A process that dies (for instance a script calling this without the
     `if __name__ == "__main__":` guard multiprocessing needs) ends the dry run with an error,
     never a wait."""
+    # The fork server imports this module (and torch with it) once; each rank's process is
+    # a fork of that server, so it starts without importing torch again.
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["mingpt.dry_run"])
     try:
         with ProcessPoolExecutor(2, mp_context=context, max_tasks_per_child=1) as pool:
+            # A fresh process per job (max_tasks_per_child=1): no mesh cached from another rank.
             futures = [pool.submit(plan_rank, *job) for job in jobs]
             return [_outcome(future, keep_refusals) for future in futures]
     except BrokenProcessPool:

@@ -2,11 +2,13 @@
 
     setup = peak_memory_mb(device); reset_peak_memory(device)  # then train: a training peak
     model_state_bytes(model, optimizer)  # this rank's parameters, gradients, optimizer state
-    saved_activation_bytes(model, x, y)  # what autograd keeps for backward in one forward
+    with saved_activations(model) as kept: ...  # what autograd keeps for backward
 The dry run (dry_run.py) plans each of these; its tests compare the two.
 """
 import resource
 import sys
+import weakref
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -82,22 +84,67 @@ def storage_key(tensor: torch.Tensor) -> int:
     return local.untyped_storage()._cdata
 
 
-def saved_activation_bytes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
-    """The bytes autograd keeps for backward in one forward of (x, y), counted from the tensors
-    it saves: every storage once (views share one), parameters left out (Linear layers save
-    their weight: model state, not activations)."""
+@contextmanager
+def saved_activations(model: torch.nn.Module):
+    """What autograd keeps for backward while the block runs: {"total", "peak"} bytes, counted
+    from the tensors it saves: every storage once (views share one), parameters left out
+    (Linear layers save their weight: model state, not activations), each storage's bytes
+    given back when its last saved tensor is, so "peak" is the most held at once (a pipeline
+    keeps several micro-batches in flight). The dry run counts its step with it too."""
     params = {storage_key(p) for p in model.parameters()}
-    kept: dict[int, int] = {}  # storage -> bytes
+    live: dict[int, list[int]] = {}  # storage -> [bytes, saved tensors alive]
+    out = {"total": 0, "peak": 0, "now": 0}
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if storage_key(t) not in params:
-            kept[storage_key(t)] = t.untyped_storage().nbytes()
-        return t
+    class Saved:
+        """One saved tensor and its storage; given back when backward unpacks it, or, if it
+        never does, when autograd drops it. Not when the tensor object dies: an object in a
+        reference cycle dies whenever Python's collector runs, and a storage saved again in
+        the next micro-batch (a pipeline's receive buffer) was then found still alive and
+        not counted again, on some runs only."""
 
-    # Every tensor autograd saves passes through pack, including a custom Function's own.
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(x, y)
-    return sum(kept.values())
+        def __init__(self, t: torch.Tensor, key: int) -> None:
+            self.t, self.key = t, [key]  # the key, None once given back (by either way)
+            weakref.finalize(self, release, self.key)
+
+        def unpack(self) -> torch.Tensor:
+            release(self.key)
+            return self.t
+
+    def release(holder: list[int | None]) -> None:
+        key, holder[0] = holder[0], None
+        if key is None:
+            return
+        entry = live[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            out["now"] -= entry[0]
+            del live[key]
+
+    def pack(t: torch.Tensor):
+        local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor's own shard
+        if isinstance(t, torch.nn.Parameter) or local.device.type == "meta":
+            return t  # model state (FSDP's gathered weights are Parameters too)
+        # FSDP swaps its gathered (unsharded) weights in while a block runs: a Linear saves
+        # a view of one (its transpose), which is model state in a communication buffer, not
+        # an activation.
+        if isinstance(local._base, torch.nn.Parameter):
+            return t
+        key = storage_key(local)
+        if key in params:
+            return t
+        if key not in live:
+            live[key] = [local.untyped_storage().nbytes(), 0]
+            out["now"] += live[key][0]
+            out["total"] += live[key][0]
+            out["peak"] = max(out["peak"], out["now"])
+        live[key][1] += 1
+        return Saved(t, key)
+
+    def unpack(saved):
+        return saved.unpack() if isinstance(saved, Saved) else saved
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield out
 
 
 def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer
