@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from conftest import TORCHRUN, child_env, run
-from mingpt_helpers import assert_refused, copy_mingpt, mingpt_imported, tiny
+from mingpt_helpers import assert_refused, copy_mingpt, mingpt_imported, snapshot_weights, tiny
 
 LIGHTHOUSE = str(Path(TORCHRUN).with_name("torchft_lighthouse"))
 # Clipping is per group before the average (ft.py): off, so the run compares with DDP's.
@@ -153,6 +153,29 @@ def test_a_killed_group_rejoins_without_a_restart_and_all_end_with_the_same_weig
     assert ft0["scheduler"] == ft1["scheduler"]  # the same lr schedule, step for step
 
 
+def test_a_group_killed_under_fsdp_restarts_from_its_own_snapshot_bit_for_bit(tmp_path):
+    """FAULT_TOLERANCE.md's restart with the default save_every, under a sharded layout: one
+    group of two fsdp processes, a worker killed before step 5, torchrun starts the group
+    again, it resumes its own step 4 snapshot and ends as the run that was never killed.
+    (The restart once crashed in the schedule's resume, which read the lr from the wrapper's
+    missing `defaults`; DCP's state-dict code stepped the wrapper, a cross-group all-reduce.)"""
+    mingpt = copy_mingpt(tmp_path)
+    args = ("trainer_config.max_steps=6", "trainer_config.save_every=2",
+            "trainer_config.distributed_method=fsdp", "trainer_config.ft_replicas=1")
+    with Lighthouse(tmp_path, min_replicas=1) as lighthouse:
+        env = {"TORCHFT_LIGHTHOUSE": f"http://localhost:{lighthouse.port}"}
+        for name, fault in (("killed", {"FAULT_AT_STEP": "5"}), ("whole", {})):
+            out = run([TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1",
+                       "main.py", *tiny(*args, f"run_name={name}", *COMMON[:2],
+                                        "trainer_config.collective_timeout_s=30")],
+                      cwd=mingpt, **env, **fault).stdout
+            if fault:
+                assert "FAULT_AT_STEP=5: killing this worker" in out, out[-3000:]
+                assert "resumed from" in out and "at step 4" in out, out[-3000:]
+    killed, whole = (snapshot_weights(mingpt / "runs" / n) for n in ("killed", "whole"))
+    assert [k for k in whole if not torch.equal(killed[k], whole[k])] == []
+
+
 @pytest.mark.parametrize("args, message", [
     (["trainer_config.ft_replicas=-1"],
      "trainer_config.ft_replicas must be an integer >= 0 (0: off), got -1"),
@@ -161,6 +184,11 @@ def test_a_killed_group_rejoins_without_a_restart_and_all_end_with_the_same_weig
     (["trainer_config.ft_replicas=2", "trainer_config.precision=fp16"],
      "trainer_config.ft_replicas needs precision fp32 or bf16, got fp16 (GradScaler's "
      "skipped steps are not agreed across replica groups)"),
+    # ZeRO's first save killed rank 0 (torchft's wrapper hid ZeroRedundancyOptimizer).
+    (["trainer_config.ft_replicas=2", "trainer_config.distributed_method=zero"],
+     "trainer_config.ft_replicas needs distributed_method ddp, fsdp or a layout of them, not "
+     "zero: a rejoining group copies each peer rank's whole AdamW state, which ZeRO spreads "
+     "over the ranks and gathers only with a collective"),
 ])
 def test_config_refuses_replica_groups_that_do_not_fit(args, message):
     with mingpt_imported() as m:

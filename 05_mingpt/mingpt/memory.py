@@ -12,7 +12,8 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
-from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from mingpt.optim import local_optimizer
 
 
 def reset_peak_memory(device: torch.device | list[torch.device]) -> None:
@@ -155,14 +156,13 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     Gradients count only while they exist (between backward and zero_grad). ZeRO's optimizer
     keeps the state of this rank's parameters in its local optimizer (`.optim`).
     """
-    local_optimizer = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) \
-        else optimizer
+    local = local_optimizer(optimizer)
     # DDP and FSDP wrap the model: their parameters() are the ones the optimizer updates.
     params = list(model.parameters())  # each tied tensor once
     return {
         "parameters": sum(local_bytes(p) for p in params),
         "gradients": sum(local_bytes(p.grad) for p in params if p.grad is not None),
         # AdamW: exp_avg and exp_avg_sq (each the parameter's size) and a scalar step.
-        "optimizer": sum(local_bytes(v) for state in local_optimizer.state.values()
+        "optimizer": sum(local_bytes(v) for state in local.state.values()
                          for v in state.values() if isinstance(v, torch.Tensor)),
     }

@@ -46,6 +46,20 @@ def can_fuse(params: list[torch.Tensor]) -> bool:
     return len(meshes) == 1 and all(p.device.type in ("cpu", "cuda") for p in params)
 
 
+def inner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer whose state a snapshot holds and a memory count reads: `optimizer` itself,
+    or the one inside torchft's replica-group wrapper (parallel/ft.py), whose step would start
+    a cross-group all-reduce (DCP's state-dict code steps an optimizer that has no state yet)."""
+    return getattr(optimizer, "inner", optimizer)
+
+
+def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer that holds this rank's AdamW state: ZeRO's local one (`.optim`, the
+    state of the parameters this rank owns), else the optimizer inside any wrapper."""
+    optimizer = inner(optimizer)
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+
+
 def keep_own_optimizer_settings(optimizer: torch.optim.Optimizer) -> None:
     """After `optimizer.load_state_dict`: this run's kernel choice and devices, not the saver's.
 
@@ -55,7 +69,7 @@ def keep_own_optimizer_settings(optimizer: torch.optim.Optimizer) -> None:
     load_state_dict leaves AdamW's 0-dim `step` counts on the CPU, which CUDA's fused kernel
     refuses ("Expected all tensors to be on the same device ... state_steps"; an open torch
     issue, 124133): they go where their parameter lives, as AdamW's own load puts them."""
-    local = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    local = local_optimizer(optimizer)
     # build_optimizer's choice, made again from this run's parameters (ZeRO: all of them).
     fused = can_fuse([p for g in optimizer.param_groups for p in g["params"]])
     for group in [*optimizer.param_groups, *local.param_groups]:  # ZeRO: both copies
@@ -83,7 +97,7 @@ def restore_settings(optimizer: torch.optim.Optimizer, own: list[dict]) -> list[
     load_state_dict restores the saved param groups whole: a resume with another
     optimizer_config.weight_decay or betas kept the snapshot's silently while config.yaml
     claimed the new ones."""
-    local = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    local = local_optimizer(optimizer)
     changes: list[str] = []
     for group, mine in zip(optimizer.param_groups, own, strict=True):
         for key, value in mine.items():

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from mingpt import errors, faults, snapshot, storage
 from mingpt.log import print0
+from mingpt.optim import inner
 from mingpt.parallel.strided import checkpointable
 
 
@@ -55,7 +56,7 @@ class AsyncSaver(Saver):
         name = f"step_{state['step']:08d}"
         snapshot.agreed_part(self.url, snapshot.move_other_layout_on_rank_0, "fsdp")
         snapshot.agreed_part(self.url, snapshot.clear_step, name)
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, inner(optimizer))  # snapshot.save's
         # Returns once this rank's shards are copied to host memory (DCP's staging); the
         # staging process writes them, its own gloo group planning with the other ranks'.
         # (The first call starts that process: it imports __main__ again, hence main.py's

@@ -45,7 +45,13 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from mingpt import errors, faults, storage
-from mingpt.optim import keep_own_optimizer_settings, own_settings, restore_settings
+from mingpt.optim import (
+    inner,
+    keep_own_optimizer_settings,
+    local_optimizer,
+    own_settings,
+    restore_settings,
+)
 from mingpt.parallel import snapshot_layout
 from mingpt.parallel.strided import checkpointable
 from mingpt.parallel.wrappers import unwrap
@@ -167,7 +173,7 @@ def _unmap_optimizer(optimizer: torch.optim.Optimizer, mapped: set[int]) -> None
     snapshot never freed; a file overwritten in place changing under it, or SIGBUS)."""
     copies: dict[int, torch.Tensor] = {}
     # ZeRO: its own state and its local AdamW's hold the same tensors; both get one copy.
-    local = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    local = local_optimizer(optimizer)
     for opt in {id(o): o for o in (optimizer, local)}.values():
         for entries in [*opt.state.values(), *opt.param_groups]:
             for key, value in entries.items() if isinstance(entries, dict) else ():
@@ -496,6 +502,7 @@ def save(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.O
     state dicts on the CPU (xla_main.py: from the XLA devices' shards); the snapshot is then
     the one file. SaveError (one line, the same on every rank) when the storage fails on any
     rank; nothing was committed then."""
+    optimizer = inner(optimizer)  # not a wrapper's step, which all-reduces across groups
     # gather (XLA's hook): the weights come to the CPU, one file whatever the model holds.
     kind = "ddp" if gather is not None else snapshot_layout(model, method)
     agreed_part(url, move_other_layout_on_rank_0, kind)
@@ -592,6 +599,7 @@ def load(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.O
     kind = agreed_kind(url)
     if kind is None:
         return None
+    optimizer = inner(optimizer)  # not a wrapper's step, which all-reduces across groups
     mine = snapshot_layout(model, method)
     if not convertible(kind, mine, optimizer):
         raise SnapshotError(f"{url} holds a {kind} snapshot, but distributed_method={method}; "

@@ -56,6 +56,11 @@ def check_config(t: DictConfig) -> None:
     if t.ft_replicas and t.precision == "fp16":
         raise ValueError("trainer_config.ft_replicas needs precision fp32 or bf16, got fp16 "
                          "(GradScaler's skipped steps are not agreed across replica groups)")
+    if t.ft_replicas and t.distributed_method == "zero":
+        raise ValueError("trainer_config.ft_replicas needs distributed_method ddp, fsdp or a "
+                         "layout of them, not zero: a rejoining group copies each peer rank's "
+                         "whole AdamW state, which ZeRO spreads over the ranks and gathers "
+                         "only with a collective")
     if t.ft_replicas and t.distributed_method == "dp":
         raise ValueError("trainer_config.ft_replicas needs a torchrun job per replica group; "
                          "distributed_method=dp runs in one process without one")
@@ -93,6 +98,10 @@ class Optimizer(torch.optim.Optimizer):
     @property
     def state(self) -> dict:
         return self.inner.state
+
+    @property
+    def defaults(self) -> dict:  # the lr this run was given: optim.resume_scheduler reads it
+        return self.inner.defaults
 
     def state_dict(self) -> dict:
         return self.inner.state_dict()
