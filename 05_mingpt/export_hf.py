@@ -71,6 +71,10 @@ def check_representable(url: str, model_config: dict) -> None:
     if extra:
         raise ValueError(f"{url} holds a model with {extra[0]}={model_config[extra[0]]!r}, which "
                          "GPT-2 (GPT2LMHeadModel) cannot represent")
+    if model_config.get("n_expert"):  # a router and n_expert MLPs where GPT-2 has one MLP
+        raise ValueError(f"{url} holds a mixture of experts (gpt_config.n_expert="
+                         f"{model_config['n_expert']}), which GPT-2 (GPT2LMHeadModel) cannot "
+                         "represent: it has one dense MLP per block")
     if model_config.get("bias") is False:
         raise ValueError(f"{url} holds a model without biases (gpt_config.bias=false), which "
                          "GPT-2 (GPT2LMHeadModel) cannot represent: it has a bias in every "

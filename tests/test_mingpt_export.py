@@ -289,13 +289,21 @@ def test_models_gpt2_cannot_represent_are_refused(mods, mingpt, trained, tmp_pat
     assert one_error_line(export(mods, mingpt, nobias, out)) == (
         f"error: {nobias} holds a model without biases (gpt_config.bias=false), which GPT-2 "
         "(GPT2LMHeadModel) cannot represent: it has a bias in every Linear and LayerNorm")
-    # A model with parts GPT-2 has not: a config key this GPT lacks (mixture-of-experts, say),
-    # or a weight beyond those of its config.
+    # A mixture of experts, trained (MOE.md): its config keys are this GPT's own, and its
+    # weights those its config builds, so neither check below saw it (exit 0, a dense GPT-2
+    # without its MLPs).
+    train(mods, mingpt, "ddp", "moe", "gpt_config.n_expert=4", "trainer_config.max_steps=1")
+    moe = mingpt / "runs/moe/snapshot"
+    assert one_error_line(export(mods, mingpt, moe, out)) == (
+        f"error: {moe} holds a mixture of experts (gpt_config.n_expert=4), which GPT-2 "
+        "(GPT2LMHeadModel) cannot represent: it has one dense MLP per block")
+    # A model with parts GPT-2 has not: a config key this GPT lacks (another version's), or a
+    # weight beyond those of its config.
     state = torch.load(trained["ddp"][0], weights_only=True)
-    experts = {**state, "model_config": {**state["model_config"], "n_experts": 4}}
-    torch.save(experts, tmp_path / "experts")
-    assert one_error_line(export(mods, mingpt, tmp_path / "experts", out)) == (
-        f"error: {tmp_path}/experts holds a model with n_experts=4, which GPT-2 "
+    extra = {**state, "model_config": {**state["model_config"], "n_rotary": 4}}
+    torch.save(extra, tmp_path / "extra")
+    assert one_error_line(export(mods, mingpt, tmp_path / "extra", out)) == (
+        f"error: {tmp_path}/extra holds a model with n_rotary=4, which GPT-2 "
         "(GPT2LMHeadModel) cannot represent")
     router = {**state, "model": {**state["model"], "blocks.0.mlp.router.weight": torch.ones(4)}}
     torch.save(router, tmp_path / "router")
