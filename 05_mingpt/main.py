@@ -25,7 +25,7 @@ from mingpt.log import print0, print_versions
 from mingpt.model import GPT
 from mingpt.optim import build_optimizer
 from mingpt.parallel import Settings, fsdp, ft, parallelize
-from mingpt.parallel.wrappers import data_parallel, unwrap
+from mingpt.parallel.wrappers import unwrap
 from mingpt.trainer import NonFiniteLoss, Trainer
 from sample import generate_text
 
@@ -84,9 +84,6 @@ def load_train_objs(cfg: DictConfig, device: torch.device) -> tuple:
     # Built after wrapping: FSDP has replaced every parameter with its sharded version.
     o = cfg.optimizer_config
     optimizer = build_optimizer(model, t.distributed_method, o.lr, o.betas, o.weight_decay)
-    # From here on each rank draws its own dropout masks (a resume restores these streams),
-    # except that one tensor-parallel group's ranks draw the same: they hold the same activations.
-    torch.manual_seed(cfg.trainer_config.seed + data_parallel(model)[0])
     if t.ft_replicas:  # replica groups (torchft): gradients averaged over those alive
         optimizer = ft.Replicas(t, model, optimizer, device).optimizer
     return model, optimizer, train_set, val_set, data, snapshot_meta, flops_per_token

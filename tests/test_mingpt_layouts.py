@@ -104,6 +104,10 @@ def _worker(rank: int, store: str, out: str, text: str, world: int = WORLD) -> N
         # one file (dp 4) into fsdp's shards over pp 2 x dp 2.
         run(m, overrides("ddp", out_dir / "moved", text, HALF))
         result["moved"] = {"log": run(m, overrides("moved", out_dir / "moved", text, STEPS))[0]}
+        # Dropout's streams as snapshots keep them (test_dropout_streams_follow_the_layout):
+        # pp 2 x dp 2, resumed as dp 2 x tp 2 (the same world and data-parallel sizes).
+        run(m, overrides("ddp_pp2", out_dir / "streams", text, HALF))
+        run(m, overrides("ddp_tp2", out_dir / "streams", text, STEPS))
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
     m["distributed"].release()  # every reference dropped first: gloo's threads are joined
 
@@ -155,6 +159,28 @@ def test_a_resume_is_bitwise_and_other_degrees_resume_it(spawned):
     # file is kept beside the new shards.
     assert (out / "moved/snapshot.ddp").is_file() and (out / "moved/snapshot/latest").is_file()
     assert_retraces(out, result, "moved", "ddp", range(HALF + 1, STEPS + 1), **BOUNDS)
+
+
+def saved_streams(snapshot: Path) -> list[torch.Tensor]:
+    """Every rank's torch RNG state in a sharded snapshot's train_state.pt, by global rank."""
+    step = (snapshot / "latest").read_text().strip()
+    state = torch.load(snapshot / step / "train_state.pt", weights_only=True)
+    return [rng["torch"] for rng in state["rng"]]
+
+
+def test_dropout_streams_follow_the_layout(spawned):
+    """One stream per data-parallel rank and pipeline stage, shared within a TP group; a
+    resume under another layout draws new ones by that rule. These runs have no dropout, so
+    each rank's stream is still where it was seeded. (The stages of one pipeline shared one
+    seed; pp 2 x dp 2 resumed as dp 2 x tp 2 restored the streams rank by rank, as its world
+    and data-parallel sizes matched: one TP group's ranks got two stages' streams.)"""
+    out, _ = spawned
+    pp = saved_streams(out / "ddp_pp2/snapshot")  # rank = stage x 2 + data-parallel rank
+    assert [torch.equal(pp[0], other) for other in pp[1:]] == [False, False, False]
+    assert not torch.equal(pp[1], pp[3]) and not torch.equal(pp[2], pp[3])
+    tp = saved_streams(out / "streams/snapshot")  # ranks 0, 1: one TP group; 2, 3 the other
+    assert torch.equal(tp[0], tp[1]) and torch.equal(tp[2], tp[3])
+    assert not torch.equal(tp[0], tp[2])
 
 
 def test_every_layouts_breakdown_marks_forward_and_backward(spawned):

@@ -26,7 +26,7 @@ from mingpt.faults import inject_fault, skip_gradient_sync
 from mingpt.log import TrainLog, print0
 from mingpt.optim import SCHEDULE_KEYS, build_scheduler, resume_scheduler
 from mingpt.parallel import describe, runner
-from mingpt.parallel.wrappers import data_parallel, local_devices
+from mingpt.parallel.wrappers import data_parallel, local_devices, mesh_sizes, pipeline_stage
 from mingpt.precision import grad_scaler
 
 
@@ -94,6 +94,15 @@ class Trainer:
         self.dp_rank, self.dp_size = self.hooks.data_parallel(model)
         # The data-parallel ranks whose rows this process loads (XLA: all, in one batch).
         self.fed = range(self.dp_size) if self.hooks.feeds_every_rank else [self.dp_rank]
+        # Dropout's random stream: one per data-parallel rank and pipeline stage (stages hold
+        # other layers: one seed would correlate their masks, as Megatron's offset by pp rank
+        # avoids), shared by the ranks of one TP or CP group (they hold the same activations:
+        # other masks would drift apart the weights they hold alike). A resume restores it.
+        self.stream = self.dp_rank + self.dp_size * pipeline_stage(model)
+        torch.manual_seed(cfg.seed + self.stream)
+        # What the streams belong to: a snapshot's are restored rank by rank only under it.
+        self.rng_layout = {**mesh_sizes(model), "data_parallel": self.dp_size,
+                           "world": self.world_size}
         self.train_set, self.val_set = train_set, val_set
         self.snapshot_meta = snapshot_meta
         # Loss, tokens/s, MFU, memory and TensorBoard: log.TrainLog's (rank 0 writes).
@@ -139,6 +148,7 @@ class Trainer:
             "world_size": self.world_size,
             # The layout the RNG streams belong to: the ranks of one TP group share a stream.
             "dp_size": self.dp_size,
+            "rng_layout": self.rng_layout,
             "scheduler": self.scheduler.state_dict(),
             "schedule": {key: self.cfg[key] for key in SCHEDULE_KEYS},
             "last_val": self.last_val,  # a resume at this step need not evaluate it again
@@ -154,20 +164,26 @@ class Trainer:
         self.step, self.epoch = state["step"], state["epoch"]
         self.samples_in_epoch = state["samples_in_epoch"]
         self.last_val = state["last_val"]
-        # Each rank's streams belong to its place in the (dp, tp) layout: the ranks of one TP
-        # group must draw the same dropout masks, or the weights they hold alike (LayerNorms,
-        # embeddings) drift apart. (A snapshot from before dp_size was saved: dp = world.)
+        # Each rank's streams belong to its place in the layout (__init__): restored rank by
+        # rank only under the same one. (pp 2 x dp 2 -> dp 2 x tp 2 has the same world and dp
+        # sizes, but a TP group's two ranks would get two stages' streams.) A snapshot from
+        # before rng_layout was saved: the world and dp sizes, as then.
         saved = (len(state["rng"]), state.get("dp_size", len(state["rng"])))
-        if saved == (self.world_size, self.dp_size):
+        same = state["rng_layout"] == self.rng_layout if "rng_layout" in state else \
+            saved == (self.world_size, self.dp_size)
+        if same:
             snapshot.set_rng_state(state["rng"][self.rank], self.device)  # our own streams
-        else:  # another number of ranks or TP groups: new (but reproducible) dropout streams,
-            # one per data-parallel rank, so each TP group's ranks still draw alike
-            torch.manual_seed(self.cfg.seed + 1000 * self.step + self.dp_rank)
+        else:  # another layout: new (but reproducible) dropout streams, one per stream index,
+            # so each TP group's ranks still draw alike
+            torch.manual_seed(self.cfg.seed + 1000 * self.step + self.stream)
             self.last_val = None  # evaluate the resharded weights once more, to show they load
+            streams = "dropout draws from new random streams (the same within each " \
+                "tensor-parallel group)"
             print0(f"snapshot saved by {saved[0]} ranks, now {self.world_size} (data-parallel "
                    f"size {saved[1]} then, {self.dp_size} now): the rest of the epoch is dealt "
-                   "out anew (each sample still once), dropout draws from new random streams "
-                   "(the same within each tensor-parallel group)")
+                   f"out anew (each sample still once), {streams}"
+                   if saved != (self.world_size, self.dp_size) else
+                   f"snapshot saved under another layout: {streams}")
         print0(f"resumed from {self.cfg.snapshot_path} at step {self.step} (epoch {self.epoch})")
 
     def _load_schedule(self, state: dict) -> None:

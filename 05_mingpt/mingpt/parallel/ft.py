@@ -167,11 +167,9 @@ class Replicas:
         self.optimizer.replicas = self  # main.train finds it there (replicas_of)
         self.manager.register_state_dict_fn("optimizer", optimizer.load_state_dict,
                                             optimizer.state_dict)
+        # The Trainer's data-parallel rank across the groups: its rows, and its dropout stream
+        # (each group draws the masks DDP's rank of the same rows would).
         self.hooks = Hooks(t.ft_replica_group, t.ft_replicas)
-        # Dropout streams by the data-parallel rank across the groups (main.py seeded them by
-        # the rank within this group): each group draws the masks DDP's rank of the same rows
-        # would.
-        torch.manual_seed(t.seed + self.hooks.data_parallel(model)[0])
 
     def _model_state(self) -> dict:
         return unwrap(self.model).state_dict()

@@ -53,6 +53,20 @@ def data_parallel(model: nn.Module) -> tuple[int, int]:
     return mesh["dp"].get_local_rank(), mesh["dp"].size()
 
 
+def pipeline_stage(model: nn.Module) -> int:
+    """This rank's place along its pipeline (the mesh's pp dimension; 0 without one)."""
+    mesh = getattr(unwrap(model), "mesh", None)
+    if mesh is None or "pp" not in (mesh.mesh_dim_names or ()):
+        return 0
+    return mesh["pp"].get_local_rank()
+
+
+def mesh_sizes(model: nn.Module) -> dict[str, int]:
+    """The mesh's dimensions by name ({} for a model parallelize() did not lay out)."""
+    mesh = getattr(unwrap(model), "mesh", None)
+    return dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True)) if mesh is not None else {}
+
+
 def local_devices(model: nn.Module, device: torch.device) -> list[torch.device]:
     """The devices this process computes on: every GPU of nn.DataParallel, else `device`.
 
