@@ -40,13 +40,16 @@ LAYOUTS = {
     "ddp": ("ddp", 0, 0),          # dp 4, experts whole on every rank: the reference
     "ddp_ep2": ("ddp", 2, 0),      # dp 4 = edp 2 x ep 2 (FSDP2's replicate)
     "fsdp_ep4": ("fsdp", 4, 0),    # dp 4 = edp 1 x ep 4, FSDP from the meta device
+    # dp 4 = edp 2 x ep 2: each expert's weights also sharded over its 2 edp ranks, and
+    # offloaded with the rest (cpu_offload: on a CPU the policy is all there is to see)
+    "fsdp_ep2": ("fsdp", 2, 0),
     "ddp_pp2": ("ddp", 0, 2),      # pp 2 x dp 2, experts whole: ddp_ep2_pp2's reference
     "ddp_ep2_pp2": ("ddp", 2, 2),  # pp 2 x (edp 1 x ep 2)
     "to_ddp": ("ddp", 0, 0),       # ddp_ep2's snapshot at HALF, resumed here
     "to_fsdp": ("fsdp", 0, 0),
 }
 MEMORY = ("ddp", "ddp_ep2", "fsdp_ep4")  # model_size.predict checked on these, every rank
-GRAD_CASES = (("ddp", 2), ("fsdp", 4), ("ddp", 4))
+GRAD_CASES = (("ddp", 2), ("fsdp", 4), ("fsdp", 2), ("ddp", 4))
 # The first step's gradients against the one-process reference, every entry within
 # GRAD_REL of its tensor's largest magnitude. Both sum the same token terms, in another order
 # (another batch shape per matmul, the all-to-all's regrouping, DDP's and FSDP's sums over
@@ -61,7 +64,8 @@ GRAD_REL = 1e-4
 def overrides(name: str, run_dir: Path, text: Path, max_steps: int) -> list[str]:
     method, ep, pp = LAYOUTS[name]
     dp = WORLD // max(pp, 1)
-    return tiny(f"run_dir={run_dir}", f"data_config.path={text}", *MOE,
+    offload = ("trainer_config.cpu_offload=true",) if name == "fsdp_ep2" else ()
+    return tiny(f"run_dir={run_dir}", f"data_config.path={text}", *MOE, *offload,
                 f"trainer_config.distributed_method={method}", f"trainer_config.ep_size={ep}",
                 f"trainer_config.pp_size={pp}", f"trainer_config.batch_size={GLOBAL_BATCH // dp}",
                 f"trainer_config.microbatches={2 if pp else 1}",
@@ -108,6 +112,14 @@ def _memory(m: dict, model, optimizer) -> dict[str, int]:
     return m["memory"].model_state_bytes(model, optimizer)
 
 
+def _offload_policies(model) -> dict[str, str]:
+    """The offload policy of every module FSDP wraps, by the kind of module."""
+    return {("experts" if "experts" in name else "dense"):
+            type(module._get_fsdp_state()._fsdp_param_group.offload_policy).__name__
+            for name, module in model.named_modules()
+            if hasattr(module, "_get_fsdp_state") and module._get_fsdp_state()._fsdp_param_group}
+
+
 def _worker(rank: int, store: str, out: str, text: str) -> None:
     torch.set_num_threads(1)  # four processes share the cores
     dist.init_process_group("gloo", store=dist.FileStore(store, WORLD), rank=rank,
@@ -116,9 +128,9 @@ def _worker(rank: int, store: str, out: str, text: str) -> None:
     with mingpt_imported("main") as m:
         for method, ep in GRAD_CASES:
             result["grads"][f"{method}_ep{ep}"] = _gradients(m, method, ep)
-        for name in ("ddp", "ddp_ep2", "fsdp_ep4", "ddp_pp2", "ddp_ep2_pp2"):
+        for name in ("ddp", "ddp_ep2", "fsdp_ep4", "fsdp_ep2", "ddp_pp2", "ddp_ep2_pp2"):
             log, model, optimizer = run(m, overrides(name, out_dir / name, text, STEPS))
-            result[name] = {"log": log}
+            result[name] = {"log": log, "offload": _offload_policies(model)}
             if name in MEMORY:
                 result[name]["memory"] = _memory(m, model, optimizer)
                 # The model the runs built (the data's vocabulary): what the dry run plans.
@@ -195,15 +207,24 @@ def test_every_ep_layout_follows_one_process_losses_and_weights(spawned):
         assert losses[STEPS] < losses[1] - 0.1, (reference, losses)
     # ddp_pp2 against ddp: the grouping only, so the same cross-entropy at step 1.
     assert train_losses(result["ddp_pp2"]["log"])[1] == train_losses(result["ddp"]["log"])[1]
-    for name, reference in (("ddp_ep2", "ddp"), ("fsdp_ep4", "ddp"),
+    for name, reference in (("ddp_ep2", "ddp"), ("fsdp_ep4", "ddp"), ("fsdp_ep2", "ddp"),
                             ("ddp_ep2_pp2", "ddp_pp2")):
         assert_retraces(out, result, name, reference, range(1, STEPS + 1), **BOUNDS)
+
+
+def test_cpu_offload_moves_the_experts_too(spawned):
+    """fsdp with ep_size and cpu_offload: the experts' shards are offloaded as the dense ones
+    are (they were left out: the experts, most of a MoE model's weights, stayed put)."""
+    _, result = spawned
+    assert result["fsdp_ep2"]["offload"] == {"experts": "CPUOffloadPolicy",
+                                             "dense": "CPUOffloadPolicy"}
+    assert result["fsdp_ep4"]["offload"] == {"experts": "OffloadPolicy", "dense": "OffloadPolicy"}
 
 
 def test_ep_keeps_the_batch_and_the_log_shows_the_experts_load(spawned):
     _, result = spawned
     # ep keeps every rank a data-parallel one: 2 sequences x 4 ranks per step.
-    for name in ("ddp_ep2", "fsdp_ep4"):
+    for name in ("ddp_ep2", "fsdp_ep4", "fsdp_ep2"):
         assert "8 sequences per step (batch_size 2 x grad_accum_steps 1 x world size 4)" \
             in result[name]["log"], name
     for name in ("ddp", "ddp_ep2", "fsdp_ep4"):

@@ -34,8 +34,8 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from mingpt.errors import require
 from mingpt.model import Experts, expert_mlp
+from mingpt.parallel.fsdp import policies
 from mingpt.parallel.layout import Settings
-from mingpt.precision import fsdp_policy
 
 
 class ShardedExperts(Experts):
@@ -118,14 +118,16 @@ def _wrap(experts: nn.Module, flavour: str, s: Settings, edp: DeviceMesh, divide
     fully_shard (fsdp) or replicate (ddp: DDP cannot take DTensors, ddp.py), the gradient
     sum divided by the dp degree."""
     from torch.distributed._composable.replicate_with_fsdp import replicate  # noqa: PLC0415
-    kwargs: dict = {"mesh": edp}
-    if s.precision != "fp32":
-        kwargs["mp_policy"] = fsdp_policy(s.precision)
-    if flavour == "fsdp":
-        fully_shard(experts, reshard_after_forward=s.pp_size <= 1, **kwargs)
+    if flavour == "fsdp":  # offloaded with the rest where cpu_offload asks (fsdp.policies)
+        fully_shard(experts, mesh=edp, reshard_after_forward=s.pp_size <= 1,
+                    **policies(s.precision, s.cpu_offload, torch.device(edp.device_type)))
     else:
-        replicate(experts, **kwargs)
+        replicate(experts, mesh=edp, **policies(s.precision, False, torch.device(edp.device_type)))
     experts.set_gradient_divide_factor(float(divide))
+    if flavour == "fsdp" and edp.device_type == "cpu" and edp.size() > 1:
+        # A divide factor other than the group's size makes FSDP reduce-scatter with NCCL's
+        # PREMUL_SUM, which gloo has not: a plain sum, then the division (edp > 1 only).
+        experts.set_force_sum_reduction_for_comms(True)
 
 
 __all__ = ["ShardedExperts", "apply", "check_config"]

@@ -40,18 +40,26 @@ def shard(model: nn.Module, device: torch.device, precision: str = "fp32",
     # sharding; with other axes, parallelize passes the mesh's data-parallel dimension.
     if mesh is None:
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    kwargs: dict = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward,
+              **policies(precision, cpu_offload, device)}
+    for block in model.blocks:
+        if not isinstance(block, nn.Identity):  # a pipeline stage's place for another's block
+            fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def policies(precision: str, cpu_offload: bool, device: torch.device) -> dict:
+    """fully_shard's precision and offload keywords, for every module FSDP wraps (the blocks,
+    the root, expert.py's experts)."""
+    kwargs: dict = {}
     if precision != "fp32":
         kwargs["mp_policy"] = fsdp_policy(precision)
     if cpu_offload:
         # Shards, gradients and optimizer state live in CPU memory and are copied over for each
         # use. Pinned memory speeds up those copies but needs an accelerator to exist.
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
-    for block in model.blocks:
-        if not isinstance(block, nn.Identity):  # a pipeline stage's place for another's block
-            fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
-    return model
+    return kwargs
 
 
 # --- FSDP from the meta device: no rank ever holds the whole model --------------------------
