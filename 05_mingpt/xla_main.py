@@ -52,8 +52,11 @@ def load_config(overrides: list[str]) -> DictConfig:
     for key, why in (("cpu_offload", "FSDP2's option"), ("compile", "XLA compiles every step"),
                      ("activation_checkpointing", "main.py's option")):
         require(not t[key], f"trainer_config.{key}", f"False with xla_main.py ({why})", t[key])
-    for key in ("tp_size", "pp_size", "cp_size"):  # main.py's degrees: 0 or 1 is off
+    for key in ("tp_size", "pp_size", "cp_size", "ep_size"):  # main.py's degrees: 0, 1 off
         require(t[key] <= 1, f"trainer_config.{key}", "0 or 1 with xla_main.py", t[key])
+    for key, why in (("ft_replicas", "torchft's replica groups join main.py's jobs"),
+                     ("dry_run", "it plans main.py's layouts")):
+        require(not t[key], f"trainer_config.{key}", f"0 with xla_main.py ({why})", t[key])
     return cfg
 
 

@@ -250,5 +250,11 @@ def test_async_save_of_a_one_file_snapshot_is_refused(mingpt_modules, mingpt):
         "run_name=async_ddp", "trainer_config.async_save=true"))
     assert (proc.returncode, proc.stderr.strip()) == (2, (
         "error: trainer_config.async_save must be False for a one-file snapshot "
-        "(distributed_method=ddp, zero or dp without tp_size or pp_size: rank 0 writes it "
-        "alone; SNAPSHOTS.md), got True"))
+        "(distributed_method=ddp, zero or dp without tp_size, pp_size or ep_size: rank 0 "
+        "writes it alone; SNAPSHOTS.md), got True"))
+    # ddp with its experts split over ep ranks writes DCP shards, as async_save does: taken
+    # (it was refused by a rule that listed tp_size and pp_size only).
+    cfg = mingpt_modules["config"].load(tiny(
+        "trainer_config.async_save=true", "gpt_config.n_expert=4", "trainer_config.ep_size=2"))
+    assert mingpt_modules["layout"].snapshot_of("ddp", ep_size=cfg.trainer_config.ep_size) \
+        == "fsdp"

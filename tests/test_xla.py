@@ -313,3 +313,30 @@ def test_xla_refuses_what_only_main_py_has(xla_python, tmp_path, override, messa
     proc = run([xla_python, "xla_main.py", override], cwd=folder, check=False, **XLA_ENV)
     assert (proc.returncode, proc.stderr.strip()) == (2, message)
     assert not (folder / "runs").exists()
+
+
+def test_xla_refuses_the_axes_and_jobs_only_main_py_has(xla_python, tmp_path):
+    """xla_main.py once ignored these silently (trained dense SPMD FSDP, one job, for real).
+    One process checks them all: the exit and the one line are the case above's."""
+    folder = copy_mingpt(tmp_path)
+    cases = {
+        "trainer_config.ep_size must be 0 or 1 with xla_main.py, got 2":
+            ["gpt_config.n_expert=4", "trainer_config.ep_size=2"],
+        "trainer_config.ft_replicas must be 0 with xla_main.py (torchft's replica groups join "
+        "main.py's jobs), got 2": ["trainer_config.ft_replicas=2"],
+        "trainer_config.dry_run must be 0 with xla_main.py (it plans main.py's layouts), "
+        "got 8": ["trainer_config.dry_run=8"],
+    }
+    script = ("import json, sys, xla_main\n"
+              "said = []\n"
+              "for overrides in json.loads(sys.argv[1]):\n"
+              "    try:\n"
+              "        xla_main.load_config(overrides)\n"
+              "        said.append(None)\n"
+              "    except ValueError as e:\n"
+              "        said.append(str(e))\n"
+              "print(json.dumps(said))\n")
+    proc = run([xla_python, "-c", script, json.dumps(list(cases.values()))], cwd=folder,
+               **XLA_ENV)
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == list(cases)
+

@@ -188,11 +188,11 @@ def validate(cfg: DictConfig) -> None:
             "shards)", t.cpu_offload)
     _check_debugging(t)
     # DCP's asynchronous save writes shards; the one-file layout has one writer (SNAPSHOTS.md).
-    flavour, on = layout.SHORTHANDS.get(t.distributed_method, (t.distributed_method, ()))
-    require(not t.async_save or flavour == "fsdp" or on or t.tp_size > 1 or t.pp_size > 1,
+    require(not t.async_save or layout.snapshot_of(t.distributed_method, t.tp_size, t.pp_size,
+                                                   t.ep_size) == "fsdp",
             "trainer_config.async_save", "False for a one-file snapshot (distributed_method=ddp, "
-            "zero or dp without tp_size or pp_size: rank 0 writes it alone; SNAPSHOTS.md)",
-            t.async_save)
+            "zero or dp without tp_size, pp_size or ep_size: rank 0 writes it alone; "
+            "SNAPSHOTS.md)", t.async_save)
     ft.check_config(t)  # replica groups (parallel/ft.py)
     require(t.grad_clip >= 0, "trainer_config.grad_clip", ">= 0 (0 turns clipping off)",
            t.grad_clip)

@@ -93,10 +93,8 @@ class Layout:
 
     @property
     def snapshot(self) -> str:
-        """The snapshot layout: "ddp" (one file, global rank 0 writes it) where every rank
-        holds the whole model, else "fsdp" (DCP shards, every rank writes its own)."""
-        whole = self.flavour in ("ddp", "zero", "dp") and self.tp == self.pp == self.ep == 1
-        return "ddp" if whole else "fsdp"
+        """The snapshot layout: "ddp" (one file) or "fsdp" (DCP shards): snapshot_of."""
+        return snapshot_of(self.method, self.tp, self.pp, self.ep)
 
     def sizes(self) -> dict[str, int]:
         """The mesh's dimensions, outermost first: dp always (edp x ep with experts split),
@@ -114,6 +112,15 @@ class Layout:
         """One line for the log: `fsdp: pp 2 x dp 2 x tp 2` (8 ranks)."""
         return f"{self.flavour or self.method}: " + " x ".join(
             f"{axis} {size}" for axis, size in self.sizes().items())
+
+
+def snapshot_of(method: str, tp_size: int = 0, pp_size: int = 0, ep_size: int = 0) -> str:
+    """"ddp" (one file, global rank 0 writes it) where every rank holds the whole model: a
+    ddp, zero or dp flavour with no tp, pp or ep degree; else "fsdp" (DCP shards, every rank
+    writes its own). Needs no world size: config.py asks it before any group exists."""
+    flavour, on = SHORTHANDS.get(method, (method, ()))
+    whole = flavour in ("ddp", "zero", "dp") and not on and max(tp_size, pp_size, ep_size) <= 1
+    return "ddp" if whole else "fsdp"
 
 
 def resolve(method: str, world: int, tp_size: int = 0, pp_size: int = 0, cp_size: int = 0,
