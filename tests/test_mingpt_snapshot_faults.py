@@ -14,14 +14,23 @@ import hashlib
 import re
 import shutil
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import PYTHON, TORCHRUN, run
-from mingpt_helpers import copy_mingpt, load_ddp_snapshot, script_in_process, tiny
+from mingpt_helpers import (
+    copy_mingpt,
+    load_ddp_snapshot,
+    mingpt_imported,
+    script_in_process,
+    tiny,
+)
 from step_helpers import node_envs, peer_process
 
 # The issue's bound from the fault to the exit of every rank: the agreement is one
@@ -243,6 +252,57 @@ def test_async_write_failure_on_one_rank_is_agreed_before_any_commit_slowest(
     assert ended - struck < BOUND_S
     assert (snap / "latest").read_text() == "step_00000003"
     assert digests(snap / "step_00000003") == before
+
+
+@pytest.mark.timeout(600)
+def test_a_nan_loss_commits_the_good_asynchronous_save_in_flight(mingpt, tmp_path):
+    """lr 1e30: step 1 is finite and saved in the background, step 2's loss is inf. The run
+    stops in one line that names the last good snapshot: step 1's, committed, not dropped
+    in flight (it was: the message promised a snapshot that was never committed)."""
+    snap = tmp_path / "snapshot"
+    proc = run([TORCHRUN, "--standalone", "--nproc_per_node=2", "main.py", *tiny(
+        FSDP, "run_name=async_nan", "trainer_config.async_save=true", "trainer_config.max_steps=4",
+        f"trainer_config.snapshot_path={snap}", "optimizer_config.lr=1e30",
+        "trainer_config.save_every=1", "trainer_config.sample_tokens=0")],
+        cwd=mingpt, check=False, timeout=400)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert (proc.returncode != 0, errors) == (True, [
+        f"error: the loss became nan or inf at step 2: training stopped and saved nothing "
+        f"after it ({snap} keeps the last good snapshot, if any); lower optimizer_config.lr "
+        "or set trainer_config.grad_clip, then resume"]), proc.stderr[-3000:]
+    assert (snap / "latest").read_text() == "step_00000001"
+    assert (snap / "step_00000001/train_state.pt").is_file()
+
+
+def _one_rank_raises(rank: int, store: str, folder: str) -> None:
+    """Rank 1's part of a save raises what no storage raises (a bug): every rank must stop on
+    the same SaveError, not rank 1 alone while rank 0 waits in its next collective."""
+    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    with mingpt_imported() as m:
+        def part(url: str) -> None:
+            if rank == 1:
+                raise RuntimeError("a bug in a save")
+
+        try:
+            m["snapshot"].agreed_part(folder, part)
+            said = "no error"
+        except m["snapshot"].SaveError as e:
+            said = str(e)
+        dist.barrier()  # both ranks got here: neither waits for the other
+    Path(folder, f"rank{rank}.txt").write_text(said)
+    dist.destroy_process_group()
+
+
+def test_any_exception_in_a_save_is_agreed_by_every_rank(tmp_path):
+    """Only OSError and DCP's CheckpointException were agreed: any other exception left the
+    peers waiting (mp.start_processes raises if any rank fails or hangs past the timeout)."""
+    mp.start_processes(_one_rank_raises, args=(str(tmp_path / "store"), str(tmp_path)),
+                       nprocs=2, start_method="spawn")
+    said = [(tmp_path / f"rank{rank}.txt").read_text() for rank in range(2)]
+    assert said[0] == said[1]
+    assert re.fullmatch(rf"rank 1 on \S+: cannot save the snapshot to {tmp_path} \(a bug in a "
+                        r"save\); the previous snapshot, if any, is unchanged: .*", said[0]), said
 
 
 def test_async_save_of_a_one_file_snapshot_is_refused(mingpt_modules, mingpt):

@@ -344,8 +344,16 @@ class Trainer:
         # A progress bar on rank 0 only, and only on a terminal (log files get the log lines).
         self.bar = tqdm(total=cfg.max_steps, initial=self.step, disable=True if self.rank
                         else None, dynamic_ncols=True, leave=False)
-        while self.step < cfg.max_steps:
-            self._run_epoch()
+        try:
+            while self.step < cfg.max_steps:
+                self._run_epoch()
+        except NonFiniteLoss:
+            # Every rank stops here together (the check is a collective), and a save still in
+            # flight holds a step whose loss was checked finite: committed, as a blocking save
+            # of that step was, so the message's "last good snapshot" is that one.
+            with self.log.paused("snapshots"):
+                self.saver.finish()
+            raise
         with self.log.paused("snapshots"):  # an asynchronous save in flight: committed now
             self.saver.finish()
         self.bar.close()
