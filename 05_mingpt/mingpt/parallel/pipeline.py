@@ -58,14 +58,6 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleLoopedBFS,
-)
 from torch.distributed.tensor import DTensor
 
 from mingpt.errors import require
@@ -78,9 +70,11 @@ from mingpt.precision import DTYPES, autocast
 # s % pp. Left out: the V schedules (ScheduleZBVZeroBubble, ScheduleDualPipeV). They train
 # here, but their forward-only eval() fails in torch 2.14.1 ("can't steal_bwd_input if this
 # stage doesn't have backward"), and the trainer evaluates through the schedule.
-SINGLE = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-LOOPED = {"interleaved_1f1b": ScheduleInterleaved1F1B, "looped_bfs": ScheduleLoopedBFS,
-          "interleaved_zb": ScheduleInterleavedZeroBubble}
+# The classes by name: torch.distributed.pipelining is imported only by a run with pp (it
+# imports torch._dynamo, about half a second of every other run's start, on every rank).
+SINGLE = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+LOOPED = {"interleaved_1f1b": "ScheduleInterleaved1F1B", "looped_bfs": "ScheduleLoopedBFS",
+          "interleaved_zb": "ScheduleInterleavedZeroBubble"}
 SCHEDULES = {**SINGLE, **LOOPED}
 
 
@@ -189,7 +183,7 @@ class Pipeline:
     tied weight's sum) before clipping. Losses come back on every rank of the pipeline
     (broadcast from the last stage), so each rank logs and checks the same numbers."""
 
-    def __init__(self, stages: list[PipelineStage], schedule: str, microbatches: int,
+    def __init__(self, stages: list, schedule: str, microbatches: int,
                  mesh: DeviceMesh, last_rank: int, tied: torch.nn.Parameter | None,
                  tied_group: dist.ProcessGroup | None, tied_counted: bool,
                  params: list[torch.nn.Parameter], precision: str = "fp32") -> None:
@@ -210,7 +204,8 @@ class Pipeline:
         self.last_phase = "forward"
         for stage in stages:
             self._time(stage)
-        cls = SCHEDULES[schedule]
+        from torch.distributed import pipelining  # noqa: PLC0415 (runs with pp only: SINGLE)
+        cls = getattr(pipelining, SCHEDULES[schedule])
         # scale_grads=False: _loss divides by the micro-batches itself, as the trainer's
         # gradient accumulation does (loss / n), so the arithmetic is the same.
         self.schedule = (cls(stages[0], microbatches, loss_fn=self._loss, scale_grads=False)
@@ -244,7 +239,7 @@ class Pipeline:
         the tied embedding counted once."""
         return clip_grad_norm_(self.params, max_norm, self.group, self.not_counted)
 
-    def _time(self, stage: PipelineStage) -> None:
+    def _time(self, stage) -> None:  # noqa: ANN001 (a pipelining.PipelineStage)
         """Mark the step timer's forward and backward around each chunk the schedule runs.
 
         A schedule interleaves the forward and backward of its micro-batches and waits for
@@ -397,7 +392,8 @@ def schedule(model: nn.Module, stages: list[nn.Module], mesh: DeviceMesh, s: Set
     n_stages, pp = len(blocks), mesh["pp"].size()
     first, last = 0 in mine, n_stages - 1 in mine
     group = mesh["pp"].get_group()
-    pipeline_stages = [PipelineStage(stage, i, n_stages, device, group=group,
+    from torch.distributed import pipelining  # noqa: PLC0415 (runs with pp only: SINGLE)
+    pipeline_stages = [pipelining.PipelineStage(stage, i, n_stages, device, group=group,
                                      **_static_shapes(model.config, s, i, n_stages, group,
                                                       isinstance(stage, FSDPModule)))
                        for stage, i in zip(stages, mine, strict=True)]
