@@ -56,14 +56,17 @@ def data_parallel(model: nn.Module) -> tuple[int, int]:
 def pipeline_stage(model: nn.Module) -> int:
     """This rank's place along its pipeline (the mesh's pp dimension; 0 without one)."""
     mesh = getattr(unwrap(model), "mesh", None)
+    # Only the axes that are on are dimensions of the mesh (layout.py): no pp, no stage.
     if mesh is None or "pp" not in (mesh.mesh_dim_names or ()):
         return 0
+    # Stage s of a pipeline sits at pp rank s (looped schedules: its first stage).
     return mesh["pp"].get_local_rank()
 
 
 def mesh_sizes(model: nn.Module) -> dict[str, int]:
     """The mesh's dimensions by name ({} for a model parallelize() did not lay out)."""
     mesh = getattr(unwrap(model), "mesh", None)
+    # e.g. {"pp": 2, "dp": 2} for ddp with pp_size=2 on 4 ranks; {"dp": 4} for plain ddp.
     return dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True)) if mesh is not None else {}
 
 

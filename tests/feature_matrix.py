@@ -1,0 +1,223 @@
+"""The features a 05_mingpt run can combine, read from its config schema, and what each pair of
+them does on 4 ranks: taken by the config, or refused before any process group in one line.
+
+    python tests/feature_matrix.py          # print the grid tests/README.md holds
+
+Every key of trainer_config and gpt_config is a feature or a setting. A boolean key is a
+feature by itself (turned on: true); any other new key must be named below, in FEATURES with
+the overrides that turn it on, or in SETTINGS with why it is none: test_feature_matrix.py
+fails until it is. So a new key joins the grid the day it is added, and the grid in
+tests/README.md is this module's output (a test compares them), so it cannot drift.
+
+A cell says what the config does with the two features on together: "✔" where a warm world of
+gloo ranks trains them together, stops, resumes and ends bit for bit as a run that never
+stopped (test_feature_matrix.py, RUNNABLE); "≈" where it resumes to within rounding, not bit
+for bit (DDP's one-file layouts on more than 2 ranks: `bitwise` says why); "·" where the config
+takes the pair but no test runs the two together yet; "Rn" where it is refused, the one
+`error:` line (n: its number below the grid); "—" for two values of one key. The diagonal is
+the feature alone.
+"""
+import os
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import yaml
+from omegaconf import OmegaConf
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Features whose "on" is not `true`: the overrides that turn each one on, beside the
+# defaults of gpt2_train_cfg.yaml.
+FEATURES = {
+    "distributed_method": {"zero": ["trainer_config.distributed_method=zero"],
+                           "fsdp": ["trainer_config.distributed_method=fsdp"],
+                           "dp": ["trainer_config.distributed_method=dp"]},
+    "tp_size": {"tp_size": ["trainer_config.tp_size=2"]},
+    "pp_size": {"pp_size": ["trainer_config.pp_size=2"]},
+    "cp_size": {"cp_size": ["trainer_config.cp_size=2"]},
+    "ep_size": {"ep_size": ["trainer_config.ep_size=2"]},
+    "n_expert": {"experts": ["gpt_config.n_expert=4"]},
+    "precision": {"bf16": ["trainer_config.precision=bf16"],
+                  "fp16": ["trainer_config.precision=fp16"]},
+    "grad_accum_steps": {"grad_accum": ["trainer_config.grad_accum_steps=2"]},
+    "dropout": {"dropout": ["gpt_config.dropout=0.1"]},
+    "ft_replicas": {"ft_replicas": ["trainer_config.ft_replicas=2"]},
+    "profile_steps": {"profile": ["trainer_config.profile_steps=2"]},
+    "dry_run": {"dry_run": ["trainer_config.dry_run=4"]},
+    "init_from": {"init_from": ["gpt_config.init_from=gpt2"]},
+    "snapshot_path": {"s3": ["trainer_config.snapshot_path=s3://bucket/run/snapshot"]},
+}
+# What a feature needs besides itself, where the defaults lack it; in a pair, the other
+# feature's own overrides win over these (cpu_offload with zero is cpu_offload under zero).
+NEEDS = {
+    "ep_size": ["gpt_config.n_expert=4"],
+    "cpu_offload": ["trainer_config.distributed_method=fsdp"],
+    "async_save": ["trainer_config.distributed_method=fsdp"],
+}
+# Every verdict is a CPU machine's (CI's): dp and memory_snapshot need CUDA GPUs.
+BASE = ["trainer_config.device=cpu"]
+# Keys that are no feature to combine, and why.
+SETTINGS = {
+    "max_steps": "how long", "batch_size": "how much per step", "warmup_steps": "the schedule",
+    "min_lr_ratio": "the schedule", "grad_clip": "a bound every layout applies (runner)",
+    "log_every": "logging", "eval_every": "logging", "eval_batches": "logging",
+    "save_every": "when snapshots are written (every run saves)",
+    "keep_last": "how many snapshots stay", "seed": "the draws",
+    "data_loader_workers": "data loading", "sample_tokens": "the end-of-run sample",
+    "device": "chosen by the machine (a CPU here)",
+    "collective_timeout_s": "hang detection (test_mingpt_hang.py)",
+    "flight_recorder_entries": "hang detection (test_mingpt_hang.py)",
+    "ft_replica_group": "which group (with ft_replicas)",
+    "pp_schedule": "a pipeline's settings (test_mingpt_pipeline.py)",
+    "microbatches": "a pipeline's settings", "pp_stages_per_rank": "a pipeline's settings",
+    "pp_split": "a pipeline's settings", "model_type": "the model's size",
+    "n_layer": "the model's size", "n_head": "the model's size", "n_embd": "the model's size",
+    "block_size": "the model's size", "expert_top_k": "an experts' setting (with n_expert)",
+    "aux_loss_coef": "an experts' setting (with n_expert)",
+    "bias": "what GPT-2 can hold (export_hf.py's refusals)",
+}
+WORLD = 4  # torchrun's WORLD_SIZE for the checks that need one
+# The features a warm world of WORLD gloo ranks trains in this process's tests: each accepted
+# pair of them runs there, stops, resumes and ends bit for bit (test_feature_matrix.py). The
+# others are proven alone by their own files (ft_replicas, async_save, s3, init_from, ...)
+# or need what a CPU lacks (dp, memory_snapshot; fp16 and compile: slow on a CPU).
+RUNNABLE = ("grad_accum", "zero", "fsdp", "bf16", "activation_checkpointing", "tp_size",
+            "cp_size", "ep_size", "pp_size", "dropout", "experts", "cpu_offload")
+
+
+def schema_keys(config) -> dict[str, tuple[str, object]]:
+    """Every key of trainer_config and gpt_config (`config`: mingpt/config.py, imported): its
+    section and its type, from the config's own schema."""
+    keys = {f.name: ("trainer_config", f.type) for f in fields(config.TrainerConfig)}
+    keys.update({f.name: ("gpt_config", f.type) for f in fields(config.GPTConfig)
+                 if f.name in config.GPT_KEYS})
+    keys["init_from"] = ("gpt_config", str)
+    return keys
+
+
+def same_key(a: str, b: str) -> bool:
+    """Two values of one key (zero and fsdp, bf16 and fp16): no pair, the later would win."""
+    return a != b and any(a in values and b in values for values in FEATURES.values())
+
+
+def features(config) -> dict[str, list[str]]:
+    """Feature name -> the overrides that turn it on; ValueError for a key in neither list."""
+    out: dict[str, list[str]] = {}
+    for key, (section, kind) in schema_keys(config).items():
+        if key in FEATURES:
+            out.update(FEATURES[key])
+        elif key in SETTINGS:
+            continue
+        elif kind in (bool, "bool"):
+            out[key] = [f"{section}.{key}=true"]
+        else:
+            raise ValueError(f"{key} is a new config key: name it in tests/feature_matrix.py, in "
+                             "FEATURES (the overrides that turn it on) or SETTINGS (why it is "
+                             "no feature)")
+    return out
+
+
+def base_config(config, cache: dict = {}):  # noqa: B006 (a cache)
+    """main.py's config of BASE (config: mingpt/config.py, imported), composed once."""
+    if id(config) not in cache:
+        cache[id(config)] = config.load(BASE)
+    return cache[id(config)]
+
+
+def verdict(config, overrides: list[str]) -> str | None:
+    """None where main.py's config takes `overrides` on WORLD ranks, else its one line:
+    config.load's checks (validate) on its composition of BASE, done once, with the overrides
+    put in (test_mingpt_strategies.configure's way: hydra's composition is the slow part)."""
+    old = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(WORLD)
+    try:
+        cfg = base_config(config).copy()
+        for override in overrides:
+            key, value = override.split("=", 1)
+            OmegaConf.update(cfg, key, yaml.safe_load(value))
+        config.validate(cfg)
+        return None
+    except ValueError as e:
+        return str(e)
+    finally:
+        if old is None:
+            del os.environ["WORLD_SIZE"]
+        else:
+            os.environ["WORLD_SIZE"] = old
+
+
+def overrides(on: dict[str, list[str]], a: str, b: str) -> list[str]:
+    """The overrides of features a and b together: BASE, their needs, then their own (a
+    later value of a key wins: the features' own over the needs)."""
+    given: dict[str, str] = {}
+    for override in [*BASE, *NEEDS.get(a, []), *NEEDS.get(b, []), *on[a], *on[b]]:
+        key, _, value = override.partition("=")
+        given[key] = value
+    return [f"{key}={value}" for key, value in given.items()]
+
+
+def grid(config) -> tuple[list[str], dict[tuple[str, str], str | None]]:
+    """The features, and every pair's verdict (the pair with itself: the feature alone)."""
+    on = features(config)
+    names = list(on)
+    cells = {(a, b): verdict(config, overrides(on, a, b))
+             for i, a in enumerate(names) for b in names[i:] if not same_key(a, b)}
+    return names, cells
+
+
+def bitwise(config, a: str, b: str) -> bool:
+    """Whether features a and b resume bit for bit on WORLD ranks. Not where DDP averages the
+    gradients (the ddp and zero flavours with no tp, pp or ep degree: the one-file snapshot):
+    DDP's first step after any start all-reduces one bucket in the parameters' order, and
+    rebuilds its buckets in backward's order for the later steps, so a resumed run's first
+    step adds the ranks' gradients in another order than the uninterrupted run's same step
+    (gloo's ring: an element's order follows its place in the bucket; on 2 ranks a + b is
+    b + a, so only more ranks show it). Open: DDP offers no public way to start with the
+    rebuilt buckets."""
+    t = base_config(config).copy()
+    for override in overrides(features(config), a, b):
+        key, value = override.split("=", 1)
+        OmegaConf.update(t, key, yaml.safe_load(value))
+    t = t.trainer_config
+    return config.layout.snapshot_of(t.distributed_method, t.tp_size, t.pp_size,
+                                     t.ep_size) == "fsdp"
+
+
+def proven_pairs(config) -> list[tuple[str, str]]:
+    """The pairs of RUNNABLE features the config takes: what the warm world runs."""
+    names, cells = grid(config)
+    return [(a, b) for (a, b), line in cells.items()
+            if line is None and a in RUNNABLE and b in RUNNABLE]
+
+
+def markdown(config) -> str:
+    """The grid as tests/README.md shows it: a row per feature, the refusals numbered below."""
+    names, cells = grid(config)
+    reasons: list[str] = []
+    rows = ["| | " + " | ".join(f"`{n}`" for n in names) + " |",
+            "|---" * (len(names) + 1) + "|"]
+    for a in names:
+        row = []
+        for b in names:
+            if same_key(a, b):
+                row.append("—")
+                continue
+            line = cells.get((a, b), cells.get((b, a)))
+            if line is None:
+                row.append("·" if a not in RUNNABLE or b not in RUNNABLE else
+                           "✔" if bitwise(config, *sorted((a, b))) else "≈")
+                continue
+            if line not in reasons:
+                reasons.append(line)
+            row.append(f"R{reasons.index(line) + 1}")
+        rows.append(f"| `{a}` | " + " | ".join(row) + " |")
+    notes = [f"{i}. R{i}: `error: {line}`" for i, line in enumerate(reasons, 1)]
+    return "\n".join(rows + [""] + notes) + "\n"
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO / "05_mingpt"))
+    from mingpt import config
+
+    print(markdown(config), end="")

@@ -1,0 +1,139 @@
+"""Every pair of 05_mingpt's features runs together or is refused in one line
+(tests/feature_matrix.py builds the pairs from the config schema).
+
+- Every config key is a feature or a setting, so a new key joins the grid, and the grid in
+  tests/README.md is the matrix's own output.
+- Each pair of the features a CPU trains (feature_matrix.RUNNABLE) that the config takes runs
+  in ONE warm world of 4 spawned gloo processes (as test_mingpt_layouts.py's): 2 steps with a
+  snapshot after each, then the snapshot of step 1 resumed to step 2, which must end with the
+  uninterrupted run's weights, bit for bit (step 2's update reads AdamW's state and the
+  dropout streams the snapshot restored). A refused pair is refused by the
+  config, before any process group: one line, the grid's.
+"""
+import shutil
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import yaml
+from omegaconf import OmegaConf
+
+import feature_matrix
+from conftest import REPO
+from mingpt_helpers import mingpt_imported, snapshot_weights, tiny
+from test_mingpt_strategies import run
+
+WORLD = feature_matrix.WORLD
+README = REPO / "tests/README.md"
+BEGIN, END = "<!-- feature grid: begin -->", "<!-- feature grid: end -->"
+
+
+@pytest.fixture(scope="module")
+def config():
+    with mingpt_imported() as m:
+        yield m["config"]
+
+
+def test_every_config_key_is_a_feature_or_a_setting(config):
+    keys = feature_matrix.schema_keys(config)
+    on = feature_matrix.features(config)  # ValueError for a key in neither list
+    named = set(feature_matrix.FEATURES) | set(feature_matrix.SETTINGS)
+    assert named - set(keys) == set(), "names of keys the config no longer has"
+    assert set(feature_matrix.RUNNABLE) <= set(on)
+
+
+def test_the_readme_grid_is_the_matrix(config):
+    """tests/README.md shows what the matrix computes now (`python tests/feature_matrix.py`
+    prints it): a refusal added or lifted, or a new feature, changes the grid."""
+    text = README.read_text()
+    shown = text[text.index(BEGIN) + len(BEGIN):text.index(END)].strip()
+    assert shown == feature_matrix.markdown(config).strip(), \
+        "tests/README.md's grid is stale: paste `python tests/feature_matrix.py`'s output"
+
+
+def case_overrides(config, pair: tuple[str, str], run_dir: Path, text: Path) -> list[str]:
+    """One pair's run: its features on (feature_matrix.overrides), a tiny model, 2 steps with
+    a snapshot after each (the one before stays: keep_last 2)."""
+    on = feature_matrix.features(config)
+    # Every key any feature sets, at its default unless this pair sets it: the runs share one
+    # composition (test_mingpt_strategies.configure), which keeps what a key was last set to.
+    keys = {arg.split("=", 1)[0] for args in [*on.values(), *feature_matrix.NEEDS.values()]
+            for arg in args}
+    cfg = feature_matrix.base_config(config)
+    given = {key: yaml.safe_dump(OmegaConf.select(cfg, key)).split("\n")[0] for key in keys}
+    given["gpt_config.dropout"] = "0.0"  # TINY's is 0.1, which cp refuses
+    del given["trainer_config.snapshot_path"]  # the run's own, below
+    given |= dict(arg.split("=", 1) for arg in feature_matrix.overrides(on, *pair))
+    args = [f"{key}={value}" for key, value in given.items()]
+    return tiny(*args, f"run_dir={run_dir}", f"data_config.path={text}",
+                f"trainer_config.snapshot_path={run_dir}/snapshot", "trainer_config.max_steps=2",
+                "trainer_config.save_every=1", "trainer_config.keep_last=2",
+                "trainer_config.log_every=1", "trainer_config.eval_batches=2",
+                "trainer_config.sample_tokens=0", "trainer_config.microbatches=2")
+
+
+def step_one(whole: Path, resumed: Path) -> None:
+    """A copy of run `whole`'s snapshot as it stood after step 1 (rank 0 only)."""
+    source = whole / "snapshot"
+    if source.is_file():  # one file: step 1's is the previous one, snapshot.1
+        resumed.mkdir(parents=True)
+        shutil.copy(whole / "snapshot.1", resumed / "snapshot")
+        return
+    shutil.copytree(source, resumed / "snapshot", ignore=shutil.ignore_patterns("step_00000002"))
+    (resumed / "snapshot/latest").write_text("step_00000001")
+
+
+def _worker(rank: int, store: str, out: str, text: str, pairs: list) -> None:
+    torch.set_num_threads(1)  # four processes share the cores
+    dist.init_process_group("gloo", store=dist.FileStore(store, WORLD), rank=rank,
+                            world_size=WORLD, timeout=timedelta(seconds=120))
+    out_dir, text = Path(out), Path(text)
+    with mingpt_imported("main") as m:
+        for pair in map(tuple, pairs):
+            case = out_dir / "+".join(pair)
+            run(m, case_overrides(m["config"], pair, case / "whole", text))
+            if rank == 0:
+                step_one(case / "whole", case / "resumed")
+            dist.barrier()
+            log = run(m, case_overrides(m["config"], pair, case / "resumed", text))[0]
+            if rank == 0:
+                (case / "resumed.log").write_text(log)
+    m["distributed"].release()  # every reference dropped first: gloo's threads are joined
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, config):
+    """Every runnable pair, trained in one world; out/<a+b>/{whole,resumed}/snapshot."""
+    out = tmp_path_factory.mktemp("matrix")
+    text = out / "input.txt"  # 40,000 characters of the usual text: fast to read, same vocab
+    text.write_text((REPO / "05_mingpt/data/input.txt").read_text()[:40_000])
+    pairs = feature_matrix.proven_pairs(config)
+    mp.start_processes(_worker, args=(str(out / "store"), str(out), str(text), pairs),
+                       nprocs=WORLD, start_method="spawn")  # any failure, an abort too, raises
+    return out, pairs
+
+
+# Where a pair resumes to within rounding only (feature_matrix.bitwise: DDP's first step
+# after a start sums in another order): a step moves a weight by about lr = 3e-3 (AdamW's
+# update is about lr per entry at these steps), so restoring a wrong state (moments, step,
+# schedule, data position, dropout streams) moves weights by O(1e-3); summing 4 gradients in
+# another order moves a weight by a few of its ulps (|w| < 1: ulp <= 1.2e-7). 1e-6 lies
+# between. (Measured on the pairs that differ: at most 2.7e-8.)
+ROUNDING = 1e-6
+
+
+def test_every_runnable_pair_resumes_bit_for_bit(world, config):
+    out, pairs = world
+    apart = {}
+    for pair in pairs:
+        case = out / "+".join(pair)
+        assert "resumed from" in (case / "resumed.log").read_text(), pair
+        whole, resumed = (snapshot_weights(case / kind) for kind in ("whole", "resumed"))
+        worst = max((whole[k] - resumed[k]).abs().max().item() for k in whole)
+        exact = feature_matrix.bitwise(config, *pair)
+        if worst > (0.0 if exact else ROUNDING):
+            apart["+".join(pair)] = worst
+    assert apart == {}
