@@ -167,8 +167,12 @@ def test_pairs_that_cannot_work_are_refused_in_one_line(m, args, message):
     assert_refused(m["config"], args, message)
 
 
-def test_fsdp_tp_takes_fp16(m):
-    m["config"].load(["trainer_config.distributed_method=fsdp_tp", "trainer_config.precision=fp16"])
+def test_the_config_takes_fsdp_tp_with_fp16(m):
+    """Only the config: FSDP's GradScaler unscales sharded and plain gradients alike, so
+    fsdp_tp keeps fp16, which ddp with tp_size refuses (tensor.check_config)."""
+    t = m["config"].load(["trainer_config.distributed_method=fsdp_tp",
+                          "trainer_config.precision=fp16"]).trainer_config
+    assert (t.distributed_method, t.precision) == ("fsdp_tp", "fp16")
 
 
 def test_a_replica_thread_computes_in_the_callers_autocast_dtype(m):

@@ -122,10 +122,21 @@ def test_a_killed_group_rejoins_without_a_restart_and_all_end_with_the_same_weig
     # group's second launch (imports, a quorum) joins it.
     args = ("trainer_config.max_steps=60",)
     slow = {"FAULT_SLOW_STEP_MS": "500"}
+    # Both groups' first quorum together: once both wait at the gate (their Managers exist,
+    # heartbeating), the test opens it. (Without it, under load the second group to start
+    # found the first training alone and copied its state at step 5 or later.)
+    gate = tmp_path / "both_started"
     with Lighthouse(tmp_path, min_replicas=1) as lighthouse:
-        survivor = group(mingpt, lighthouse, 0, *args, **slow)
+        survivor = group(mingpt, lighthouse, 0, *args, **slow, FAULT_HOLD_QUORUM=str(gate))
         killed = group(mingpt, lighthouse, 1, *args, **slow, log="ft1_killed",
-                       FAULT_AT_STEP="5")
+                       FAULT_AT_STEP="5", FAULT_HOLD_QUORUM=str(gate))
+        deadline = time.monotonic() + 300
+        while not all("FAULT_HOLD_QUORUM: waiting" in p.log.read_text()
+                      for p in (survivor, killed)):
+            assert time.monotonic() < deadline and survivor.poll() is killed.poll() is None, \
+                (survivor.log.read_text()[-2000:], killed.log.read_text()[-2000:])
+            time.sleep(0.2)
+        gate.touch()
         # Started again as soon as its worker is dead (its torchrun takes a while to exit).
         deadline = time.monotonic() + 300
         while "FAULT_AT_STEP=5: killing this worker" not in killed.log.read_text():
@@ -139,9 +150,9 @@ def test_a_killed_group_rejoins_without_a_restart_and_all_end_with_the_same_weig
     assert killed.returncode != 0  # its torchrun: the worker died, no restart asked for
     assert again.returncode == 0, second[-4000:]
     assert survivor.returncode == 0, kept[-4000:]
-    # The survivor took no peer's state after the kill (at the start it may have: the first
-    # group to ask takes step 0 alone, the other copies it), and trained to the end.
-    assert all(int(s) < 5 for s in re.findall(r"joined at step (\d+)", kept)), kept[-3000:]
+    # The survivor took no peer's state (both started together, at step 0), and trained to
+    # the end.
+    assert re.findall(r"joined at step (\d+)", kept) == [], kept[-3000:]
     assert "step 60/60" in kept, kept[-3000:]
     joined = [int(s) for s in re.findall(r"joined at step (\d+): weights, AdamW and position "
                                          r"from a peer", second)]

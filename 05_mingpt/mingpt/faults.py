@@ -59,6 +59,17 @@ def inject_fault(step: int, during_save: bool = False) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def hold(variable: str) -> None:
+    """FAULT_HOLD_QUORUM=PATH (the variable named): wait here until the file PATH exists, so a
+    test can start several replica groups' first quorum together (parallel/ft.py): torchft's
+    lighthouse gives the first group that asks a quorum of its own. A gate, not a delay."""
+    path = os.environ.get(variable)
+    if path:
+        print(f"[rank {dist.get_rank()}] {variable}: waiting for {path}", flush=True)
+        while not os.path.exists(path):
+            time.sleep(0.05)
+
+
 def skip_gradient_sync(model: torch.nn.Module, current_step: Callable[[], int]) -> None:
     """FAULT_SKIP_AT_STEP=N: the last rank leaves out the gradient all-reduce of step N and goes
     on, as code that calls a collective on some ranks only does (`if rank != 0: all_reduce`).

@@ -41,6 +41,7 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from mingpt import faults
 from mingpt.parallel.wrappers import data_parallel, unwrap
 from mingpt.trainer import DeviceHooks
 
@@ -201,6 +202,7 @@ class Replicas:
         # zero_grad ends step `trainer.step`; the next one runs if it is below max_steps.
         self.optimizer.next_step_runs = lambda: trainer.step + 1 < trainer.cfg.max_steps
         if trainer.step < trainer.cfg.max_steps:
+            faults.hold("FAULT_HOLD_QUORUM")  # tests only: the groups' first quorum together
             self.manager.start_quorum()
 
     def shutdown(self) -> None:
