@@ -58,58 +58,51 @@ def pytest_configure(config: pytest.Config) -> None:
                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-# Test files by the seconds of test time they took in a full run on 2 cores (measured; the
-# rest take about a second or less): handed out longest first, each file whole to one worker
+# Each test file's budget: seconds of test time (its tests' setup, call and teardown, summed),
+# about 1.25 x what it took in a full run on the 2-core Xeon (tests/README.md: How long), and
+# the order the files are handed out in, longest first, each file whole to one worker
 # (pytest-xdist --dist loadfile --no-loadscope-reorder, pyproject.toml; xdist's own order is by
 # number of tests, and put two 20-second files last on one worker while the other idled for
-# 40 s). The Slurm tests come late enough for the background install to have finished.
-SLOW_FILES = (
-    # 80 (at a load average of 3 to 5), plus building .venv-xla where it is missing (README)
-    "test_xla.py",
-    # 341, measured in two parts on a busy machine (load 4 to 10 on 2 cores): 117 s for five
-    # 2-rank launches, two of them waiting out the collective timeout, and 224 s for the four
-    # stalls on a mesh axis (three 2-rank jobs, one of 8 processes), each waiting 10 s
-    "test_mingpt_hang.py",
-    # 255 alone on a busy machine (load ~10; 116 s of CPU): three 2-rank launches to train,
-    # three from their exports
-    "test_mingpt_export.py",
-    "test_mingpt_train.py",  # 82
-    "test_mingpt_layouts.py",  # 150 at a load of 5 (ten 4-rank runs); fewer runs since
-    # 143 at a load average of 4 to 8: five torchrun jobs, each killed once and restarted
-    "test_restarts.py",
-    "test_mingpt_context.py",  # 60: eleven 2- and 4-rank launches
-    # 146 alone, 222 to 420 at a load average of 4 to 10: a lighthouse and five 1-process
-    # torchrun jobs, 60 slow (500 ms) steps while one group is killed and started again
-    "test_mingpt_torchft.py",
-    # 85 with pip's cache cold, 24 warm, 1 once its venv exists (aws-parallelcluster's schema)
-    "test_cluster.py",
-    # 75, plus 97 for pitfalls.ipynb (alone, at a load average of 10), 263 since its section 9
-    # plans GPT-2 XL with the dry run (at a load average of 8)
-    "test_notebooks.py",
-    "test_steps.py",  # 70
-    "test_teardown.py",  # 48
-    "test_mingpt_pretrained.py",  # 41
-    "test_crash_storm.py",  # 40
-    "test_mingpt_pipeline.py",  # 155 on a loaded machine; its 8-process mesh alone ~80
-    "test_mingpt_strategies.py",  # 34
-    # 21 to 35 at a load average of 8 to 11: four processes importing torch, then writing
-    "test_error_lines.py",
-    "test_mingpt_s3.py",  # 31
-    # 262 at a load average of 7: eleven 2-rank runs (rank 0 in the test process), plus two
-    # torchrun launches with DCP's staging processes
-    "test_mingpt_snapshot_faults.py",
-    "test_mingpt_bench.py",  # 22
-    "test_torchrun_logs.py",  # 25: docs/LOGS.md's launch, at 3 processes, with a kill and a restart
-    "test_vscode.py",  # 25: torchrun under debugpy, attached as VS Code attaches
-    "test_elastic.py",  # 20
-    "test_slurm.py",  # 29, most of it waiting for the daemons and the job
-    "test_mingpt_parallel.py",  # 15
-    "test_mingpt_image.py",  # 15
-    "test_bad_input.py",  # 14
-    "test_mingpt_errors.py",  # 12
-    "test_mingpt_memory.py",  # 9
-    "test_mingpt_model.py",  # 6
-)
+# 40 s). test_xla.py leads: its first run builds .venv-xla besides (README). The Slurm tests
+# come late enough for the background install to have finished. The end of every run prints
+# each file's time beside its budget (pytest_terminal_summary): a report, not a failure.
+BUDGETS = {
+    "test_xla.py": 160,
+    "test_mingpt_dry_run.py": 270,
+    "test_mingpt_hang.py": 240,
+    "test_mingpt_torchft.py": 230,
+    "test_feature_matrix.py": 200,
+    "test_notebooks.py": 200,
+    "test_mingpt_train.py": 190,
+    "test_mingpt_snapshot_faults.py": 180,
+    "test_mingpt_context.py": 160,
+    "test_mingpt_memory.py": 160,
+    "test_mingpt_export.py": 130,
+    "test_mingpt_experts.py": 120,
+    "test_restarts.py": 110,
+    "test_mingpt_pipeline.py": 110,
+    "test_steps.py": 100,
+    "test_mingpt_layouts.py": 100,
+    "test_crash_storm.py": 85,
+    "test_mingpt_strategies.py": 85,
+    "test_cluster.py": 80,  # 85 with pip's cache cold, 1 once its venv exists
+    "test_mingpt_pretrained.py": 75,
+    "test_mingpt_bench.py": 70,
+    "test_mingpt_s3.py": 60,
+    "test_teardown.py": 60,
+    "test_vscode.py": 40,
+    "test_mingpt_image.py": 35,
+    "test_elastic.py": 30,
+    "test_mingpt_snapshot_memory.py": 30,
+    "test_slurm.py": 30,  # most of it waiting for the daemons and the job
+    "test_mingpt_errors.py": 25,
+    "test_torchrun_logs.py": 25,
+    "test_bad_input.py": 25,
+    "test_mingpt_strategy_mix.py": 20,
+}
+DEFAULT_BUDGET = 10  # every other file
+# The whole suite's aim: 10 minutes on 2 cores, so about 1,200 s of test time in all.
+AIM_S = 1200
 
 
 # Test files that break things on purpose (bad input, kills, lost nodes, faults, teardown
@@ -135,7 +128,7 @@ ROBUSTNESS_FILES = (
 # tryfirst: the marker must be on the items before pytest's own hook deselects by `-m`.
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Longest files first (SLOW_FILES), the rest as collected; each file's tests in order.
+    """Longest files first (BUDGETS), the rest as collected; each file's tests in order.
     Every test of a file in ROBUSTNESS_FILES is marked `robustness`, and so is every test
     named *_slowest elsewhere (kill-and-resume runs, a minute of launches each): the usage
     run stays short, and the full run (CI's) still has them."""
@@ -145,9 +138,30 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
     def rank(item: pytest.Item) -> int:
         name = item.path.name
-        return SLOW_FILES.index(name) if name in SLOW_FILES else len(SLOW_FILES)
+        return list(BUDGETS).index(name) if name in BUDGETS else len(BUDGETS)
 
     items.sort(key=rank)  # stable: the order within each file and among the rest is kept
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """Each file's test time (setup, call and teardown of its tests, summed; under xdist the
+    files overlap in wall time) beside its budget (BUDGETS), longest first: growth shows the
+    day it happens, as a report, not as a test that fails on a loaded machine."""
+    seconds: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if isinstance(report, pytest.TestReport):
+                name = Path(report.nodeid.split("::")[0]).name
+                seconds[name] = seconds.get(name, 0.0) + report.duration
+    if not seconds:
+        return
+    terminalreporter.section("time per test file (budget: tests/conftest.py BUDGETS)")
+    for name, spent in sorted(seconds.items(), key=lambda item: -item[1]):
+        budget = BUDGETS.get(name, DEFAULT_BUDGET)
+        over = "  OVER" if spent > budget else ""
+        terminalreporter.write_line(f"{spent:7.1f} s  (budget {budget:4d} s)  {name}{over}")
+    terminalreporter.write_line(f"{sum(seconds.values()):7.1f} s in all, over {len(seconds)} "
+                                f"files (the aim: {AIM_S} s, 10 minutes on 2 workers)")
 
 
 def child_env(**extra: str) -> dict[str, str]:
