@@ -5,7 +5,8 @@ not fit in one line.
 
 Two spawned gloo processes train every schedule in-process through main.load_train_objs and
 the Trainer, as main.py does; the one-process reference trains in this process (a one-rank
-gloo group). The 2-D and 3-D meshes: tests/pipeline_mesh_worker.py.
+gloo group). The 2-D mesh: tests/pipeline_mesh_worker.py (the 3-D one is
+test_mingpt_layouts.py's).
 """
 import contextlib
 import io
@@ -341,10 +342,12 @@ def test_split_and_mesh_layout():
 
 # --- 2-D and 3-D: pipelines with FSDP across them, and TP inside each stage -----------------
 
-@pytest.mark.parametrize("method, world", [("fsdp_pp", 4), ("fsdp_tp_pp", 8)])
+# fsdp_tp_pp on (pp 2, dp 2, tp 2) is test_mingpt_layouts.py's 8-rank world's (fsdp_pp2_tp2,
+# against ddp over the 8): one 8-process launch, not two.
+@pytest.mark.parametrize("method, world", [("fsdp_pp", 4)])
 def test_meshes_follow_ddps_trajectory(tmp_path, method, world):
-    """fsdp_pp on a (pp 2, dp 2) mesh and fsdp_tp_pp on (pp 2, dp 2, tp 2) take the steps one
-    process takes on the whole batches (what DDP computes), up to the order of their sums:
+    """fsdp_pp on a (pp 2, dp 2) mesh takes the steps one process takes on the whole batches
+    (what DDP computes), up to the order of their sums:
     FSDP's reduce-scatter over dp, TP's sharded matmuls, the tied embedding's two halves, the
     clip norm summed over the stages. The bounds are test_mingpt_strategies.py's: a logged
     loss within one unit of its 4th decimal, every weight within 1% of the most AdamW can
