@@ -7,7 +7,9 @@ two groups, each its own torchrun job, joined by torchft's lighthouse.
   restart; the killed one, started again, joins, receives the weights, AdamW's state and the
   trainer's position from its peer, and both end with the same weights and AdamW state, bit
   for bit (every step after the join applies the same averaged gradient to the same state).
-- Bad values of the two keys: one line each.
+- One group of two fsdp processes restarted by torchrun resumes its own snapshot and ends as
+  the run never killed, bit for bit.
+- Bad values of the keys, and zero and fp16 with groups: one line each.
 """
 import re
 import signal
