@@ -92,7 +92,12 @@ def saved_activations(model: torch.nn.Module):
     (Linear layers save their weight: model state, not activations), each storage's bytes
     given back when its last saved tensor is, so "peak" is the most held at once (a pipeline
     keeps several micro-batches in flight). The dry run counts its step with it too."""
-    params = {storage_key(p) for p in model.parameters()}
+    # The parameters' storages, held: a key is an address, and a storage freed while counting
+    # (FSDP's lazy init, at the first forward, re-pads an uneven shard into a new one) could
+    # hand its address to an activation's storage, which would then be taken for a parameter
+    # and not counted (the dry run's counts fell 2 KiB short on some runs).
+    params = {storage_key(p): (p.to_local() if hasattr(p, "to_local") else p).untyped_storage()
+              for p in model.parameters()}
     live: dict[int, list[int]] = {}  # storage -> [bytes, saved tensors alive]
     out = {"total": 0, "peak": 0, "now": 0}
 
