@@ -67,7 +67,7 @@ def pytest_configure(config: pytest.Config) -> None:
 # come late enough for the background install to have finished. The end of every run prints
 # each file's time beside its budget (pytest_terminal_summary): a report, not a failure.
 BUDGETS = {
-    "test_xla.py": 160,
+    "test_xla.py": 220,
     "test_mingpt_dry_run.py": 270,
     "test_mingpt_hang.py": 240,
     "test_mingpt_torchft.py": 230,
@@ -76,7 +76,7 @@ BUDGETS = {
     "test_mingpt_train.py": 190,
     "test_mingpt_snapshot_faults.py": 180,
     "test_mingpt_context.py": 160,
-    "test_mingpt_memory.py": 160,
+    "test_mingpt_memory.py": 190,
     "test_mingpt_export.py": 130,
     "test_mingpt_experts.py": 120,
     "test_restarts.py": 110,
@@ -93,7 +93,7 @@ BUDGETS = {
     "test_vscode.py": 40,
     "test_mingpt_image.py": 35,
     "test_elastic.py": 30,
-    "test_mingpt_snapshot_memory.py": 30,
+    "test_mingpt_snapshot_memory.py": 40,
     "test_slurm.py": 30,  # most of it waiting for the daemons and the job
     "test_mingpt_errors.py": 25,
     "test_torchrun_logs.py": 25,
