@@ -70,7 +70,7 @@ BUDGETS = {
     "test_xla.py": 220,
     "test_mingpt_dry_run.py": 270,
     "test_mingpt_hang.py": 240,
-    "test_mingpt_torchft.py": 230,
+    "test_mingpt_torchft.py": 120,
     "test_feature_matrix.py": 200,
     "test_notebooks.py": 200,
     "test_mingpt_train.py": 190,

@@ -7,6 +7,7 @@ two groups, each its own torchrun job, joined by torchft's lighthouse.
   restart; the killed one, started again, joins, receives the weights, AdamW's state and the
   trainer's position from its peer, and both end with the same weights and AdamW state, bit
   for bit (every step after the join applies the same averaged gradient to the same state).
+  Gates order the groups (FAULT_HOLD_QUORUM), not delays.
 - One group of two fsdp processes restarted by torchrun resumes its own snapshot and ends as
   the run never killed, bit for bit.
 - Bad values of the keys, and zero and fp16 with groups: one line each.
@@ -41,7 +42,8 @@ class Lighthouse:
 
     def __init__(self, tmp: Path, min_replicas: int) -> None:
         self.port = free_port()
-        self.log = open(tmp / f"lighthouse{self.port}.log", "w")  # noqa: SIM115 (closed in __exit__)
+        self.path = tmp / f"lighthouse{self.port}.log"
+        self.log = open(self.path, "w")  # noqa: SIM115 (closed in __exit__)
         # join_timeout: how long a quorum waits for a group that heartbeats but has not asked
         self.proc = subprocess.Popen(
             [LIGHTHOUSE, "--min_replicas", str(min_replicas), "--join_timeout_ms", "1000",
@@ -117,51 +119,63 @@ def test_two_groups_train_as_ddp_over_two_processes_bit_for_bit(tmp_path):
         outs[0][-3000:]
 
 
+def wait_for(line: str, *procs: subprocess.Popen, timeout: float = 300) -> None:
+    """Until every one of `procs` has printed `line` (each still running)."""
+    deadline = time.monotonic() + timeout
+    while not all(line in p.log.read_text() for p in procs):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+            [p.log.read_text()[-2000:] for p in procs]
+        time.sleep(0.2)  # polling the logs: what ends the wait is their line, not the time
+
+
 def test_a_killed_group_rejoins_without_a_restart_and_all_end_with_the_same_weights(
         tmp_path):
+    """Gates, not delays (faults.hold_quorum): both groups' first quorum waits until both
+    wait there, so they start together at step 0 (without it, under load the second group to
+    start found the first training alone and copied its state). The killed group dies before
+    step 5; the survivor steps on alone to step 30's quorum and waits there until the group
+    started again has asked the lighthouse for its first: they meet there, and it joins at
+    step 30."""
     mingpt = copy_mingpt(tmp_path)
-    # 500 ms a step: the survivor still runs (steps 5..60, 25 s or more) when the killed
-    # group's second launch (imports, a quorum) joins it.
-    args = ("trainer_config.max_steps=60",)
-    slow = {"FAULT_SLOW_STEP_MS": "500"}
-    # Both groups' first quorum together: once both wait at the gate (their Managers exist,
-    # heartbeating), the test opens it. (Without it, under load the second group to start
-    # found the first training alone and copied its state at step 5 or later.)
-    gate = tmp_path / "both_started"
+    args = ("trainer_config.max_steps=40",)
+    start, meet = tmp_path / "start", tmp_path / "meet"
     with Lighthouse(tmp_path, min_replicas=1) as lighthouse:
-        survivor = group(mingpt, lighthouse, 0, *args, **slow, FAULT_HOLD_QUORUM=str(gate))
-        killed = group(mingpt, lighthouse, 1, *args, **slow, log="ft1_killed",
-                       FAULT_AT_STEP="5", FAULT_HOLD_QUORUM=str(gate))
+        survivor = group(mingpt, lighthouse, 0, *args,
+                         FAULT_HOLD_QUORUM=f"0:{start},30:{meet}")
+        killed = group(mingpt, lighthouse, 1, *args, log="ft1_killed", FAULT_AT_STEP="5",
+                       FAULT_HOLD_QUORUM=f"0:{start}")
+        wait_for("FAULT_HOLD_QUORUM: step 0 waits", survivor, killed)
+        start.touch()
+        wait_for("FAULT_AT_STEP=5: killing this worker", killed)
+        # Started once the survivor waits at step 30: the lighthouse forms no quorum of fewer
+        # than half the groups that heartbeat, so a third heartbeat (the new group's, while the
+        # dead one's has not yet timed out) would hold the survivor's steps alone up.
+        wait_for("FAULT_HOLD_QUORUM: step 30 waits", survivor)
+        asked = lighthouse.path.read_text().count("Received quorum request for replica mingpt_1")
+        again = group(mingpt, lighthouse, 1, *args)  # no fault
+        # The lighthouse holds its request (one group of the two alive is not a quorum) until
+        # the survivor's comes: then the two form step 30's quorum together. (Released before
+        # the new group asked, the survivor formed quorums alone again for a step or two.)
         deadline = time.monotonic() + 300
-        while not all("FAULT_HOLD_QUORUM: waiting" in p.log.read_text()
-                      for p in (survivor, killed)):
-            assert time.monotonic() < deadline and survivor.poll() is killed.poll() is None, \
-                (survivor.log.read_text()[-2000:], killed.log.read_text()[-2000:])
+        while lighthouse.path.read_text().count(
+                "Received quorum request for replica mingpt_1") == asked:
+            assert time.monotonic() < deadline and again.poll() is None, \
+                again.log.read_text()[-3000:]
             time.sleep(0.2)
-        gate.touch()
-        # Started again as soon as its worker is dead (its torchrun takes a while to exit).
-        deadline = time.monotonic() + 300
-        while "FAULT_AT_STEP=5: killing this worker" not in killed.log.read_text():
-            assert time.monotonic() < deadline and killed.poll() is None, \
-                killed.log.read_text()[-3000:]
-            time.sleep(0.2)
-        again = group(mingpt, lighthouse, 1, *args, **slow)  # no fault this time
-        assert survivor.poll() is None, "the survivor stopped with the killed group"
+        meet.touch()
         second, kept = finish(again), finish(survivor)
         finish(killed)
     assert killed.returncode != 0  # its torchrun: the worker died, no restart asked for
     assert again.returncode == 0, second[-4000:]
     assert survivor.returncode == 0, kept[-4000:]
-    # The survivor took no peer's state (both started together, at step 0), and trained to
-    # the end.
+    # The survivor took no peer's state (both started together, at step 0) and trained to the
+    # end; the group started again took the survivor's at step 30, past the kill.
     assert re.findall(r"joined at step (\d+)", kept) == [], kept[-3000:]
-    assert "step 60/60" in kept, kept[-3000:]
-    joined = [int(s) for s in re.findall(r"joined at step (\d+): weights, AdamW and position "
-                                         r"from a peer", second)]
-    # The step it joined at: past the kill, so the survivor stepped alone in between.
-    assert len(joined) == 1 and 5 < joined[0] < 60, second[-4000:]
+    assert "step 40/40" in kept, kept[-3000:]
+    assert re.findall(r"joined at step (\d+): weights, AdamW and position from a peer",
+                      second) == ["30"], second[-4000:]
     ft0, ft1 = snapshot(mingpt, "ft0"), snapshot(mingpt, "ft1")
-    assert (ft0["step"], ft1["step"]) == (60, 60)
+    assert (ft0["step"], ft1["step"]) == (40, 40)
     assert same(ft0, ft1) == []
     assert ft0["scheduler"] == ft1["scheduler"]  # the same lr schedule, step for step
 

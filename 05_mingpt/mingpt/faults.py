@@ -44,10 +44,6 @@ def inject_fault(step: int, during_save: bool = False) -> None:
               flush=True)
         while True:  # sleep, not a busy loop: a stalled rank costs the machine nothing
             time.sleep(1)
-    if not during_save and os.environ.get("FAULT_SLOW_STEP_MS"):
-        # FAULT_SLOW_STEP_MS=N: every step of every rank starts N ms late, a slow job (replica
-        # groups, FAULT_TOLERANCE.md: the survivors still run when the killed group is back).
-        time.sleep(int(os.environ["FAULT_SLOW_STEP_MS"]) / 1000)
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     if first_attempt and dist.get_rank() == rank and os.environ.get(variable) == str(step):
         # flush: SIGKILL gives Python no chance to empty its buffers, the line would be lost.
@@ -59,15 +55,18 @@ def inject_fault(step: int, during_save: bool = False) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def hold(variable: str) -> None:
-    """FAULT_HOLD_QUORUM=PATH (the variable named): wait here until the file PATH exists, so a
-    test can start several replica groups' first quorum together (parallel/ft.py): torchft's
-    lighthouse gives the first group that asks a quorum of its own. A gate, not a delay."""
-    path = os.environ.get(variable)
-    if path:
-        print(f"[rank {dist.get_rank()}] {variable}: waiting for {path}", flush=True)
-        while not os.path.exists(path):
-            time.sleep(0.05)
+def hold_quorum(step: int) -> None:
+    """FAULT_HOLD_QUORUM=STEP:PATH[,STEP:PATH...]: a replica group (parallel/ft.py) waits
+    before the quorum of step STEP until the file PATH exists. A gate, not a delay: a test
+    starts several groups' first quorum together (torchft's lighthouse gives the first group
+    that asks a quorum of its own), or holds a survivor until a restarted group is there."""
+    for gate in filter(None, os.environ.get("FAULT_HOLD_QUORUM", "").split(",")):
+        at, _, path = gate.partition(":")
+        if int(at) == step:
+            print(f"[rank {dist.get_rank()}] FAULT_HOLD_QUORUM: step {step} waits for {path}",
+                  flush=True)
+            while not os.path.exists(path):
+                time.sleep(0.05)
 
 
 def skip_gradient_sync(model: torch.nn.Module, current_step: Callable[[], int]) -> None:

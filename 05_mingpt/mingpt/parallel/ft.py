@@ -33,6 +33,7 @@ What differs from one job of the same size:
 - Each group writes its own snapshots (give each a run_name of its own); evaluation runs
   over each group's share of the validation rows.
 """
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -90,7 +91,8 @@ class Optimizer(torch.optim.Optimizer):
         # No Optimizer.__init__: param_groups and state are the inner optimizer's (below),
         # which GradScaler, the lr scheduler and snapshots read and change.
         self.manager, self.inner = manager, inner
-        self.next_step_runs = lambda: True  # Replicas.start: whether a step follows
+        # Replicas.start: the step the next quorum is for, None where no step follows.
+        self.next_step: Callable[[], int | None] = lambda: None
 
     @property
     def param_groups(self) -> list[dict]:
@@ -112,8 +114,14 @@ class Optimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none)
-        if self.next_step_runs():  # the trainer has not counted this step yet
-            self.manager.start_quorum()
+        step = self.next_step()  # the trainer has not counted this step yet
+        if step is not None:
+            self.start_quorum(step)
+
+    def start_quorum(self, step: int) -> None:
+        """The quorum of `step`, started in the background (the step's all-reduce waits)."""
+        faults.hold_quorum(step)  # FAULT_HOLD_QUORUM only: a test's gate
+        self.manager.start_quorum()
 
     def step(self, closure=None) -> None:
         # Every local gradient in one flat buffer, one all-reduce: the mean over the groups of
@@ -200,10 +208,10 @@ class Replicas:
         self.trainer = trainer
         self.manager.register_state_dict_fn("trainer", self._load_trainer, self._trainer_state)
         # zero_grad ends step `trainer.step`; the next one runs if it is below max_steps.
-        self.optimizer.next_step_runs = lambda: trainer.step + 1 < trainer.cfg.max_steps
+        self.optimizer.next_step = lambda: trainer.step + 1 \
+            if trainer.step + 1 < trainer.cfg.max_steps else None
         if trainer.step < trainer.cfg.max_steps:
-            faults.hold("FAULT_HOLD_QUORUM")  # tests only: the groups' first quorum together
-            self.manager.start_quorum()
+            self.optimizer.start_quorum(trainer.step)
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
