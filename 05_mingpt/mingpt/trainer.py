@@ -25,8 +25,8 @@ from mingpt import forensics, savers, snapshot
 from mingpt.faults import inject_fault, skip_gradient_sync
 from mingpt.log import TrainLog, print0
 from mingpt.optim import SCHEDULE_KEYS, build_scheduler, resume_scheduler
-from mingpt.parallel import describe, runner
-from mingpt.parallel.wrappers import data_parallel, local_devices, mesh_sizes, pipeline_stage
+from mingpt.parallel import Layout, describe, runner
+from mingpt.parallel.wrappers import data_parallel, local_devices, pipeline_stage, unwrap
 from mingpt.precision import grad_scaler
 
 
@@ -101,8 +101,11 @@ class Trainer:
         self.stream = self.dp_rank + self.dp_size * pipeline_stage(model)
         torch.manual_seed(cfg.seed + self.stream)
         # What the streams belong to: a snapshot's are restored rank by rank only under it.
-        self.rng_layout = {**mesh_sizes(model), "data_parallel": self.dp_size,
-                           "world": self.world_size}
+        # (The layout's mesh dimensions, e.g. {"pp": 2, "dp": 2}; none for a model that
+        # parallelize() did not lay out.)
+        lay = getattr(unwrap(model), "layout", None)
+        self.rng_layout = {**(lay.sizes() if isinstance(lay, Layout) else {}),
+                           "data_parallel": self.dp_size, "world": self.world_size}
         self.train_set, self.val_set = train_set, val_set
         self.snapshot_meta = snapshot_meta
         # Loss, tokens/s, MFU, memory and TensorBoard: log.TrainLog's (rank 0 writes).

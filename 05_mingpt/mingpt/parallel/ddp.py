@@ -11,9 +11,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from mingpt.parallel.fsdp import policies
 from mingpt.parallel.layout import Settings
 from mingpt.parallel.wrappers import wrap_blocks
-from mingpt.precision import fsdp_policy
 
 
 def apply(model: nn.Module, device: torch.device, s: Settings, mesh: DeviceMesh,
@@ -58,9 +58,7 @@ def _replicate(model: nn.Module, s: Settings, mesh: DeviceMesh) -> nn.Module:
     # Imported here: xla_main.py imports this package under torch_xla's older torch.
     from torch.distributed._composable.replicate_with_fsdp import replicate  # noqa: PLC0415
     wrap_blocks(model, s.activation_checkpointing, s.compile)
-    kwargs = {"mesh": mesh}
-    if s.precision != "fp32":
-        kwargs["mp_policy"] = fsdp_policy(s.precision)
+    kwargs = {"mesh": mesh, **policies(s.precision, False, torch.device(mesh.device_type))}
     for block in model.blocks:
         replicate(block, **kwargs)
     replicate(model, **kwargs)

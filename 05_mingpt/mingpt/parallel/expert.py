@@ -118,11 +118,12 @@ def _wrap(experts: nn.Module, flavour: str, s: Settings, edp: DeviceMesh, divide
     fully_shard (fsdp) or replicate (ddp: DDP cannot take DTensors, ddp.py), the gradient
     sum divided by the dp degree."""
     from torch.distributed._composable.replicate_with_fsdp import replicate  # noqa: PLC0415
+    device = torch.device(edp.device_type)
     if flavour == "fsdp":  # offloaded with the rest where cpu_offload asks (fsdp.policies)
         fully_shard(experts, mesh=edp, reshard_after_forward=s.pp_size <= 1,
-                    **policies(s.precision, s.cpu_offload, torch.device(edp.device_type)))
+                    **policies(s.precision, s.cpu_offload, device))
     else:
-        replicate(experts, mesh=edp, **policies(s.precision, False, torch.device(edp.device_type)))
+        replicate(experts, mesh=edp, **policies(s.precision, False, device))
     experts.set_gradient_divide_factor(float(divide))
     if flavour == "fsdp" and edp.device_type == "cpu" and edp.size() > 1:
         # A divide factor other than the group's size makes FSDP reduce-scatter with NCCL's

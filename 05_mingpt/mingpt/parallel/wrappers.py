@@ -63,13 +63,6 @@ def pipeline_stage(model: nn.Module) -> int:
     return mesh["pp"].get_local_rank()
 
 
-def mesh_sizes(model: nn.Module) -> dict[str, int]:
-    """The mesh's dimensions by name ({} for a model parallelize() did not lay out)."""
-    mesh = getattr(unwrap(model), "mesh", None)
-    # e.g. {"pp": 2, "dp": 2} for ddp with pp_size=2 on 4 ranks; {"dp": 4} for plain ddp.
-    return dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True)) if mesh is not None else {}
-
-
 def local_devices(model: nn.Module, device: torch.device) -> list[torch.device]:
     """The devices this process computes on: every GPU of nn.DataParallel, else `device`.
 
