@@ -59,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=0, help="intra-op threads per rank "
                         "(0: the cores this process may use, divided by the ranks)")
     parser.add_argument("--out", default="bench/perf", help="writes OUT.json and OUT.png")
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="ddp:1 on a GPU: profile STEPS bare steps after the rounds and "
+                        "report where the GPU time went (kernel kinds, busy share)")
     parser.add_argument("--quality", action="store_true",
                         help="time `python main.py` (with the overrides after --) to val 1.88")
     parser.add_argument("--replot", metavar="JSON", help="redraw the PNG of a saved JSON")
@@ -119,6 +122,41 @@ def bare_steps(model, optimizer, train_set, t, device, seed: int) -> Iterator[fl
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         yield time.perf_counter() - start
+
+
+# Kernel kinds by name, first match wins: what a GPU step's time is spent on.
+KERNEL_KINDS = (("matmul", r"gemm|cutlass|xmma|nvjet|cublas|wgmma"),
+                ("attention", r"flash|fmha|attention|sdpa"),
+                ("optimizer", r"adam|multi_tensor"),
+                ("communication", r"nccl"),
+                ("copy/fill", r"memcpy|memset|copy_|fill"),
+                ("compiled (triton)", r"triton"))
+
+
+def profile_steps(steps: Iterator[float], n: int) -> dict:
+    """Where a GPU step's time goes: n steps of `steps` under torch.profiler, their kernels'
+    time per kind (KERNEL_KINDS) and per kernel, and the GPU's busy share of the wall time
+    (below 1: the GPU waits for the CPU to launch work)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    next(steps)  # a step outside the profile, so its first step is a warm one
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        wall = sum(next(steps) for _ in range(n))
+    kernels: dict[str, float] = {}
+    for e in prof.key_averages():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0:
+            kernels[e.key] = kernels.get(e.key, 0.0) + e.self_device_time_total / 1e3 / n
+    kinds: dict[str, float] = {}
+    for name, ms in kernels.items():
+        kind = next((k for k, pattern in KERNEL_KINDS if re.search(pattern, name, re.I)), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + ms
+    busy = sum(kernels.values())
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
+    return {"steps": n, "wall_ms_per_step": 1000 * wall / n, "gpu_ms_per_step": busy,
+            "gpu_busy": busy / (1000 * wall / n),
+            "kinds_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+            "top_kernels_ms": [(name[:120], ms) for name, ms in top]}
 
 
 def trainer_round(trainer, device, bare: Iterator[float] | None = None
@@ -224,6 +262,10 @@ def worker(args: argparse.Namespace) -> None:
                 "save_s": statistics.median(save_s), "load_s": load_s,
                 "num_params": main.unwrap(model).num_params(),
             }
+            if args.profile and bare and device.type == "cuda":
+                result["profile"] = profile_steps(
+                    bare_steps(model, optimizer, train_set, t, device, seed=args.rounds),
+                    args.profile)
             if bare:
                 result["bare_tokens_per_s"] = statistics.median(bare_tps)
                 result["bare_tokens_per_s_rounds"] = bare_tps
@@ -263,6 +305,8 @@ def launch(args: argparse.Namespace, run: str) -> dict | None:
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
         print(f"{run}: failed (exit {proc.returncode}): "
               f"{(errors or proc.stderr.splitlines() or ['no output'])[-1]}", flush=True)
+        if not errors:  # a crash, not a refused config: its traceback says where
+            print("\n".join(proc.stderr.splitlines()[-40:]), file=sys.stderr, flush=True)
         return None
     return json.loads(lines[0].removeprefix(RESULT))
 
@@ -272,7 +316,8 @@ def worker_options(args: argparse.Namespace) -> list[str]:
     return ["--preset", args.preset, "--block_size", str(args.block_size), "--batch_size",
             str(args.batch_size), "--precision", args.precision, "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--rounds", str(args.rounds),
-            *(["--compile"] if args.compile else []), "--", *args.overrides]
+            "--profile", str(args.profile), *(["--compile"] if args.compile else []), "--",
+            *args.overrides]
 
 
 def row(r: dict) -> str:
@@ -285,6 +330,11 @@ def row(r: dict) -> str:
     line += (f"peak {max(r['training_peak_mb']):,.0f} MB | state "
              f"{max(r['model_state_mb']):,.1f} MB | save {r['save_s']:.2f} s | load "
              f"{r['load_s']:.2f} s")
+    if "profile" in r:
+        p = r["profile"]
+        line += (f"\n{'':9} profile: GPU busy {100 * p['gpu_busy']:.0f}% of "
+                 f"{p['wall_ms_per_step']:.1f} ms/step; " +
+                 ", ".join(f"{k} {ms:.1f} ms" for k, ms in p["kinds_ms"].items()))
     if "overhead_ratio" in r:
         line += (f"\n{'':9} bare loop {r['bare_tokens_per_s']:,.0f} tokens/s: the trainer runs "
                  f"at {r['overhead_ratio']:.3f}x of it")
