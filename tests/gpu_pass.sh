@@ -5,11 +5,13 @@
 # folder; each step has its own time limit, so the script ends with whatever finished.
 #
 #     tests/gpu_pass.sh OUT_DIR            # from the repository's root
+#     tests/gpu_pass.sh OUT_DIR bench      # the benchmark alone
 #
 # PYTHON picks the interpreter (default python3). The benchmark reads random token ids
 # (throughput does not depend on the text), written here into 05_mingpt/data/synth_bpe.
 set -u
-out=$(mkdir -p "${1:?usage: tests/gpu_pass.sh OUT_DIR}" && cd "$1" && pwd)
+out=$(mkdir -p "${1:?usage: tests/gpu_pass.sh OUT_DIR [bench]}" && cd "$1" && pwd)
+only=${2:-}
 py=${PYTHON:-python3}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONUNBUFFERED=1
@@ -21,6 +23,7 @@ say() { echo "[gpu_pass $((SECONDS - start)) s] $*" | tee -a "$out/summary.txt";
   lscpu | grep -m1 "Model name"; nproc; } > "$out/machine.txt" 2>&1
 say "machine: $(tr '\n' ' ' < "$out/machine.txt")"
 
+if [ "$only" != bench ]; then
 # 1 and 2 side by side (neither is timed): the GPU tests, spread over 4 workers (--dist load:
 # the file's cases in parallel, not one worker per file), and the Quickstart's training run.
 (cd "$repo" && timeout 240 "$py" -m pytest -p no:cacheprovider tests/test_gpu.py -n 4 \
@@ -30,6 +33,7 @@ tests=$!
 say "python main.py: exit $? | $(grep -E "step [0-9]+ \| val loss" "$out/main.log" | tail -1)"
 wait $tests
 say "tests/test_gpu.py: exit $? | $(tail -1 "$out/test_gpu.log")"
+fi
 
 # 3. GPT-2 124M: block 1024, bf16, compiled, fused AdamW, the trainer beside the bare loop.
 cd "$repo/05_mingpt" || exit 1
@@ -50,9 +54,10 @@ gpt2=(--runs ddp:1 --preset gpt2 --precision bf16 --compile --block_size 1024 --
       --steps 50 --warmup 15 --rounds 1 --profile 5)
 timeout 200 "$py" bench/bench.py "${gpt2[@]}" --out "$out/gpu_gpt2" \
     -- data_config=bpe data_config.path=data/synth_bpe > "$out/bench.log" 2>&1
-say "bench gpt2: exit $? | $(grep -E "ms/step|profile|bare loop" "$out/bench.log" | tr '\n' ' ')"
+say "bench gpt2: exit $? | $(grep -E "ms/step|profile|bare loop|waiting" "$out/bench.log" \
+    | tr '\n' ' ')"
 # The same with the vocabulary padded to a multiple of 64 (the output layer's matmul shape).
 timeout 150 "$py" bench/bench.py "${gpt2[@]}" --out "$out/gpu_gpt2_50304" \
     -- data_config=bpe data_config.path=data/synth_bpe_50304 > "$out/bench_50304.log" 2>&1
-say "bench gpt2, vocab 50304: exit $? | $(grep -E "ms/step|profile" "$out/bench_50304.log" \
+say "bench gpt2, vocab 50304: exit $? | $(grep -E "ms/step|profile|waiting" "$out/bench_50304.log" \
     | tr '\n' ' ')"

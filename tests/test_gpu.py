@@ -1,6 +1,20 @@
 """The GPU paths (CUDA + NCCL), run where a GPU exists and skipped, saying so, where none does.
 
 The rest of the suite forces the CPU (CUDA_VISIBLE_DEVICES=""); these tests give the GPUs back.
+`tests/gpu_pass.sh OUT_DIR` runs this file with `python main.py` and the GPU benchmark.
+
+Last run (tests/gpu_pass.sh, 2026-11-28): one NVIDIA H200, torch 2.11.0+cu130 (the machine's
+own; the series pins 2.14.1), 14 passed in 82 s: step 02 with NCCL, step 03's resume, the
+killed worker of steps 03 and 04, ddp and fsdp in bf16, fsdp offload with fp16 and clipping,
+AdamW's step counts on resume, fsdp built on meta (with and without offload), nn.DataParallel on
+one GPU, the memory snapshot with the profile and the CUDA-event breakdown, the out-of-memory
+snapshot, and the NCCL Flight Recorder dump; then, in a second run, the benchmark's profile
+(test_bench_profiles_where_the_gpu_time_goes, 15 cases in all). Never run on GPUs, needing two or more (9 skipped):
+step 02's second node, tp and fsdp_tp, cp, zero's resume, pp's two schedules, the experts'
+all-to-all, and nn.DataParallel's replicas. On the CPU under torch 2.11 (not on GPUs), two of
+those failed inside torch: pp (2.11's pipelining called the stage's forward with a keyword
+`arg_mbs`) and fsdp_tp (2.11's DTensor could not order a `_StridedShard` placement); under
+2.14.1 both pass on the CPU (test_mingpt_pipeline.py, test_mingpt_layouts.py).
 """
 import os
 import re
@@ -346,6 +360,25 @@ def test_mingpt_memory_snapshot_profile_and_breakdown_on_the_gpu(tmp_path):
         assert any("mingpt" in frame["filename"] for e in events for frame in e["frames"])
         trace = json.loads((run_dir / f"profile/rank{rank}.json").read_text())
         assert any(e.get("cat") == "kernel" for e in trace["traceEvents"])
+
+
+def test_bench_profiles_where_the_gpu_time_goes(tmp_path):
+    """bench.py --profile on a GPU: every kernel's time by kind, the GPU's busy share, and the
+    round that waits for the GPU only at its ends (tests/test_mingpt_bench.py sorts the kernel
+    names an H200 ran)."""
+    import json
+
+    mingpt = copy_mingpt(tmp_path)
+    run([PYTHON, "bench/bench.py", "--runs", "ddp:1", "--preset", "gpt-nano", "--block_size",
+         "64", "--batch_size", "8", "--steps", "6", "--warmup", "2", "--rounds", "1",
+         "--precision", "bf16", "--profile", "3", "--out", "bench/gpu"], cwd=mingpt,
+        CUDA_VISIBLE_DEVICES=VISIBLE)
+    result = json.loads((mingpt / "bench/gpu.json").read_text())["results"][0]
+    profile = result["profile"]
+    assert profile["kinds_ms"]["matmul"] > 0 and profile["kinds_ms"]["optimizer"] > 0, profile
+    assert sum(profile["kinds_ms"].values()) == pytest.approx(profile["gpu_ms_per_step"])
+    assert 0 < profile["gpu_busy"] <= 1
+    assert result["unsynced_tokens_per_s"] > 0
 
 
 def test_mingpt_out_of_memory_writes_the_memory_snapshot(tmp_path):

@@ -94,3 +94,23 @@ def test_bench_pipeline_measures_the_bubble_and_matches_the_dry_run(mingpt):
             assert sum(row["model_state"].values()) > 0, row
         else:
             assert row["predicted_model_state"] is None, row
+
+
+def test_bench_profile_sorts_the_kernels_an_h200_ran():
+    """--profile's kinds (the GPU profile in bench/README.md) for the kernels bench/gpu_gpt2.json
+    recorded on an H200: cuDNN's attention names "wgmma" as matmuls do, inductor's fused kernels
+    "_to_copy" as copies do; each must land in its own kind, and the kinds add up to the time."""
+    import importlib.util
+
+    from mingpt_helpers import MINGPT
+
+    spec = importlib.util.spec_from_file_location("bench", MINGPT / "bench/bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    profile = json.loads((MINGPT / "bench/gpu_gpt2.json").read_text())["results"][0]["profile"]
+    kinds = {re.split("[_ ]", name)[0]: bench.kind_of(name)
+             for name, _ in profile["top_kernels_ms"]}
+    assert kinds == {"nvjet": "matmul", "cudnn": "attention", "triton": "compiled (triton)",
+                     "void": "optimizer"}, kinds
+    assert sum(profile["kinds_ms"].values()) == pytest.approx(profile["gpu_ms_per_step"])
+    assert 0 < profile["gpu_busy"] <= 1

@@ -124,13 +124,20 @@ def bare_steps(model, optimizer, train_set, t, device, seed: int) -> Iterator[fl
         yield time.perf_counter() - start
 
 
-# Kernel kinds by name, first match wins: what a GPU step's time is spent on.
-KERNEL_KINDS = (("matmul", r"gemm|cutlass|xmma|nvjet|cublas|wgmma"),
-                ("attention", r"flash|fmha|attention|sdpa"),
+# Kernel kinds by name, first match wins: what a GPU step's time is spent on. Attention first
+# (cuDNN's attention kernels have "wgmma" in their names too), compiled code before copies
+# (inductor names its kernels after the ops they fuse, "_to_copy" among them).
+KERNEL_KINDS = (("attention", r"flash|fmha|attention|sdpa"),
+                ("compiled (triton)", r"^triton"),
+                ("matmul", r"gemm|cutlass|xmma|nvjet|cublas|wgmma"),
                 ("optimizer", r"adam|multi_tensor"),
                 ("communication", r"nccl"),
-                ("copy/fill", r"memcpy|memset|copy_|fill"),
-                ("compiled (triton)", r"triton"))
+                ("copy/fill", r"memcpy|memset|copy|fill"))
+
+
+def kind_of(kernel: str) -> str:
+    """The kind (KERNEL_KINDS) of a kernel, by its name; "other" if none matches."""
+    return next((k for k, pattern in KERNEL_KINDS if re.search(pattern, kernel, re.I)), "other")
 
 
 def profile_steps(steps: Iterator[float], n: int) -> dict:
@@ -145,12 +152,13 @@ def profile_steps(steps: Iterator[float], n: int) -> dict:
         wall = sum(next(steps) for _ in range(n))
     kernels: dict[str, float] = {}
     for e in prof.key_averages():
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0:
+        # A user annotation (Optimizer.step#AdamW.step) spans kernels: not one of them.
+        if (e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0
+                and not e.is_user_annotation):
             kernels[e.key] = kernels.get(e.key, 0.0) + e.self_device_time_total / 1e3 / n
     kinds: dict[str, float] = {}
     for name, ms in kernels.items():
-        kind = next((k for k, pattern in KERNEL_KINDS if re.search(pattern, name, re.I)), "other")
-        kinds[kind] = kinds.get(kind, 0.0) + ms
+        kinds[kind_of(name)] = kinds.get(kind_of(name), 0.0) + ms
     busy = sum(kernels.values())
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
     return {"steps": n, "wall_ms_per_step": 1000 * wall / n, "gpu_ms_per_step": busy,
@@ -159,10 +167,13 @@ def profile_steps(steps: Iterator[float], n: int) -> dict:
             "top_kernels_ms": [(name[:120], ms) for name, ms in top]}
 
 
-def trainer_round(trainer, device, bare: Iterator[float] | None = None
+def trainer_round(trainer, device, bare: Iterator[float] | None = None,
+                  sync_at: tuple[int, ...] | None = None
                   ) -> tuple[list[float], list[float], float]:
     """Train with trainer.train(), stamping the start of every step; with `bare`, one bare step
-    runs just before each trainer step. (stamps, bare seconds, save seconds)."""
+    runs just before each trainer step. On a GPU each stamp waits for the work before it, or,
+    with `sync_at`, only the stamps of those steps do: between them the CPU queues steps ahead
+    of the GPU, as training does. (stamps, bare seconds, save seconds)."""
     import torch
 
     # Wrap the trainer's own methods rather than add timers to it: the trainer stays as users
@@ -171,7 +182,7 @@ def trainer_round(trainer, device, bare: Iterator[float] | None = None
     run_batch, save = trainer._run_batch, trainer._save_snapshot
 
     def timed_batch(micro_batches):
-        if device.type == "cuda":
+        if device.type == "cuda" and (sync_at is None or len(stamps) in sync_at):
             torch.cuda.synchronize(device)
         if bare is not None:
             bare_s.append(next(bare))
@@ -234,6 +245,16 @@ def worker(args: argparse.Namespace) -> None:
             trainer_tps.append(tokens * len(seconds) / sum(seconds))
             trainer_steps.extend(seconds)
             save_s.append(saved)
+        unsynced = None
+        if device.type == "cuda":
+            # Every timed step above waited for the GPU (to time it alone); a training run
+            # does not, so the CPU prepares the next step while the GPU runs this one.
+            trainer = Trainer(t, model, optimizer, train_set, val_set, device, cfg.run_dir,
+                              meta, flops)
+            last = args.warmup + args.steps - 1
+            stamps, _, _ = trainer_round(trainer, device, sync_at=(args.warmup, last))
+            tokens = t.batch_size * args.block_size * trainer.dp_size
+            unsynced = tokens * (last - args.warmup) / (stamps[last] - stamps[args.warmup])
         training_peak = peak_memory_mb(device)  # since the last round's train() reset it
         setup_peak = trainer.log.setup_peak_mb
         # Load time is the slowest rank's: start and stop together.
@@ -262,6 +283,9 @@ def worker(args: argparse.Namespace) -> None:
                 "save_s": statistics.median(save_s), "load_s": load_s,
                 "num_params": main.unwrap(model).num_params(),
             }
+            if unsynced is not None:
+                result["unsynced_tokens_per_s"] = unsynced
+                result["unsynced_mfu"] = flops * unsynced / (peak * ranks) if peak else None
             if args.profile and bare and device.type == "cuda":
                 result["profile"] = profile_steps(
                     bare_steps(model, optimizer, train_set, t, device, seed=args.rounds),
@@ -330,6 +354,10 @@ def row(r: dict) -> str:
     line += (f"peak {max(r['training_peak_mb']):,.0f} MB | state "
              f"{max(r['model_state_mb']):,.1f} MB | save {r['save_s']:.2f} s | load "
              f"{r['load_s']:.2f} s")
+    if r.get("unsynced_tokens_per_s"):
+        line += (f"\n{'':9} not waiting for the GPU at each step: "
+                 f"{r['unsynced_tokens_per_s']:,.0f} tokens/s" +
+                 (f", MFU {100 * r['unsynced_mfu']:.1f}%" if r["unsynced_mfu"] else ""))
     if "profile" in r:
         p = r["profile"]
         line += (f"\n{'':9} profile: GPU busy {100 * p['gpu_busy']:.0f}% of "
