@@ -353,9 +353,12 @@ def plan_ranks(jobs: list[tuple[DictConfig, GPTConfig, int, int]],
     `if __name__ == "__main__":` guard multiprocessing needs) ends the dry run with an error,
     never a wait."""
     # The fork server imports this module (and torch with it) once; each rank's process is
-    # a fork of that server, so it starts without importing torch again.
+    # a fork of that server, so it starts without importing torch again. torch._dynamo too:
+    # FakeTensorMode imports it (with triton and more: about 1.2 s), which every rank's
+    # process paid anew before (the dry-run tests' plans took twice as long). Importing it
+    # starts no thread, so the server stays safe to fork.
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["mingpt.dry_run"])
+    context.set_forkserver_preload(["mingpt.dry_run", "torch._dynamo"])
     try:
         with ProcessPoolExecutor(2, mp_context=context, max_tasks_per_child=1) as pool:
             # A fresh process per job (max_tasks_per_child=1): no mesh cached from another rank.
