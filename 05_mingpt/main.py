@@ -74,7 +74,9 @@ def load_train_objs(cfg: DictConfig, device: torch.device) -> tuple:
     data, train_set, val_set, meta, model, init = errors.agreed(build_local, cfg, device)
     t = cfg.trainer_config
     print0(f"model: {model.describe()}")
-    snapshot_meta = {"model_config": asdict(model.config), "data_meta": meta}
+    # What a resume must match: the model, the data, and the optimizer (its state's kind).
+    snapshot_meta = {"model_config": asdict(model.config), "data_meta": meta,
+                     "optimizer_name": cfg.optimizer_config.name}
     flops_per_token = model.flops_per_token()
     # The layout: the flavour and every Settings key (degrees, precision, ...) of trainer_config.
     model = parallelize(model, device, t.distributed_method,
@@ -83,7 +85,8 @@ def load_train_objs(cfg: DictConfig, device: torch.device) -> tuple:
         init(model, device, t.cpu_offload)
     # Built after wrapping: FSDP has replaced every parameter with its sharded version.
     o = cfg.optimizer_config
-    optimizer = build_optimizer(model, t.distributed_method, o.lr, o.betas, o.weight_decay)
+    optimizer = build_optimizer(model, t.distributed_method, o.lr, o.betas, o.weight_decay,
+                                o.name, o.muon_lr)
     if t.ft_replicas:  # replica groups (torchft): gradients averaged over those alive
         optimizer = ft.Replicas(t, model, optimizer, device).optimizer
     return model, optimizer, train_set, val_set, data, snapshot_meta, flops_per_token

@@ -57,6 +57,9 @@ def load_config(overrides: list[str]) -> DictConfig:
     for key, why in (("ft_replicas", "torchft's replica groups join main.py's jobs"),
                      ("dry_run", "it plans main.py's layouts")):
         require(not t[key], f"trainer_config.{key}", f"0 with xla_main.py ({why})", t[key])
+    require(cfg.optimizer_config.name == "adamw", "optimizer_config.name",
+            "adamw with xla_main.py (Muon's gathered matrices are main.py's layouts' code)",
+            cfg.optimizer_config.name)
     return cfg
 
 

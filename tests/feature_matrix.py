@@ -3,11 +3,11 @@ them does on 4 ranks: taken by the config, or refused before any process group i
 
     python tests/feature_matrix.py          # print the grid tests/README.md holds
 
-Every key of trainer_config and gpt_config is a feature or a setting. A boolean key is a
-feature by itself (turned on: true); any other new key must be named below, in FEATURES with
-the overrides that turn it on, or in SETTINGS with why it is none: test_feature_matrix.py
-fails until it is. So a new key joins the grid the day it is added, and the grid in
-tests/README.md is this module's output (a test compares them), so it cannot drift.
+Every key of trainer_config, gpt_config and optimizer_config is a feature or a setting. A
+boolean key is a feature by itself (turned on: true); any other new key must be named below, in
+FEATURES with the overrides that turn it on, or in SETTINGS with why it is none:
+test_feature_matrix.py fails until it is. So a new key joins the grid the day it is added, and
+the grid in tests/README.md is this module's output (a test compares them), so it cannot drift.
 
 A cell says what the config does with the two features on together: "✔" where a warm world of
 gloo ranks trains them together, stops, resumes and ends bit for bit as a run that never
@@ -47,6 +47,7 @@ FEATURES = {
     "dry_run": {"dry_run": ["trainer_config.dry_run=4"]},
     "init_from": {"init_from": ["gpt_config.init_from=gpt2"]},
     "snapshot_path": {"s3": ["trainer_config.snapshot_path=s3://bucket/run/snapshot"]},
+    "name": {"muon": ["optimizer_config.name=muon"]},
 }
 # What a feature needs besides itself, where the defaults lack it; in a pair, the other
 # feature's own overrides win over these (cpu_offload with zero is cpu_offload under zero).
@@ -76,6 +77,8 @@ SETTINGS = {
     "block_size": "the model's size", "expert_top_k": "an experts' setting (with n_expert)",
     "aux_loss_coef": "an experts' setting (with n_expert)",
     "bias": "what GPT-2 can hold (export_hf.py's refusals)",
+    "lr": "the optimizer's step size", "muon_lr": "the optimizer's step size (with muon)",
+    "betas": "AdamW's settings", "weight_decay": "the optimizer's settings",
 }
 WORLD = 4  # torchrun's WORLD_SIZE for the checks that need one
 # The features a warm world of WORLD gloo ranks trains in this process's tests: each accepted
@@ -83,13 +86,14 @@ WORLD = 4  # torchrun's WORLD_SIZE for the checks that need one
 # others are proven alone by their own files (ft_replicas, async_save, s3, init_from, ...)
 # or need what a CPU lacks (dp, memory_snapshot; fp16 and compile: slow on a CPU).
 RUNNABLE = ("grad_accum", "zero", "fsdp", "bf16", "activation_checkpointing", "tp_size",
-            "cp_size", "ep_size", "pp_size", "dropout", "experts", "cpu_offload")
+            "cp_size", "ep_size", "pp_size", "dropout", "experts", "cpu_offload", "muon")
 
 
 def schema_keys(config) -> dict[str, tuple[str, object]]:
-    """Every key of trainer_config and gpt_config (`config`: mingpt/config.py, imported): its
-    section and its type, from the config's own schema."""
-    keys = {f.name: ("trainer_config", f.type) for f in fields(config.TrainerConfig)}
+    """Every key of trainer_config, gpt_config and optimizer_config (`config`: mingpt/config.py,
+    imported): its section and its type, from the config's own schema."""
+    keys = {f.name: ("optimizer_config", f.type) for f in fields(config.OptimizerConfig)}
+    keys.update({f.name: ("trainer_config", f.type) for f in fields(config.TrainerConfig)})
     keys.update({f.name: ("gpt_config", f.type) for f in fields(config.GPTConfig)
                  if f.name in config.GPT_KEYS})
     keys["init_from"] = ("gpt_config", str)

@@ -123,9 +123,15 @@ def world(tmp_path_factory, config):
 # another order moves a weight by a few of its ulps (|w| < 1: ulp <= 1.2e-7). 1e-6 lies
 # between. (Measured on the pairs that differ: at most 2.7e-8.)
 ROUNDING = 1e-6
+# With muon (mingpt/muon.py) a step moves a blocks' weight by up to muon_lr * 2 * 1.2 = 0.048
+# (test_mingpt_muon.py: MUON_BUDGET's per-step term), and its Newton-Schulz iterations round
+# in bf16: gradients a few ulps apart can round some entries the other way, each of the 5
+# iterations again, so the resumed step can differ by 5 * 2^-8 of a step, 9.4e-4; a wrong
+# state (momentum lost) moves weights by a step's O(1e-2). (Measured: at most 1.6e-4.)
+MUON_ROUNDING = 5 * 2.0**-8 * 0.02 * 2 * 1.2
 
 
-# The world's 134 runs: 120 s on an idle 2-core Xeon, 220 s beside another test worker.
+# The world's 160 runs (80 pairs and singles, each twice): 169 s on an idle 2-core Xeon.
 @pytest.mark.timeout(900)
 def test_every_runnable_pair_resumes_bit_for_bit(world, config):
     out, pairs = world
@@ -136,6 +142,7 @@ def test_every_runnable_pair_resumes_bit_for_bit(world, config):
         whole, resumed = (snapshot_weights(case / kind) for kind in ("whole", "resumed"))
         worst = max((whole[k] - resumed[k]).abs().max().item() for k in whole)
         exact = feature_matrix.bitwise(config, *pair)
-        if worst > (0.0 if exact else ROUNDING):
+        bound = 0.0 if exact else MUON_ROUNDING if "muon" in pair else ROUNDING
+        if worst > bound:
             apart["+".join(pair)] = worst
     assert apart == {}

@@ -37,7 +37,8 @@ BASE = ["gpt_config.model_type=null", "gpt_config.n_layer=2", "gpt_config.n_head
         "trainer_config.batch_size=4", "trainer_config.microbatches=2",
         "trainer_config.grad_accum_steps=2"]
 # world size -> layouts (their overrides): ddp, zero, fsdp, tp, pp, cp and pp in bf16 at 2;
-# FSDP x TP, FSDP x PP, DDP x PP in bf16 and DDP x PP x CP at 4; FSDP x TP x PP at 8.
+# FSDP and TP with Muon at 2; FSDP x TP, FSDP x PP, DDP x PP in bf16 and DDP x PP x CP at 4;
+# FSDP x TP x PP at 8.
 LAYOUTS = {
     2: {"ddp": ["trainer_config.distributed_method=ddp"],
         "zero": ["trainer_config.distributed_method=zero"],
@@ -46,8 +47,13 @@ LAYOUTS = {
         "pp": ["trainer_config.distributed_method=pp"],
         "ddp_cp": ["trainer_config.distributed_method=ddp", "trainer_config.cp_size=2"],
         # bf16 through a pipeline: the stages send what autocast or FSDP2's policy leaves
-        "pp_bf16": ["trainer_config.distributed_method=pp", "trainer_config.precision=bf16"]},
+        "pp_bf16": ["trainer_config.distributed_method=pp", "trainer_config.precision=bf16"],
+        # Muon gathers each sharded matrix whole (mingpt/muon.py): its all-gathers counted,
+        # and its state, a momentum per matrix instead of AdamW's two moments
+        "fsdp_muon": ["trainer_config.distributed_method=fsdp", "optimizer_config.name=muon"],
+        "tp_muon": ["trainer_config.distributed_method=tp", "optimizer_config.name=muon"]},
     4: {"fsdp_tp": ["trainer_config.distributed_method=fsdp", "trainer_config.tp_size=2"],
+
         "fsdp_pp": ["trainer_config.distributed_method=fsdp", "trainer_config.pp_size=2"],
         # ddp's replicate over 2 pipelines in bf16; cp's share of each sequence between stages
         # (the dry run's stage shapes were fp32 and whole sequences: its backward failed)
@@ -89,7 +95,7 @@ def _real_worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
                                      t.distributed_method,
                                      **{key: t[key] for key in parallel.Settings._fields})
         optimizer = m["optim"].build_optimizer(model, t.distributed_method, o.lr, o.betas,
-                                               o.weight_decay)
+                                               o.weight_decay, o.name, o.muon_lr)
         # A pipeline's first step infers its stages' shapes (one more forward and a metadata
         # exchange); the dry run gives them up front, as every later step runs: the second
         # step is the one to compare.

@@ -165,6 +165,12 @@ def test_corrupt_and_incompatible_snapshots_are_refused_and_kept(mingpt, main_py
     proc = main_py(*args, "run_name=e2", "trainer_config.distributed_method=zero",
                    "trainer_config.snapshot_path=fsdp_snap")
     one_error_line(proc, "holds a fsdp snapshot", "distributed_method=zero")
+    # Another optimizer: AdamW's moments are no state for Muon (mingpt/muon.py).
+    proc = main_py(*args, "run_name=e5", "optimizer_config.name=muon",
+                   "trainer_config.snapshot_path=ddp.pt")
+    one_error_line(proc, "snapshot ddp.pt holds adamw's optimizer state, not muon's",
+                   "set optimizer_config.name=adamw")
+    assert ddp.read_bytes() == good
     # A truncated file.
     ddp.write_bytes(good[: len(good) // 2])
     proc = main_py(*args, "run_name=e3", "trainer_config.snapshot_path=ddp.pt")

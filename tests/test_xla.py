@@ -326,6 +326,8 @@ def test_xla_refuses_the_axes_and_jobs_only_main_py_has(xla_python, tmp_path):
         "main.py's jobs), got 2": ["trainer_config.ft_replicas=2"],
         "trainer_config.dry_run must be 0 with xla_main.py (it plans main.py's layouts), "
         "got 8": ["trainer_config.dry_run=8"],
+        "optimizer_config.name must be adamw with xla_main.py (Muon's gathered matrices are "
+        "main.py's layouts' code), got 'muon'": ["optimizer_config.name=muon"],
     }
     script = ("import json, sys, xla_main\n"
               "said = []\n"

@@ -89,14 +89,18 @@ TrainerConfig.__module__ = __name__  # where pickle finds it (a dry run sends co
 
 @dataclass
 class OptimizerConfig:
+    name: str = MISSING
     lr: float = MISSING
     weight_decay: float = MISSING
     betas: list[float] = MISSING
+    muon_lr: float = MISSING
 
 
 # gpt_config: the model's own dataclass, less vocab_size (that always comes from the data),
 # plus init_from: where the starting weights come from is not architecture (pretrained.py).
 GPT_KEYS = (*(f.name for f in fields(GPTConfig) if f.name != "vocab_size"), "init_from")
+# optimizer_config.name: AdamW alone, or Muon for the blocks' matrices (mingpt/muon.py).
+OPTIMIZERS = ("adamw", "muon")
 SECTIONS = {"trainer_config": TrainerConfig, "optimizer_config": OptimizerConfig}
 TOP_LEVEL = ("run_name", "run_dir", "gpt_config", "data_config", "trainer_config",
              "optimizer_config")
@@ -198,7 +202,10 @@ def validate(cfg: DictConfig) -> None:
            t.grad_clip)
     require(0 <= t.min_lr_ratio <= 1, "trainer_config.min_lr_ratio", "between 0 and 1",
            t.min_lr_ratio)
+    require(o.name in OPTIMIZERS, "optimizer_config.name", f"one of {', '.join(OPTIMIZERS)}",
+            o.name)
     require(o.lr > 0, "optimizer_config.lr", "> 0", o.lr)
+    require(o.muon_lr > 0, "optimizer_config.muon_lr", "> 0", o.muon_lr)
     require(o.weight_decay >= 0, "optimizer_config.weight_decay", ">= 0", o.weight_decay)
     require(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optimizer_config.betas",
            "two numbers in [0, 1)", list(o.betas))

@@ -253,7 +253,8 @@ def _step(cfg: DictConfig, gpt_config: GPTConfig) -> dict:
     # optimizer (ZeRO's own for zero), one counted step.
     _ddp_on_fake(model)
     o = cfg.optimizer_config
-    optimizer = build_optimizer(model, t.distributed_method, o.lr, o.betas, o.weight_decay)
+    optimizer = build_optimizer(model, t.distributed_method, o.lr, o.betas, o.weight_decay,
+                                o.name, o.muon_lr)
     with mode:
         return measure_step(model, optimizer, t, batches(t, gpt_config))
 

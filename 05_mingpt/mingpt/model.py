@@ -522,8 +522,9 @@ class GPT(nn.Module):
         return 6.0 * self.num_active_params() + 12.0 * cfg.n_layer * cfg.n_embd \
             * cfg.block_size
 
-    def optim_groups(self, weight_decay: float) -> list[dict]:
-        """AdamW parameter groups: weight decay on Linear weights only.
+    def optim_groups(self, weight_decay: float, muon: bool = False) -> list[dict]:
+        """AdamW parameter groups: weight decay on Linear weights only; with `muon`, first a
+        group of the blocks' Linear and expert weights marked {"muon": True} (mingpt/muon.py).
 
         Biases, LayerNorm and Embedding weights are not decayed (the tied wte/lm_head weight is
         an embedding, so it is not decayed either). Parameters are grouped by identity, found
@@ -540,6 +541,13 @@ class GPT(nn.Module):
                     no_decay.add(id(param))
         decay -= no_decay  # a weight shared by a Linear and an Embedding counts as embedding
         params = list(self.parameters())  # unique parameters, in a fixed order
+        if muon:  # the blocks' matrices (every decayed weight but an untied output layer's)
+            matrices = {id(p) for p in self.blocks.parameters()} & decay
+            rest = [p for p in params if id(p) in decay - matrices]
+            return [{"params": [p for p in params if id(p) in matrices],
+                     "weight_decay": weight_decay, "muon": True},
+                    *([{"params": rest, "weight_decay": weight_decay}] if rest else []),
+                    {"params": [p for p in params if id(p) not in decay], "weight_decay": 0.0}]
         return [
             {"params": [p for p in params if id(p) in decay], "weight_decay": weight_decay},
             {"params": [p for p in params if id(p) not in decay], "weight_decay": 0.0},

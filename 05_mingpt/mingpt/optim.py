@@ -1,7 +1,9 @@
-"""The optimizer and the learning-rate schedule, together: AdamW, and a linear warmup then
-cosine decay, rebuilt at the saved step on a resume.
+"""The optimizer and the learning-rate schedule, together: AdamW (or Muon for the blocks'
+matrices, mingpt/muon.py), and a linear warmup then cosine decay, rebuilt at the saved step on
+a resume.
 
     optimizer = build_optimizer(model, "fsdp", lr=3e-3)   # after parallelize
+    optimizer = build_optimizer(model, "fsdp", lr=3e-3, name="muon", muon_lr=0.02)
     scheduler = build_scheduler(optimizer, cfg.trainer_config)
     scheduler, changes = resume_scheduler(optimizer, cfg.trainer_config, state)  # a snapshot's
 """
@@ -16,6 +18,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
+from mingpt.muon import MuonAdamW
 from mingpt.parallel import zero
 from mingpt.parallel.layout import grad_mesh
 from mingpt.parallel.wrappers import unwrap
@@ -25,10 +28,17 @@ SCHEDULE_KEYS = ("max_steps", "warmup_steps", "min_lr_ratio")
 
 
 def build_optimizer(model: nn.Module, method: str, lr: float, betas: Iterable[float] = (0.9, 0.95),
-                    weight_decay: float = 0.1) -> torch.optim.Optimizer:
-    """AdamW over the wrapped model's parameters (built after wrapping: FSDP replaces them);
-    a strategy may bring its own (zero: each rank keeps the state of the parameters it owns)."""
-    groups = unwrap(model).optim_groups(weight_decay)
+                    weight_decay: float = 0.1, name: str = "adamw", muon_lr: float = 0.02
+                    ) -> torch.optim.Optimizer:
+    """AdamW over the wrapped model's parameters (built after wrapping: FSDP replaces them),
+    or with name="muon" Muon for the blocks' matrices (mingpt/muon.py); a strategy may bring
+    its own (zero: each rank keeps the state of the parameters it owns)."""
+    muon = name == "muon"
+    groups = unwrap(model).optim_groups(weight_decay, muon=muon)
+    for group in groups:  # its own lr, set here: ZeRO gives every group lacking one its lr
+        if group.get("muon"):
+            group["lr"] = muon_lr
+    kind, extra = (MuonAdamW, {"muon_lr": muon_lr}) if muon else (torch.optim.AdamW, {})
     # The fused kernel updates every parameter in one pass: 0.5 ms instead of 2.3 ms per step
     # for gpt-micro on a CPU, where foreach still loops per op. It takes plain tensors or
     # DTensors of one mesh (FSDP), not a mix of them (TP), and only on CPUs and CUDA GPUs.
@@ -36,8 +46,9 @@ def build_optimizer(model: nn.Module, method: str, lr: float, betas: Iterable[fl
     if method == "zero":  # each data-parallel rank keeps the state of the parameters it owns
         mesh = getattr(unwrap(model), "mesh", None)
         group = grad_mesh(mesh).get_group() if mesh is not None else None
-        return zero.optimizer(groups, group, lr=lr, betas=tuple(betas), fused=fused)
-    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), fused=fused)
+        return zero.optimizer(groups, group, kind, lr=lr, betas=tuple(betas), fused=fused,
+                              **extra)
+    return kind(groups, lr=lr, betas=tuple(betas), fused=fused, **extra)
 
 
 def can_fuse(params: list[torch.Tensor]) -> bool:
@@ -144,12 +155,14 @@ def resume_scheduler(optimizer: torch.optim.Optimizer, cfg: DictConfig, state: d
     saved, steps = state["schedule"], state["scheduler"]["last_epoch"]
     changes = [f"trainer_config.{key} {saved[key]} -> {cfg[key]}"
                for key in SCHEDULE_KEYS if saved[key] != cfg[key]]
-    saved_lr = state["scheduler"]["base_lrs"][0]
-    # The lr this run was given: the param groups hold it until the schedule sets them.
-    base = optimizer.defaults["lr"]
-    if saved_lr != base:
-        changes.append(f"optimizer_config.lr {saved_lr:g} -> {base:g}")
-    for group in optimizer.param_groups:
+    # The lrs this run was given (Muon's groups have their own): the schedule scales them.
+    for group, saved_lr in zip(optimizer.param_groups, state["scheduler"]["base_lrs"],
+                               strict=True):
+        key = "muon_lr" if group.get("muon") else "lr"
+        base = optimizer.defaults[key]
+        change = f"optimizer_config.{key} {saved_lr:g} -> {base:g}"
+        if saved_lr != base and change not in changes:
+            changes.append(change)
         group["initial_lr"] = base
     scheduler = build_scheduler(optimizer, cfg, steps)
     # LambdaLR also counts its step() calls (only for a warning about call order): the saved

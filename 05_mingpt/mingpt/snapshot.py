@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from mingpt import errors, faults, storage
+from mingpt.muon import MuonAdamW
 from mingpt.optim import (
     inner,
     keep_own_optimizer_settings,
@@ -248,9 +249,15 @@ def set_rng_state(state: dict, device: torch.device) -> None:
 
 
 def check_compatible(state: dict, model_config: dict, data_meta: dict, url: str,
-                     match_keys: tuple[str, ...]) -> None:
-    """SnapshotError unless the snapshot's model, and the data meta keys its data module names
-    in `match_keys` (kind, vocabulary, ...), match this run's."""
+                     match_keys: tuple[str, ...], optimizer: str = "adamw") -> None:
+    """SnapshotError unless the snapshot's model, the data meta keys its data module names
+    in `match_keys` (kind, vocabulary, ...), and its optimizer's kind match this run's."""
+    # (A snapshot from before optimizer_config.name existed holds AdamW's state.)
+    saved_name = state.get("optimizer_name", "adamw")
+    if saved_name != optimizer:
+        raise SnapshotError(f"snapshot {url} holds {saved_name}'s optimizer state, not "
+                            f"{optimizer}'s; set optimizer_config.name={saved_name} or "
+                            "trainer_config.snapshot_path to a new path")
     saved = state["model_config"]
     for key, value in model_config.items():
         if key not in NOT_ARCHITECTURE and saved.get(key) != value:
@@ -395,7 +402,8 @@ def load_file_into_shards(state: dict, model: torch.nn.Module,
     from mingpt.model import GPT, GPTConfig  # noqa: PLC0415
     whole = GPT(GPTConfig(**state["model_config"]))
     whole.load_state_dict(state["model"])
-    adamw = torch.optim.AdamW(whole.optim_groups(0.0))
+    muon = state.get("optimizer_name") == "muon"  # its groups: the blocks' matrices first
+    adamw = (MuonAdamW if muon else torch.optim.AdamW)(whole.optim_groups(0.0, muon=muon))
     adamw.load_state_dict(state["optimizer"])  # the saved groups, decay included
     model_sd, optim_sd = get_state_dict(whole, adamw)
     with tempfile.TemporaryDirectory(prefix="snapshot-") as folder:
@@ -629,7 +637,7 @@ def load(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.O
         raise SnapshotError(f"ranks read {url} at different steps {steps}: put "
                             "trainer_config.snapshot_path on storage all nodes share")
     _load_agreed(check_compatible, state, meta["model_config"], meta["data_meta"], url,
-                 match_keys)
+                 match_keys, meta.get("optimizer_name", "adamw"))
     # A local file is mapped (_load_mapped): the memory of every tensor read from it. (From
     # an object store they are the process's own: nothing to copy.)
     mapped = {t.untyped_storage().data_ptr() for t in _tensors(state)} if storage.is_local(url) \

@@ -83,14 +83,33 @@ def qkv_rows(rows: int, tp_rank: int, tp_size: int, dp_rank: int = 0, dp_size: i
     return runs
 
 
-def _checkpointable(value: DTensor) -> torch.Tensor:
-    """This rank's rows of a q/k/v DTensor as a plain tensor on the same memory, marked with
-    where its row runs lie in the global tensor (DCP's CheckpointableTensor protocol)."""
+def _runs(value: DTensor) -> list[tuple[int, int, int]]:
+    """qkv_rows of this rank for the q/k/v DTensor `value`."""
     mesh = value.device_mesh
     coordinate = mesh.get_coordinate()  # (tp,) under tp, (dp, tp) under fsdp_tp
     sharded = mesh.ndim == 2 and not value.placements[0].is_replicate()  # not ddp's replicate
     dp_rank, dp_size = (coordinate[0], mesh.size(0)) if sharded else (0, 1)
-    runs = qkv_rows(value.shape[0], coordinate[-1], mesh.size(-1), dp_rank, dp_size)
+    return qkv_rows(value.shape[0], coordinate[-1], mesh.size(-1), dp_rank, dp_size)
+
+
+def is_qkv(value: object) -> bool:
+    """Whether `value` is a q/k/v DTensor, whose layout only this module describes."""
+    return _is_qkv(value)
+
+
+def own_rows(value: DTensor, whole: torch.Tensor) -> DTensor:
+    """The inverse of whole_strided for one q/k/v DTensor: `whole`, a tensor of its global
+    shape, cut to this rank's rows, as a DTensor laid out as `value` is (no communication)."""
+    local = torch.cat([whole[first:first + length] for _, first, length in _runs(value)])
+    return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False,
+                              shape=value.shape, stride=value.stride())
+
+
+def _checkpointable(value: DTensor) -> torch.Tensor:
+    """This rank's rows of a q/k/v DTensor as a plain tensor on the same memory, marked with
+    where its row runs lie in the global tensor (DCP's CheckpointableTensor protocol)."""
+    runs = _runs(value)
+    mesh = value.device_mesh
     local = value.to_local().detach()  # a new tensor object: the attributes stay off the param
     if sum(length for *_, length in runs) != local.shape[0]:  # FSDP cut it some other way
         raise RuntimeError(f"a q/k/v shard of {local.shape[0]} rows where {runs} was expected"
