@@ -114,3 +114,28 @@ def test_bench_profile_sorts_the_kernels_an_h200_ran():
                      "void": "optimizer"}, kinds
     assert sum(profile["kinds_ms"].values()) == pytest.approx(profile["gpu_ms_per_step"])
     assert 0 < profile["gpu_busy"] <= 1
+
+
+def test_comm_lab_times_every_collective_and_fits_its_link(mingpt):
+    """bench/comm_lab.py on 2 gloo ranks, 1 to 16 KiB: a row per collective and size, algbw
+    and busbw by nccl-tests' definitions (all_reduce's factor 2(n-1)/n = 1 on 2 ranks, the
+    gathers' and scatters' (n-1)/n = 1/2), and a link model per collective."""
+    run([PYTHON, "bench/comm_lab.py", "--worlds", "2", "--max_bytes", "16384", "--seconds",
+         "0.01", "--out", "bench/lab"], cwd=mingpt)
+    info = json.loads((mingpt / "bench/lab.json").read_text())
+    assert (mingpt / "bench/lab.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert info["backend"] == "gloo" and info["worlds"] == [2]
+    names = ["all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast",
+             "send_recv"]
+    assert [(r["collective"], r["bytes"]) for r in info["rows"]] == \
+        [(name, size) for name in names for size in (1024, 4096, 16384)]
+    factor = {"all_reduce": 1.0, "reduce_scatter": 0.5, "all_gather": 0.5, "all_to_all": 0.5,
+              "broadcast": 1.0, "send_recv": 1.0}
+    for r in info["rows"]:
+        assert r["seconds"] > 0
+        assert r["algbw_GBps"] == pytest.approx(r["bytes"] / r["seconds"] / 1e9)
+        assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * factor[r["collective"]])
+    assert sorted(info["model"]) == sorted(names)
+    for by_world in info["model"].values():  # small sizes only: the bandwidth term can be 0
+        link = by_world["2"]
+        assert link["alpha_s"] > 0 and link["beta_s_per_byte"] >= 0, link
