@@ -413,7 +413,9 @@ def machine() -> dict:
                        if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
+    # The kernel set torch picks by instruction set (ATEN_CPU_CAPABILITY forces another).
     return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
 
 

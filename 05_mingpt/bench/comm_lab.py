@@ -26,8 +26,6 @@ call costs however small (latency-bound sizes), 1 / beta the algbw a large call 
 """
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -37,6 +35,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from ranks import spawn  # bench/ranks.py: run as a script, its own folder is on the path
+
+from bench import machine  # bench/bench.py: what the figures were measured on
 
 HERE = Path(__file__).resolve().parent.parent  # 05_mingpt/
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast",
@@ -215,17 +215,9 @@ def main(argv: list[str] | None = None) -> int:
             points = [(r["bytes"], r["seconds"]) for r in rows
                       if r["collective"] == name and r["world"] == world]
             model.setdefault(name, {})[str(world)] = fit(points)
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:  # Linux: the CPU's marketing name
-            cpu = next(line.split(":", 1)[1].strip() for line in f
-                       if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
     info = {"command": " ".join(["python", "bench/comm_lab.py", *(argv or sys.argv[1:])]),
-            "machine": {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
-                        "cpu_capability": torch.backends.cpu.get_cpu_capability()},
-            "backend": backend, "worlds": args.worlds, "rows": rows, "model": model}
+            "machine": machine(), "backend": backend, "worlds": args.worlds, "rows": rows,
+            "model": model}
     out.with_suffix(".json").write_text(json.dumps(info, indent=1))
     plot(info, out.with_suffix(".png"))
     for name, by_world in model.items():
