@@ -2,12 +2,12 @@
 AdamW for the rest, under every layout that shards or splits those matrices.
 
 One process: the optimizer is torch.optim.Muon plus torch.optim.AdamW, bit for bit, and an
-expert stack's matrices are orthogonalized one by one. On 4 gloo ranks (ONE spawned world, the
-runs in-process as main.py runs them): ddp, zero, fsdp, ddp x tp, fsdp x tp, ddp x pp and the
-experts' ep layouts follow ddp's run (one process's arithmetic up to the all-reduce's order)
-within the bound derived below; a run stopped halfway resumes under another layout, through
-either snapshot format, and still follows. (Same-layout resumes, bit for bit, are the feature
-matrix's: tests/test_feature_matrix.py.)
+expert stack's matrices are orthogonalized one by one. On 4 gloo ranks, and again on 2 (ONE
+spawned world each, the runs in-process as main.py runs them): ddp, zero, fsdp, tp (with ddp or
+fsdp over it), pp and the experts' ep layouts follow ddp's run (one process's arithmetic up to
+the all-reduce's order) within the bound derived below; on 4, a run stopped halfway resumes
+under another layout, through either snapshot format, and still follows. (Same-layout resumes,
+bit for bit, are the feature matrix's: tests/test_feature_matrix.py.)
 """
 import copy
 import json
@@ -30,7 +30,7 @@ from mingpt_helpers import (
 )
 from test_mingpt_strategies import LOSS_UNITS, OUTLIERS, run
 
-WORLD, GLOBAL_BATCH, STEPS, HALF = 4, 8, 4, 2
+GLOBAL_BATCH, STEPS, HALF = 8, 4, 2
 MUON_LR = 0.02
 # The bound against ddp, derived. A Muon step moves a weight by lr_t * s * |O_ij|, O the
 # orthogonalized update (singular values pushed into about [0.7, 1.2], so |O_ij| <= 1.2) and
@@ -43,7 +43,7 @@ MUON_LR = 0.02
 # touches, and the next gradients by as much again through the weights: 4% of MUON_BUDGET.
 # A MoE adds routing: a token whose two best experts nearly tie can go to the other expert
 # in one layout, moving both experts' gradients by its share. Hence 10% of the budget.
-# Measured worst (avx512, this file's runs) / MUON_BUDGET: fsdp, ddp x tp, fsdp x tp 1.2%,
+# Measured worst (avx512, the 4-rank runs) / MUON_BUDGET: fsdp, ddp x tp, fsdp x tp 1.2%,
 # ddp x pp 3.0%, the ep layouts 5.6%, the resumes 0.9%. The two bugs this test found moved
 # weights by 28%: zero's Muon groups taking AdamW's lr, fsdp x tp gathering q/k/v rows in
 # DTensor's order (a layout only mingpt/parallel/strided.py describes).
@@ -52,26 +52,34 @@ WEIGHT_TOLERANCE = 0.1 * MUON_BUDGET
 # Losses (4 decimals) within LOSS_UNITS (test_mingpt_strategies); a MoE's routing flips move
 # a loss by a few units of the 4th decimal (measured: 4).
 MOE_LOSS_UNITS = 10
-# name -> (distributed_method, tp_size, pp_size, ep_size, n_expert)
+# world -> name -> (distributed_method, tp_size, pp_size, ep_size, n_expert); the
+# data-parallel degree is what the world leaves: dp = world / (tp x pp).
 LAYOUTS = {
-    "ddp": ("ddp", 0, 0, 0, 0),  # dp 4: the reference of the dense layouts
-    "zero": ("zero", 0, 0, 0, 0),
-    "fsdp": ("fsdp", 0, 0, 0, 0),
-    "ddp_tp2": ("ddp", 2, 0, 0, 0),
-    "fsdp_tp2": ("fsdp", 2, 0, 0, 0),
-    "ddp_pp2": ("ddp", 0, 2, 0, 0),
-    "moe_ddp": ("ddp", 0, 0, 0, 4),  # 4 experts, dp 4: the reference of the ep layouts
-    "moe_ep2": ("ddp", 0, 0, 2, 4),  # each rank 2 whole experts: no gather
-    "moe_fsdp_ep2": ("fsdp", 0, 0, 2, 4),  # and FSDP over the 2 ranks sharing them
+    4: {"ddp": ("ddp", 0, 0, 0, 0),  # dp 4: the reference of the dense layouts
+        "zero": ("zero", 0, 0, 0, 0),
+        "fsdp": ("fsdp", 0, 0, 0, 0),
+        "ddp_tp2": ("ddp", 2, 0, 0, 0),
+        "fsdp_tp2": ("fsdp", 2, 0, 0, 0),
+        "ddp_pp2": ("ddp", 0, 2, 0, 0),
+        "moe_ddp": ("ddp", 0, 0, 0, 4),  # 4 experts, dp 4: the reference of the ep layouts
+        "moe_ep2": ("ddp", 0, 0, 2, 4),  # each rank 2 whole experts: no gather
+        "moe_fsdp_ep2": ("fsdp", 0, 0, 2, 4)},  # and FSDP over the 2 ranks sharing them
+    2: {"ddp": ("ddp", 0, 0, 0, 0),  # dp 2
+        "zero": ("zero", 0, 0, 0, 0),
+        "fsdp": ("fsdp", 0, 0, 0, 0),
+        "tp2": ("ddp", 2, 0, 0, 0),  # dp 1 x tp 2
+        "pp2": ("ddp", 0, 2, 0, 0),  # two stages, dp 1
+        "moe_ddp": ("ddp", 0, 0, 0, 4),
+        "moe_ep2": ("ddp", 0, 0, 2, 4)},
 }
-# Stopped at HALF under the first layout, resumed to STEPS under the second.
+# On 4 ranks: stopped at HALF under the first layout, resumed to STEPS under the second.
 MOVES = {"fsdp_then_tp2": ("fsdp", "ddp_tp2"),  # shards into shards (DCP)
          "ddp_then_fsdp": ("ddp", "fsdp")}  # ddp's one file into FSDP's shards
 
 
-def overrides(name: str, run_dir: Path, text: Path, max_steps: int) -> list[str]:
-    method, tp, pp, ep, experts = LAYOUTS[name]
-    dp = WORLD // (max(tp, 1) * max(pp, 1))
+def overrides(world: int, name: str, run_dir: Path, text: Path, max_steps: int) -> list[str]:
+    method, tp, pp, ep, experts = LAYOUTS[world][name]
+    dp = world // (max(tp, 1) * max(pp, 1))
     return tiny(f"run_dir={run_dir}", f"data_config.path={text}",
                 "optimizer_config.name=muon", f"optimizer_config.muon_lr={MUON_LR}",
                 f"trainer_config.distributed_method={method}", f"trainer_config.tp_size={tp}",
@@ -87,29 +95,38 @@ def overrides(name: str, run_dir: Path, text: Path, max_steps: int) -> list[str]
                 "trainer_config.eval_batches=2", "trainer_config.sample_tokens=0")
 
 
-def _worker(rank: int, store: str, out: str, text: str) -> None:
-    torch.set_num_threads(1)  # four processes share the cores
-    dist.init_process_group("gloo", store=dist.FileStore(store, WORLD), rank=rank,
-                            world_size=WORLD, timeout=timedelta(seconds=120))
+def _worker(rank: int, store: str, out: str, text: str, world: int) -> None:
+    torch.set_num_threads(1)  # the processes share the cores
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank,
+                            world_size=world, timeout=timedelta(seconds=120))
     out_dir, text, result = Path(out), Path(text), {}
     with mingpt_imported("main") as m:
-        for name in LAYOUTS:
-            result[name] = run(m, overrides(name, out_dir / name, text, STEPS))[0]
-        for move, (first, then) in MOVES.items():
-            run(m, overrides(first, out_dir / move, text, HALF))
-            result[move] = run(m, overrides(then, out_dir / move, text, STEPS))[0]
+        for name in LAYOUTS[world]:
+            result[name] = run(m, overrides(world, name, out_dir / name, text, STEPS))[0]
+        for move, (first, then) in (MOVES if world == 4 else {}).items():
+            run(m, overrides(world, first, out_dir / move, text, HALF))
+            result[move] = run(m, overrides(world, then, out_dir / move, text, STEPS))[0]
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
     m["distributed"].release()
 
 
-@pytest.fixture(scope="module")
-def spawned(tmp_path_factory):
-    out = tmp_path_factory.mktemp("muon")
+def spawn(tmp_path_factory, world: int) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp(f"muon{world}")
     text = out / "input.txt"  # 40,000 characters of the usual text: fast to read, same vocab
     text.write_text((REPO / "05_mingpt/data/input.txt").read_text()[:40_000])
-    mp.start_processes(_worker, args=(str(out / "store"), str(out), str(text)), nprocs=WORLD,
-                       start_method="spawn")
+    mp.start_processes(_worker, args=(str(out / "store"), str(out), str(text), world),
+                       nprocs=world, start_method="spawn")
     return out, json.loads((out / "rank0.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    return spawn(tmp_path_factory, 4)
+
+
+@pytest.fixture(scope="module")
+def spawned2(tmp_path_factory):
+    return spawn(tmp_path_factory, 2)
 
 
 def tiny_gpt(m, **extra):
@@ -159,9 +176,10 @@ def test_an_expert_stack_is_orthogonalized_one_matrix_at_a_time():
             assert torch.equal(w, linear.detach().T)
 
 
-def test_muon_follows_ddp_under_every_layout(spawned):
-    out, logs = spawned
-    for name, (_, _, _, _, experts) in LAYOUTS.items():
+@pytest.mark.parametrize("world", [4, 2])
+def test_muon_follows_ddp_under_every_layout(world, request):
+    out, logs = request.getfixturevalue("spawned" if world == 4 else "spawned2")
+    for name, (_, _, _, _, experts) in LAYOUTS[world].items():
         reference = "moe_ddp" if experts else "ddp"
         losses, ref = train_losses(logs[name]), train_losses(logs[reference])
         assert sorted(losses) == list(range(1, STEPS + 1)), (name, losses)
