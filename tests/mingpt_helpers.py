@@ -51,6 +51,20 @@ def copy_mingpt(dest: Path) -> Path:
         "__pycache__", "runs", "outputs")))
 
 
+def retrace(run_dir: Path, text: Path, max_steps: int, *overrides: str) -> list[str]:
+    """tiny(*overrides) for a run compared step by step with another layout's: its folder,
+    text and length, its snapshot in run_dir, no dropout (ranks that split a head or a
+    sequence draw other masks than one process), a constant lr after the warmup (a run of
+    half the steps is exactly the first half of the longer one), a loss logged at every step,
+    no snapshot before the end and no sample."""
+    return tiny(*overrides, f"run_dir={run_dir}", f"data_config.path={text}",
+                f"trainer_config.max_steps={max_steps}",
+                f"trainer_config.snapshot_path={run_dir}/snapshot",
+                "gpt_config.dropout=0.0", "trainer_config.min_lr_ratio=1.0",
+                "trainer_config.log_every=1", "trainer_config.save_every=0",
+                "trainer_config.eval_batches=2", "trainer_config.sample_tokens=0")
+
+
 def assert_refused(config, overrides: list[str], message: str) -> None:
     """`config.load(overrides)` (config: mingpt/config.py, imported) refuses them with a
     ValueError whose text is `message` to the letter: what main.py prints after `error: `."""

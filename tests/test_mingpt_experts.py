@@ -24,6 +24,7 @@ from mingpt_helpers import (
     assert_refused,
     assert_retraces,
     mingpt_imported,
+    retrace,
     snapshot_weights,
     tiny,
     train_losses,
@@ -65,15 +66,11 @@ def overrides(name: str, run_dir: Path, text: Path, max_steps: int) -> list[str]
     method, ep, pp = LAYOUTS[name]
     dp = WORLD // max(pp, 1)
     offload = ("trainer_config.cpu_offload=true",) if name == "fsdp_ep2" else ()
-    return tiny(f"run_dir={run_dir}", f"data_config.path={text}", *MOE, *offload,
-                f"trainer_config.distributed_method={method}", f"trainer_config.ep_size={ep}",
-                f"trainer_config.pp_size={pp}", f"trainer_config.batch_size={GLOBAL_BATCH // dp}",
-                f"trainer_config.microbatches={2 if pp else 1}",
-                f"trainer_config.max_steps={max_steps}",
-                f"trainer_config.snapshot_path={run_dir}/snapshot",
-                "gpt_config.dropout=0.0", "trainer_config.min_lr_ratio=1.0",
-                "trainer_config.log_every=1", "trainer_config.save_every=0",
-                "trainer_config.eval_batches=2", "trainer_config.sample_tokens=0")
+    return retrace(run_dir, text, max_steps, *MOE, *offload,
+                   f"trainer_config.distributed_method={method}", f"trainer_config.ep_size={ep}",
+                   f"trainer_config.pp_size={pp}",
+                   f"trainer_config.batch_size={GLOBAL_BATCH // dp}",
+                   f"trainer_config.microbatches={2 if pp else 1}")
 
 
 def _gradients(m: dict, method: str, ep: int) -> dict:

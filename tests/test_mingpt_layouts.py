@@ -24,6 +24,7 @@ from mingpt_helpers import (
     assert_refused,
     assert_retraces,
     mingpt_imported,
+    retrace,
     snapshot_weights,
     tiny,
     train_losses,
@@ -65,19 +66,12 @@ def overrides(name: str, run_dir: Path, text: Path, max_steps: int, world: int =
               ) -> list[str]:
     method, tp, pp, cp = (LAYOUTS if world == WORLD else LAYOUTS_8).get(name, MOVED)
     dp = world // (max(tp, 1) * max(pp, 1) * max(cp, 1))
-    return tiny(f"run_dir={run_dir}", f"data_config.path={text}",
-                f"trainer_config.distributed_method={method}", f"trainer_config.tp_size={tp}",
-                f"trainer_config.pp_size={pp}", f"trainer_config.cp_size={cp}",
-                f"trainer_config.batch_size={GLOBAL_BATCH // dp}",
-                # A pipeline cuts each micro-step's batch into 2 micro-batches (1F1B).
-                f"trainer_config.microbatches={2 if pp else 1}",
-                f"trainer_config.max_steps={max_steps}",
-                f"trainer_config.snapshot_path={run_dir}/snapshot",
-                # No dropout: TP's and cp's ranks draw other masks than DDP's. A constant lr
-                # after the warmup: HALF steps are exactly the first half of the longer run.
-                "gpt_config.dropout=0.0", "trainer_config.min_lr_ratio=1.0",
-                "trainer_config.log_every=1", "trainer_config.save_every=0",
-                "trainer_config.eval_batches=2", "trainer_config.sample_tokens=0")
+    return retrace(run_dir, text, max_steps,
+                   f"trainer_config.distributed_method={method}", f"trainer_config.tp_size={tp}",
+                   f"trainer_config.pp_size={pp}", f"trainer_config.cp_size={cp}",
+                   f"trainer_config.batch_size={GLOBAL_BATCH // dp}",
+                   # A pipeline cuts each micro-step's batch into 2 micro-batches (1F1B).
+                   f"trainer_config.microbatches={2 if pp else 1}")
 
 
 def _worker(rank: int, store: str, out: str, text: str, world: int = WORLD) -> None:

@@ -23,8 +23,8 @@ from conftest import REPO
 from mingpt_helpers import (
     log_units,
     mingpt_imported,
+    retrace,
     snapshot_weights,
-    tiny,
     train_losses,
     weights_apart,
 )
@@ -80,19 +80,13 @@ MOVES = {"fsdp_then_tp2": ("fsdp", "ddp_tp2"),  # shards into shards (DCP)
 def overrides(world: int, name: str, run_dir: Path, text: Path, max_steps: int) -> list[str]:
     method, tp, pp, ep, experts = LAYOUTS[world][name]
     dp = world // (max(tp, 1) * max(pp, 1))
-    return tiny(f"run_dir={run_dir}", f"data_config.path={text}",
-                "optimizer_config.name=muon", f"optimizer_config.muon_lr={MUON_LR}",
-                f"trainer_config.distributed_method={method}", f"trainer_config.tp_size={tp}",
-                f"trainer_config.pp_size={pp}", f"trainer_config.ep_size={ep}",
-                f"gpt_config.n_expert={experts}", f"trainer_config.batch_size={GLOBAL_BATCH // dp}",
-                f"trainer_config.microbatches={2 if pp else 1}",
-                f"trainer_config.max_steps={max_steps}",
-                f"trainer_config.snapshot_path={run_dir}/snapshot",
-                # No dropout (TP's ranks draw other masks); a constant lr after the warmup, so
-                # HALF steps are exactly the first half of the longer run.
-                "gpt_config.dropout=0.0", "trainer_config.min_lr_ratio=1.0",
-                "trainer_config.log_every=1", "trainer_config.save_every=0",
-                "trainer_config.eval_batches=2", "trainer_config.sample_tokens=0")
+    return retrace(run_dir, text, max_steps,
+                   "optimizer_config.name=muon", f"optimizer_config.muon_lr={MUON_LR}",
+                   f"trainer_config.distributed_method={method}", f"trainer_config.tp_size={tp}",
+                   f"trainer_config.pp_size={pp}", f"trainer_config.ep_size={ep}",
+                   f"gpt_config.n_expert={experts}",
+                   f"trainer_config.batch_size={GLOBAL_BATCH // dp}",
+                   f"trainer_config.microbatches={2 if pp else 1}")
 
 
 def _worker(rank: int, store: str, out: str, text: str, world: int) -> None:

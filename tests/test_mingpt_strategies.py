@@ -32,6 +32,7 @@ from mingpt_helpers import (
     log_units,
     mingpt_imported,
     other_cpu_kernels,
+    retrace,
     tiny,
     train_losses,
     val_losses,
@@ -89,15 +90,10 @@ OUTLIERS = 3
 
 def overrides(name: str, run_dir: Path, text: Path, max_steps: int) -> list[str]:
     method, batch, tp_size = METHODS[name]
-    return tiny(f"run_dir={run_dir}", f"data_config.path={text}",
-                f"trainer_config.distributed_method={method}", f"trainer_config.tp_size={tp_size}",
-                f"trainer_config.batch_size={batch}", f"trainer_config.max_steps={max_steps}",
-                f"trainer_config.snapshot_path={run_dir}/snapshot",
-                # No dropout: TP's ranks draw other masks than DDP's. A constant lr after the
-                # warmup: the run of HALF steps is exactly the first half of the longer one.
-                "gpt_config.dropout=0.0", "trainer_config.min_lr_ratio=1.0",
-                "trainer_config.log_every=1", "trainer_config.save_every=0",
-                "trainer_config.eval_batches=2", "trainer_config.sample_tokens=0")
+    # No dropout: TP's ranks draw other masks than DDP's (mingpt_helpers.retrace).
+    return retrace(run_dir, text, max_steps,
+                   f"trainer_config.distributed_method={method}",
+                   f"trainer_config.tp_size={tp_size}", f"trainer_config.batch_size={batch}")
 
 
 def configure(m: dict, args: list[str], base: dict = {}) -> DictConfig:  # noqa: B006 (a cache)
