@@ -158,7 +158,8 @@ def profile_steps(steps: Iterator[float], n: int) -> dict:
             kernels[e.key] = kernels.get(e.key, 0.0) + e.self_device_time_total / 1e3 / n
     kinds: dict[str, float] = {}
     for name, ms in kernels.items():
-        kinds[kind_of(name)] = kinds.get(kind_of(name), 0.0) + ms
+        kind = kind_of(name)
+        kinds[kind] = kinds.get(kind, 0.0) + ms
     busy = sum(kernels.values())
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
     return {"steps": n, "wall_ms_per_step": 1000 * wall / n, "gpu_ms_per_step": busy,

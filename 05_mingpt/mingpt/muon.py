@@ -19,6 +19,9 @@ collective and a schedule of owners; at this size the arithmetic is the smaller 
 expert stack (E, in, out) sharded only along the experts holds whole matrices: no gather.
 ZeRO gives whole parameters to their owner rank, and pipeline stages own whole blocks.
 """
+from collections.abc import Callable
+from functools import partial
+
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -88,15 +91,7 @@ class MuonAdamW(torch.optim.AdamW):
         momentum = group["momentum"]
         buf.lerp_(param.grad, 1 - momentum)
         update = param.grad.lerp(buf, momentum)  # Nesterov, as torch.optim.Muon's default
-        whole = update
-        qkv = strided.is_qkv(update)  # TP's q/k/v rows: a layout only strided.py describes
-        sharded = isinstance(update, DTensor) and not _whole_matrices(update)
-        if qkv:
-            whole = strided.whole_strided(update)
-        elif sharded:
-            whole = update.full_tensor()  # all-gathers the matrix over its shard mesh
-        elif isinstance(update, DTensor):
-            whole = update.to_local()  # whole expert matrices, a share of the experts
+        whole, back = _whole(update)
         if whole.ndim == 2:
             ortho = _zeropower_via_newtonschulz(whole, NS_COEFFICIENTS, NS_STEPS, EPS)
             # nn.Linear's (out, in), as torch.optim.Muon scales it
@@ -105,18 +100,28 @@ class MuonAdamW(torch.optim.AdamW):
             ortho = torch.stack([_zeropower_via_newtonschulz(m, NS_COEFFICIENTS, NS_STEPS, EPS)
                                  for m in whole.unbind(0)]) if len(whole) else whole.bfloat16()
             lr = _adjust_lr(group["lr"], None, param.shape[:0:-1])
-        if qkv:
-            ortho = strided.own_rows(update, ortho)
-        elif sharded:  # this rank's part of the whole result: a local slice, no communication
-            mesh = update.device_mesh
-            ortho = DTensor.from_local(ortho, mesh, [Replicate()] * mesh.ndim,
-                                       run_check=False).redistribute(mesh, update.placements)
-        elif isinstance(update, DTensor):
-            ortho = DTensor.from_local(ortho, update.device_mesh, update.placements,
-                                       run_check=False, shape=update.shape,
-                                       stride=update.stride())
+        ortho = back(ortho)
         param.mul_(1 - group["lr"] * group["weight_decay"])
         param.add_(ortho, alpha=-lr)
+
+
+def _whole(update: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """(`update`'s whole matrices, a function that lays a result of that shape out as `update`
+    is): a plain tensor as it is; TP's q/k/v rows through strided.py (a layout only it
+    describes); a DTensor of whole matrices (replicated, or experts cut along the stack) as
+    its local part; any other DTensor all-gathered over its shard mesh, and cut back locally,
+    with no communication."""
+    if strided.is_qkv(update):
+        return strided.whole_strided(update), partial(strided.own_rows, update)
+    if not isinstance(update, DTensor):
+        return update, lambda t: t
+    mesh, placements = update.device_mesh, update.placements
+    if _whole_matrices(update):
+        return update.to_local(), partial(DTensor.from_local, device_mesh=mesh,
+                                          placements=placements, run_check=False,
+                                          shape=update.shape, stride=update.stride())
+    return update.full_tensor(), lambda t: DTensor.from_local(
+        t, mesh, [Replicate()] * mesh.ndim, run_check=False).redistribute(mesh, placements)
 
 
 def _whole_matrices(t: DTensor) -> bool:

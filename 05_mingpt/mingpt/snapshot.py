@@ -47,8 +47,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from mingpt import errors, faults, storage
-from mingpt.muon import MuonAdamW
 from mingpt.optim import (
+    build_optimizer,
     inner,
     keep_own_optimizer_settings,
     local_optimizer,
@@ -402,9 +402,9 @@ def load_file_into_shards(state: dict, model: torch.nn.Module,
     from mingpt.model import GPT, GPTConfig  # noqa: PLC0415
     whole = GPT(GPTConfig(**state["model_config"]))
     whole.load_state_dict(state["model"])
-    muon = state.get("optimizer_name") == "muon"  # its groups: the blocks' matrices first
-    adamw = (MuonAdamW if muon else torch.optim.AdamW)(whole.optim_groups(0.0, muon=muon))
-    adamw.load_state_dict(state["optimizer"])  # the saved groups, decay included
+    # The saver's kind of optimizer (its groups and state), as build_optimizer builds it.
+    adamw = build_optimizer(whole, "ddp", 1e-3, name=state.get("optimizer_name", "adamw"))
+    adamw.load_state_dict(state["optimizer"])  # the saved groups, decay and lrs included
     model_sd, optim_sd = get_state_dict(whole, adamw)
     with tempfile.TemporaryDirectory(prefix="snapshot-") as folder:
         with warnings.catch_warnings():  # one process's own copy: no group is the point

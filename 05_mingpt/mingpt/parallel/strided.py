@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 
-def _is_qkv(value: object) -> bool:
+def is_qkv(value: object) -> bool:
     """A q/k/v tensor of QKVColwiseParallel: strided over the TP (last) mesh dimension.
 
     (fsdp_tp's other column-wise tensors are strided too, over dp, in the layout FSDP2 + TP
@@ -58,7 +58,7 @@ def whole_strided(tree: object) -> object:
     and for tools, not for snapshots, which save each rank's own rows (checkpointable)."""
     if isinstance(tree, dict):
         return {key: whole_strided(value) for key, value in tree.items()}
-    return _whole(tree) if _is_qkv(tree) else tree
+    return _whole(tree) if is_qkv(tree) else tree
 
 
 def qkv_rows(rows: int, tp_rank: int, tp_size: int, dp_rank: int = 0, dp_size: int = 1
@@ -90,11 +90,6 @@ def _runs(value: DTensor) -> list[tuple[int, int, int]]:
     sharded = mesh.ndim == 2 and not value.placements[0].is_replicate()  # not ddp's replicate
     dp_rank, dp_size = (coordinate[0], mesh.size(0)) if sharded else (0, 1)
     return qkv_rows(value.shape[0], coordinate[-1], mesh.size(-1), dp_rank, dp_size)
-
-
-def is_qkv(value: object) -> bool:
-    """Whether `value` is a q/k/v DTensor, whose layout only this module describes."""
-    return _is_qkv(value)
 
 
 def own_rows(value: DTensor, whole: torch.Tensor) -> DTensor:
@@ -141,4 +136,4 @@ def checkpointable(tree: object) -> object:
     itself (not changed) hold the loaded values."""
     if isinstance(tree, dict):
         return {key: checkpointable(value) for key, value in tree.items()}
-    return _checkpointable(tree) if _is_qkv(tree) else tree
+    return _checkpointable(tree) if is_qkv(tree) else tree
