@@ -74,6 +74,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="--memory: sequences per rank per micro-step (default: 4)")
     parser.add_argument("--cp_size", type=positive_int, default=2,
                         help="--memory: largest context-parallel group to show (default: 2)")
+    parser.add_argument("--machine", default="bench/comm_lab.json",
+                        help="--memory: the machine profile a step's time is predicted for "
+                        "(bench/comm_lab.py's JSON; default: %(default)s)")
     args = parser.parse_args(argv)
     if args.memory and args.preset is None:
         parser.error("--memory needs --preset (it plans one model at a time)")
@@ -235,21 +238,52 @@ MEMORY_KEYS = ("parameters", "gradients", "optimizer", "model state", "buffers",
                "activations / micro-batch", "peak activations", "predicted peak")
 
 
+def step_rate(model: GPT, overrides: list[str], args: argparse.Namespace, plan: dict,
+              profile: dict) -> tuple[float, float]:
+    """(predicted step in seconds, tokens per second) of a layout from rank 0's plan
+    (mingpt/step_time.py; rank 0 stands for every rank, its pipeline stage for every stage):
+    tokens/s compares layouts whose ranks share a batch (tp, cp, pp) with those that do not."""
+    from mingpt import step_time  # noqa: PLC0415
+    from mingpt.parallel import layout  # noqa: PLC0415
+    cfg = layout_config(model, overrides, args.world_size, args.batch_size)
+    t = cfg.trainer_config
+    lay = layout.resolve(t.distributed_method, args.world_size, t.tp_size, t.pp_size,
+                         t.cp_size, t.ep_size)
+    step = step_time.predict(args.world_size, lay.pp, {0: plan}, profile, t.microbatches)
+    return step["step"], args.batch_size * lay.dp * args.block_size / step["step"]
+
+
 def memory_rows(model: GPT, args: argparse.Namespace) -> tuple[list[dict[str, object]],
                                                                  list[str]]:
     """Rank 0's bytes under every layout that fits (one row each), and a line for each
     that does not (its own reason: the config's checks, or the layout code's, as TP's heads
-    or a pipeline's micro-batches)."""
-    plans = predict(model, memory_layouts(model, args), args.world_size, args.batch_size,
-                    keep_refusals=True)
+    or a pipeline's micro-batches). With a machine profile (--machine), each layout's
+    predicted step and tokens/s too, the fastest first; else a line says why not."""
+    from mingpt import ROOT, step_time  # noqa: PLC0415
+    layouts = memory_layouts(model, args)
+    plans = predict(model, layouts, args.world_size, args.batch_size, keep_refusals=True)
+    try:
+        profile = step_time.load_profile(ROOT / args.machine)
+        step_time.check_world(profile, args.world_size)
+    except ValueError as err:
+        profile, refused = None, [f"predicted step: none ({err})"]
+    else:
+        refused = []
     # Human-readable sizes for the table; predict() keeps the exact bytes for tests.
-    rows, refused = [], []
+    rows, speeds = [], []
     for name, by_rank in plans.items():
         plan = by_rank[0]
         if isinstance(plan, ValueError):
             refused.append(f"{name}: {plan}")
             continue
-        rows.append({"layout": name, **{key: human_bytes(plan[key]) for key in MEMORY_KEYS}})
+        row = {"layout": name, **{key: human_bytes(plan[key]) for key in MEMORY_KEYS}}
+        if profile is not None:
+            step, tokens = step_rate(model, layouts[name], args, plan, profile)
+            row.update({"predicted step": f"{1e3 * step:.1f} ms", "tokens/s": f"{tokens:,.0f}"})
+            speeds.append(tokens)
+        rows.append(row)
+    if profile is not None:  # the fastest first
+        rows = [row for _, row in sorted(zip(speeds, rows, strict=True), key=lambda x: -x[0])]
     return rows, refused
 
 
@@ -262,11 +296,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{args.preset}: {model.num_params():,} parameters, vocab_size="
                   f"{args.vocab_size}, block_size={args.block_size}, batch_size="
                   f"{args.batch_size} per data-parallel rank, {args.world_size} ranks, fp32, "
-                  "AdamW; rank 0's bytes, planned by the dry run (DRY_RUN.md)")
+                  "AdamW; rank 0's bytes, planned by the dry run (DRY_RUN.md), and with "
+                  f"the machine of {args.machine}, each layout's predicted step, the fastest "
+                  "first")
             rows, refused = memory_rows(model, args)
             print_table(rows)
             for line in refused:
-                print(f"not shown: {line}")
+                print(line if line.startswith("predicted step") else f"not shown: {line}")
             print("model state = parameters + gradients + AdamW's state; buffers: DDP's "
                   "gradient buckets, FSDP's gathered blocks; activations: what autograd "
                   "keeps for backward; predicted peak = model state + buffers + peak "

@@ -79,6 +79,7 @@ SETTINGS = {
     "bias": "what GPT-2 can hold (export_hf.py's refusals)",
     "lr": "the optimizer's step size", "muon_lr": "the optimizer's step size (with muon)",
     "betas": "AdamW's settings", "weight_decay": "the optimizer's settings",
+    "dry_run_profile": "the machine a dry run predicts step time for (with dry_run)",
 }
 WORLD = 4  # torchrun's WORLD_SIZE for the checks that need one
 # The features a warm world of WORLD gloo ranks trains in this process's tests: each accepted

@@ -201,7 +201,8 @@ MINGPT_MODULES = {
     "snapshot": "mingpt.snapshot", "storage": "mingpt.storage", "trainer": "mingpt.trainer",
     "sample": "sample"}
 EXTRA_MODULES = {"bpe_dataset": "mingpt.data.bpe", "image_dataset": "mingpt.data.image",
-                 "pretrained": "mingpt.pretrained", "dry_run": "mingpt.dry_run"}
+                 "pretrained": "mingpt.pretrained", "dry_run": "mingpt.dry_run",
+                 "step_time": "mingpt.step_time"}
 SCRIPTS = ("main", "sample", "launch", "prepare", "model_size", "export_hf")
 
 

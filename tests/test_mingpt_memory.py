@@ -172,7 +172,13 @@ def test_model_size_memory_table_shows_what_each_strategy_saves(m, capsys):
                  model_size.build_on_meta("gpt-micro", 65, 32), model_size.parse_args(argv))]
     # Every strategy whose mesh fits 2 ranks (fsdp_tp_pp's pp 2 x tp 2 needs 4), ddp with cp 2;
     # the one that does not fit, with the config's own reason.
-    assert shown == ["ddp", "fsdp", "zero", "tp", "fsdp_tp", "pp", "fsdp_pp", "ddp cp 2"], out
+    assert sorted(shown) == sorted(["ddp", "fsdp", "zero", "tp", "fsdp_tp", "pp", "fsdp_pp",
+                                    "ddp cp 2"]), out
+    # The fastest first, by the predicted tokens/s of the committed machine profile (the last
+    # column): the ranking the table is for.
+    speeds = [float(line.split()[-1].replace(",", "")) for line in out.splitlines()
+              if line[:10].strip() in shown]
+    assert speeds == sorted(speeds, reverse=True) and speeds[-1] > 0, out
     assert "not shown: fsdp_tp_pp: pp_size=2 x tp_size=2 = 4 must divide the world size 2" in out
     gpt = model_size.build_on_meta("gpt-micro", 65, 32)
     plans = model_size.predict(gpt, {s: [f"trainer_config.distributed_method={s}"]
@@ -189,7 +195,7 @@ def test_model_size_memory_table_shows_what_each_strategy_saves(m, capsys):
     out = capsys.readouterr().out
     assert "not shown: tp: tensor parallelism over tp_size=2 ranks needs n_head and n_embd " \
            "divisible by 2, got n_head=3, n_embd=48" in out, out
-    assert out.splitlines()[4].startswith("fsdp "), out  # ddp, then fsdp: planned
+    assert any(line.startswith("fsdp ") for line in out.splitlines()), out  # still planned
     for bad, line in ((["--memory", "--preset", "gpt-mini", "--world_size", "3", "--tp_size",
                         "2"], "error: --world_size 3 must be divisible by --tp_size 2\n"),
                       (["--memory"], "error: --memory needs --preset (it plans one model at "

@@ -76,10 +76,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def overrides(args: argparse.Namespace, strategy: str, ranks: int) -> list[str]:
     """main.py's config for one run: nanoGPT's CPU configuration by default (no dropout, so
     every strategy computes the same steps), evaluation and snapshots only at each round's end."""
-    # tp_size: tensor parallelism spans every rank of the run; other strategies ignore it.
+    # tp_size: tensor parallelism spans every rank of the run (other strategies: none),
+    # unless the overrides after -- set it (hydra takes a key once).
+    tp = [] if any(o.startswith("trainer_config.tp_size=") for o in args.overrides) else \
+        [f"trainer_config.tp_size={ranks if strategy in ('tp', 'fsdp_tp') else 0}"]
     return [f"gpt_config.model_type={args.preset}", f"gpt_config.block_size={args.block_size}",
-            "gpt_config.dropout=0.0", f"trainer_config.distributed_method={strategy}",
-            f"trainer_config.tp_size={ranks if strategy in ('tp', 'fsdp_tp') else 0}",
+            "gpt_config.dropout=0.0", f"trainer_config.distributed_method={strategy}", *tp,
             f"trainer_config.batch_size={args.batch_size}",
             f"trainer_config.precision={args.precision}", f"trainer_config.compile={args.compile}",
             f"trainer_config.max_steps={args.warmup + args.steps}",

@@ -23,6 +23,10 @@ The link model: time = alpha + beta x S, fitted per collective and world size by
 squares on relative error (every size counts alike, 1 KiB as much as 64 MiB). alpha is what a
 call costs however small (latency-bound sizes), 1 / beta the algbw a large call tends to
 (bandwidth-bound ones); the dry run's time prediction reads them from the JSON's `model`.
+
+It also measures one rank's compute (mingpt/step_time.py, measure_compute: a matmul's FLOP/s,
+the cost of one op in a training step, an elementwise op's bytes/s, on one thread), the
+JSON's `compute`: the dry run predicts a step's compute from them.
 """
 import argparse
 import json
@@ -37,6 +41,7 @@ import torch.distributed as dist
 from ranks import spawn  # bench/ranks.py: run as a script, its own folder is on the path
 
 from bench import machine  # bench/bench.py: what the figures were measured on
+from mingpt import step_time  # bench.py put 05_mingpt/ on the path
 
 HERE = Path(__file__).resolve().parent.parent  # 05_mingpt/
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast",
@@ -215,9 +220,10 @@ def main(argv: list[str] | None = None) -> int:
             points = [(r["bytes"], r["seconds"]) for r in rows
                       if r["collective"] == name and r["world"] == world]
             model.setdefault(name, {})[str(world)] = fit(points)
+    compute = step_time.measure_compute()  # alone: no rank of a world runs beside it
     info = {"command": " ".join(["python", "bench/comm_lab.py", *(argv or sys.argv[1:])]),
             "machine": machine(), "backend": backend, "worlds": args.worlds, "rows": rows,
-            "model": model}
+            "model": model, "compute": compute}
     out.with_suffix(".json").write_text(json.dumps(info, indent=1))
     plot(info, out.with_suffix(".png"))
     for name, by_world in model.items():
@@ -225,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"model {name:15} {world} ranks: alpha {1e6 * m['alpha_s']:8.1f} us, large "
                   f"algbw {m['large_algbw_GBps'] or 0:7.3f} GB/s (worst fit error "
                   f"{100 * m['worst_relative_error']:.0f}%)")
+    print(f"compute on one thread: matmul {compute['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s, "
+          f"{1e6 * compute['op_s']:.2f} us per op, {compute['bytes_per_s'] / 1e9:.1f} GB/s")
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
     return 0
 

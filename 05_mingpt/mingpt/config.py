@@ -73,6 +73,7 @@ class TrainerKeys:
     ft_replicas: int = MISSING
     ft_replica_group: int = MISSING
     dry_run: int = MISSING  # > 0: plan a run of that many ranks in one process (dry_run.py)
+    dry_run_profile: str = MISSING  # its machine: bench/comm_lab.py's JSON (step_time.py)
 
 
 # The layout's keys (the degrees tp_size, pp_size, cp_size, ..., precision, compile, ...) are

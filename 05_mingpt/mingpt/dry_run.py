@@ -35,11 +35,12 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from mingpt import distributed, memory
+from mingpt import distributed, memory, step_time
 from mingpt.model import GPT, GPTConfig
 from mingpt.optim import build_optimizer
 from mingpt.parallel import Settings, layout, parallelize, runner
@@ -73,10 +74,15 @@ class CommCounter(TorchDispatchMode):
     def __init__(self, axes: dict[str, str]) -> None:
         super().__init__()
         self.axes = axes  # process group name -> axis ("dp", "tp", ...)
-        # (axis, kind) -> [calls, bytes sent, bytes received, largest buffer]
-        self.counts: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+        # (axis, kind) -> [calls, bytes sent, bytes received, largest buffer, group size]
+        self.counts: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0, 0, 0])
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            # DTensor runs its op first; the collectives it issues inside (a norm's
+            # all-reduce, a redistribute) come back here on local tensors. Handled here
+            # instead, they would run with this mode off and go uncounted.
+            return NotImplemented
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         kind = _OPS.get(func._opname) if func.namespace in ("c10d", "_c10d_functional") \
@@ -119,13 +125,15 @@ class CommCounter(TorchDispatchMode):
         if kind != "send/recv":
             entry[2] += share  # a collective receives as much as it sends
         entry[3] = max(entry[3], payload)
+        entry[4] = n
 
     def table(self) -> dict[str, dict[str, int]]:
-        """{axis: {"kind calls": n, "kind sent": bytes, "kind received": bytes}}."""
+        """{axis: {"kind calls": n, "kind sent": bytes, "kind received": bytes,
+        "kind ranks": the group's size}}."""
         out: dict[str, dict[str, int]] = defaultdict(dict)
-        for (axis, kind), (calls, sent, received, _) in sorted(self.counts.items()):
+        for (axis, kind), (calls, sent, received, _, n) in sorted(self.counts.items()):
             out[axis].update({f"{kind} calls": calls, f"{kind} sent": sent,
-                              f"{kind} received": received})
+                              f"{kind} received": received, f"{kind} ranks": n})
         return dict(out)
 
     def buffers(self) -> int:
@@ -184,9 +192,9 @@ def measure_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, t: Di
     optimizer's step), counted: communication by axis, saved activations, model state.
     Used on the fake group by the dry run and on a real one by its tests."""
     step = runner(model, CPU, t.precision)
-    counter = CommCounter(group_axes(model))
+    counter, work = CommCounter(group_axes(model)), step_time.WorkCounter()
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    with counter, memory.saved_activations(model) as acts:
+    with counter, work, memory.saved_activations(model) as acts:
         step.forward_backward(micro_batches, scaler, lambda phase: None)
         if t.grad_clip > 0:
             step.clip_grad_norm(t.grad_clip)
@@ -202,6 +210,7 @@ def measure_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, t: Di
               "peak activations": acts["peak"]}
     result["predicted peak"] = result["model state"] + result["buffers"] + acts["peak"]
     result["comm"] = counter.table()
+    result["work"] = work.table()
     return result
 
 
@@ -431,8 +440,49 @@ def report(lay: layout.Layout, plans: dict[int, dict]) -> str:
     return "\n".join(lines)
 
 
-def run(cfg: DictConfig) -> None:
-    """main.py with trainer_config.dry_run=N: print the plan; ValueError (one line) where a
-    real run of this layout would be refused."""
+def ms(seconds: float) -> str:
+    return f"{1e3 * seconds:.1f} ms"
+
+
+def time_report(plans: dict[int, dict], predicted: dict, profile: dict, where: str) -> str:
+    """The predicted step's table (step_time.predict): per rank its work, bubble and
+    communication by axis and kind, then the step and what bounds it."""
+    ranks = list(plans)
+    m = profile["machine"]
+    lines = [f"predicted step, for {m['cpu']} ({m['cores']} cores, {profile['backend']}; "
+             f"{where})".ljust(28) + "".join(f"rank {r}".rjust(14) for r in ranks)]
+    rows = {"compute": {r: predicted["ranks"][r]["compute"] for r in ranks}}
+    if any(predicted["ranks"][r]["bubble"] for r in ranks):
+        rows["pipeline bubble"] = {r: predicted["ranks"][r]["bubble"] for r in ranks}
+    for r in ranks:
+        for name, seconds in predicted["ranks"][r]["comm"].items():
+            rows.setdefault(name, {})[r] = seconds
+    for name, by_rank in rows.items():
+        lines.append(name.ljust(28) + "".join(
+            (ms(by_rank[r]) if r in by_rank else "-").rjust(14) for r in ranks))
+    slowest = predicted["slowest rank"]
+    bound = (f"every rank's work over {m['cores']} cores, {ms(predicted['capacity'])}"
+             if predicted["cores bound"] else "its compute and bubble")
+    lines.append(f"predicted step: {ms(predicted['step'])} (rank {slowest}, the slowest: "
+                 f"{bound}, then its communication; step_time.py says how)")
+    return "\n".join(lines)
+
+
+def run(cfg: DictConfig) -> tuple[layout.Layout, dict[int, dict]]:
+    """main.py with trainer_config.dry_run=N: print the plan and, with a machine profile,
+    the predicted step; ValueError (one line) where a real run of this layout would be
+    refused. Returns what plan() does."""
+    from mingpt import ROOT  # noqa: PLC0415
+
     lay, plans = plan(cfg)
     print(report(lay, plans))
+    t = cfg.trainer_config
+    path = ROOT / t.dry_run_profile  # a relative path: from 05_mingpt/, as every path
+    try:
+        profile = step_time.load_profile(path)
+        predicted = step_time.predict(lay.world, lay.pp, plans, profile, t.microbatches)
+    except ValueError as err:  # the plan stands without it
+        print(f"\npredicted step: none ({err})")
+        return lay, plans
+    print("\n" + time_report(plans, predicted, profile, t.dry_run_profile))
+    return lay, plans

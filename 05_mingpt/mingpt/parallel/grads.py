@@ -32,11 +32,12 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float,
         kinds.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None,
                          []).append(p)
     if len(kinds) <= 1 and stages is None:  # DDP, FSDP: one kind, torch's own (fused) version
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=_foreach(kinds))
     norms = []
     for same_mesh in kinds.values():  # the same order on every rank: the collectives match
         norm = torch.nn.utils.get_total_norm([p.grad for p in same_mesh
-                                              if id(p) not in not_counted])
+                                              if id(p) not in not_counted],
+                                             foreach=_foreach({None: same_mesh}))
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     total = torch.linalg.vector_norm(torch.stack(norms))
     if stages is not None:  # the other stages' squares: sqrt(sum of squares), over the group
@@ -51,6 +52,18 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float,
             coef, mesh, [Replicate()] * mesh.ndim, run_check=False)
         torch._foreach_mul_([p.grad for p in same_mesh], factor)
     return total
+
+
+def _foreach(kinds: dict) -> bool | None:
+    """The `foreach` argument of torch's norm and clip for these gradients (clip_grad_norm_'s
+    kinds): True for plain ones on a CPU or GPU, else None (torch's own choice)."""
+    # True is what torch picks by default for plain CPU and GPU gradients: its fused (foreach)
+    # kernels. Said here because torch decides by the tensors' type, and the dry run's fake
+    # tensors would take the per-tensor loop instead: other ops than a real step runs, which
+    # the predicted step time counts. DTensor gradients take the loop in both.
+    params = kinds.get(None)
+    return True if params and params[0].grad.device.type in ("cpu", "cuda") \
+        and len(kinds) == 1 else None
 
 
 def set_grad_sync(model: nn.Module, sync: bool) -> AbstractContextManager:
