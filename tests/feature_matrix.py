@@ -48,6 +48,7 @@ FEATURES = {
     "init_from": {"init_from": ["gpt_config.init_from=gpt2"]},
     "snapshot_path": {"s3": ["trainer_config.snapshot_path=s3://bucket/run/snapshot"]},
     "name": {"muon": ["optimizer_config.name=muon"]},
+    "comm_hook": {"fp16_hook": ["trainer_config.comm_hook=fp16"]},
 }
 # What a feature needs besides itself, where the defaults lack it; in a pair, the other
 # feature's own overrides win over these (cpu_offload with zero is cpu_offload under zero).

@@ -29,7 +29,17 @@ from mingpt import ROOT
 from mingpt.data import KINDS, data_module
 from mingpt.errors import require
 from mingpt.model import GPTConfig, resolve_config
-from mingpt.parallel import STRATEGIES, context, dataparallel, expert, ft, layout, pipeline, tensor
+from mingpt.parallel import (
+    STRATEGIES,
+    context,
+    dataparallel,
+    ddp,
+    expert,
+    ft,
+    layout,
+    pipeline,
+    tensor,
+)
 from mingpt.parallel.layout import Settings
 from mingpt.parallel.tensor import check_tp
 from mingpt.precision import PRECISIONS
@@ -256,6 +266,7 @@ def _check_layout(t: DictConfig) -> None:
         tensor.check_config(t)
     if t.pp_size > 1 or "pp" in on:  # schedules, micro-batches, no fp16
         pipeline.check_config(t)
+    ddp.check_config(t)  # a communication hook only where DDP's wrapper runs
     require(t.dry_run >= 0, "trainer_config.dry_run", "an integer >= 0 (0: off, N: plan N ranks)",
             t.dry_run)
     require(not t.dry_run or flavour != "dp", "trainer_config.dry_run", "0 with "

@@ -6,14 +6,36 @@ all-reduce during backward, bucket by bucket, overlapped with it.
 """
 import torch
 import torch.distributed as dist
+from omegaconf import DictConfig
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from mingpt.errors import require
 from mingpt.parallel.fsdp import policies
-from mingpt.parallel.layout import Settings
+from mingpt.parallel.layout import SHORTHANDS, Settings
 from mingpt.parallel.wrappers import wrap_blocks
+
+# trainer_config.comm_hook: how DDP all-reduces each gradient bucket. torch's own hooks
+# (torch.distributed.algorithms.ddp_comm_hooks): the bucket divided by the ranks, cast to
+# fp16 or bf16, all-reduced (half the bytes), cast back. The hook runs on the bucket only:
+# weights, AdamW and its state stay fp32. Stateless, so a resume is exact as without one.
+HOOKS = {"none": None, "fp16": default_hooks.fp16_compress_hook,
+         "bf16": default_hooks.bf16_compress_hook}
+
+
+def check_config(t: DictConfig) -> None:
+    """trainer_config.comm_hook: a name of HOOKS, and only where DDP's wrapper all-reduces
+    the gradients (ddp or zero with no tp, pp or ep degree: the others reduce through FSDP2)."""
+    require(t.comm_hook in HOOKS, "trainer_config.comm_hook", f"one of {', '.join(HOOKS)}",
+            t.comm_hook)
+    flavour, on = SHORTHANDS.get(t.distributed_method, (t.distributed_method, ()))
+    require(t.comm_hook == "none" or (flavour in ("ddp", "zero") and not on
+                                      and max(t.tp_size, t.pp_size, t.ep_size) <= 1),
+            "trainer_config.comm_hook", "none unless distributed_method=ddp or zero without "
+            "tp_size, pp_size or ep_size (a hook of DDP's own all-reduce)", t.comm_hook)
 
 
 def apply(model: nn.Module, device: torch.device, s: Settings, mesh: DeviceMesh,
@@ -40,16 +62,20 @@ def apply(model: nn.Module, device: torch.device, s: Settings, mesh: DeviceMesh,
         # its buckets and all-reduce them over a group of one: about 10 % of a small
         # model's step on a CPU (bench/README.md). Snapshots hold unwrap(model) anyway.
         return model
-    return wrap(model, device, mesh.get_group())
+    return wrap(model, device, mesh.get_group(), s.comm_hook)
 
 
-def wrap(model: nn.Module, device: torch.device, group: dist.ProcessGroup | None = None
-         ) -> DDP:
-    """The DDP wrapper itself, over `group` (None: every rank)."""
+def wrap(model: nn.Module, device: torch.device, group: dist.ProcessGroup | None = None,
+         comm_hook: str = "none") -> DDP:
+    """The DDP wrapper itself, over `group` (None: every rank), all-reducing through
+    `comm_hook` (HOOKS)."""
     # DDP broadcasts the group's first rank's weights at construction and all-reduces
     # gradients in backward. device_ids only for a GPU: on the CPU DDP must get none.
-    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-               process_group=group)
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+              process_group=group)
+    if HOOKS[comm_hook] is not None:
+        ddp.register_comm_hook(group or dist.group.WORLD, HOOKS[comm_hook])
+    return ddp
 
 
 def _replicate(model: nn.Module, s: Settings, mesh: DeviceMesh) -> nn.Module:

@@ -53,6 +53,7 @@ class Settings(NamedTuple):
     pp_stages_per_rank: int = 2  # the looped schedules' stages per rank
     pp_split: list[int] | None = None  # blocks per stage; None: as even as possible
     batch_size: int = 0  # sequences per micro-step (a dry run's pipeline stages: their shapes)
+    comm_hook: str = "none"  # DDP's gradient all-reduce: none, fp16 or bf16 compressed (ddp.py)
 
 
 # Flavours: how the data-parallel ranks hold the model. (None: no data-parallel axis; the
