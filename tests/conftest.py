@@ -126,16 +126,45 @@ ROBUSTNESS_FILES = (
 )
 
 
+# The learner's quick check, `python -m pytest -m quick` (about 2 minutes on 2 cores): every
+# test of QUICK_FILES (each module's own behaviour, in this process or one small world) and
+# the QUICK_TESTS that run the README's first commands (step 01, step 02's spawn, 05's
+# `python main.py` then `sample.py`). Every layout, launch and fault stays in the full run.
+QUICK_FILES = (
+    "test_docs.py",
+    "test_mingpt_docs.py",
+    "test_mingpt_units.py",
+    "test_mingpt_model.py",
+    "test_mingpt_parallel.py",
+    "test_mingpt_bpe.py",
+    "test_mingpt_image.py",
+    "test_mingpt_sample.py",
+    "test_mingpt_step_time.py",
+    "test_mingpt_strategy_mix.py",
+    "test_cluster.py",
+    "test_container.py",
+    "test_gpu.py",  # skipped without CUDA; on a GPU machine, its own quick check
+)
+QUICK_TESTS = (
+    "test_step01_default_command_learns",
+    "test_step02_spawn_learns_and_rank0_alone_logs_and_saves",
+    "test_python_main_py_then_sample_py",
+)
+
+
 # tryfirst: the marker must be on the items before pytest's own hook deselects by `-m`.
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Longest files first (BUDGETS), the rest as collected; each file's tests in order.
     Every test of a file in ROBUSTNESS_FILES is marked `robustness`, and so is every test
     named *_slowest elsewhere (kill-and-resume runs, a minute of launches each): the usage
-    run stays short, and the full run (CI's) still has them."""
+    run stays short, and the full run (CI's) still has them. QUICK_FILES' tests and
+    QUICK_TESTS are marked `quick`: the learner's quick check."""
     for item in items:
         if item.path.name in ROBUSTNESS_FILES or item.originalname.endswith("_slowest"):
             item.add_marker(pytest.mark.robustness)
+        elif item.path.name in QUICK_FILES or item.originalname in QUICK_TESTS:
+            item.add_marker(pytest.mark.quick)
 
     def rank(item: pytest.Item) -> int:
         name = item.path.name

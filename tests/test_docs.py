@@ -384,3 +384,17 @@ def test_quoted_stack_lines_are_the_codes():
                     wrong.append(f"{where}, but {callee}() is called at line(s) {at}")
     assert not wrong, "stale stack lines:\n" + "\n".join(wrong)
     assert checked >= 8, f"only {checked} frames found: has the stack format changed?"
+
+
+def test_the_quick_check_names_files_and_tests_that_exist():
+    """conftest's quick check (`-m quick`): every file it names is a test file, none of them a
+    robustness file, and every test it names is defined once in a usage file."""
+    from conftest import QUICK_FILES, QUICK_TESTS  # noqa: PLC0415
+
+    tests = REPO / "tests"
+    assert all((tests / name).is_file() for name in QUICK_FILES), QUICK_FILES
+    assert not set(QUICK_FILES) & set(ROBUSTNESS_FILES)
+    for name in QUICK_TESTS:
+        defined = [p.name for p in tests.glob("test_*.py")
+                   if re.search(rf"^def {name}\(", p.read_text(), re.M)]
+        assert len(defined) == 1 and defined[0] not in ROBUSTNESS_FILES, (name, defined)
