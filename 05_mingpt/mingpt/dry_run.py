@@ -214,15 +214,24 @@ def measure_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, t: Di
     return result
 
 
-def _ddp_on_fake(model: torch.nn.Module) -> None:
+def _ddp_on_fake(model: torch.nn.Module, comm_hook: str = "none") -> None:
     """The fake backend's futures carry no value (torch 2.14), which DDP's reducer needs back
-    from its all-reduce: a hook that all-reduces each bucket as the reducer would (the same
-    op, which CommCounter counts; nothing moves) and hands the bucket back itself."""
+    from its all-reduce: a hook that all-reduces each bucket as the reducer, or the run's
+    `comm_hook` (ddp.HOOKS), would (the same ops, which CommCounter counts; nothing moves)
+    and hands the bucket back itself. DDP takes one hook, so parallelize was given none."""
     if isinstance(model, DistributedDataParallel):
+        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(comm_hook)
+
         def hand_back(group, bucket):
-            dist.all_reduce(bucket.buffer(), group=group)
+            buffer = bucket.buffer()
+            if dtype is None:
+                dist.all_reduce(buffer, group=group)
+            else:  # as torch's compress hooks: cast, divide, all-reduce, copy back
+                compressed = buffer.to(dtype).div_(group.size())
+                dist.all_reduce(compressed, group=group)
+                buffer.copy_(compressed)
             future = torch.futures.Future()
-            future.set_result(bucket.buffer())
+            future.set_result(buffer)
             return future
         model.register_comm_hook(model.process_group, hand_back)
 
@@ -244,7 +253,8 @@ def _to_empty(model: torch.nn.Module) -> None:
 
 def _step(cfg: DictConfig, gpt_config: GPTConfig) -> dict:
     t = cfg.trainer_config
-    settings = {key: t[key] for key in Settings._fields}
+    # The communication hook is the fake group's own (_ddp_on_fake): DDP takes only one.
+    settings = {**{key: t[key] for key in Settings._fields}, "comm_hook": "none"}
     torch.manual_seed(t.seed)
     if gpt_config.n_expert:
         model, mode = _real_shards(cfg, gpt_config, settings), nullcontext()
@@ -260,7 +270,7 @@ def _step(cfg: DictConfig, gpt_config: GPTConfig) -> dict:
         model = parallelize(model, CPU, t.distributed_method, **settings)
     # From here on as the trainer would: DDP's buckets handed back on the fake group, the real
     # optimizer (ZeRO's own for zero), one counted step.
-    _ddp_on_fake(model)
+    _ddp_on_fake(model, t.comm_hook)
     o = cfg.optimizer_config
     optimizer = build_optimizer(model, t.distributed_method, o.lr, o.betas, o.weight_decay,
                                 o.name, o.muon_lr)
