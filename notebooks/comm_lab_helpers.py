@@ -188,3 +188,45 @@ def hooks(rank: int, world_size: int, names: list[str], steps: int = 40,
                      "val loss": _val_loss(model.module, rank, world_size),
                      "step s": statistics.median(seconds[1:])})
     return rows
+
+
+def _under_backward(model: DDP, rank: int) -> tuple[float, float, float]:
+    """One profiled backward: (all-reduce ms, the share of it under the backward, backward
+    ms). gloo runs each all-reduce on a thread of its own (its `gloo:all_reduce` events); the
+    backward spans its first to its last autograd function."""
+    x, y = _batch(rank, 8)
+    with torch.profiler.profile() as profile:
+        model(x, y)[1].backward()
+    events = list(profile.events())
+    backward = [e.time_range for e in events
+                if e.name.startswith("autograd::engine::evaluate_function")]
+    start, end = min(r.start for r in backward), max(r.end for r in backward)
+    # The threads' intervals (in us), merged where they overlap each other.
+    merged: list[list[float]] = []
+    for lo, hi in sorted((e.time_range.start, e.time_range.end) for e in events
+                         if e.name == "gloo:all_reduce"):
+        if merged and lo <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    total = sum(hi - lo for lo, hi in merged)
+    under = sum(max(0.0, min(hi, end) - max(lo, start)) for lo, hi in merged)
+    return total / 1e3, under / total, (end - start) / 1e3
+
+
+def overlap(rank: int, world_size: int, caps: list[float], n_embd: int = 256,
+            profiles: int = 3) -> list[dict]:
+    """For each bucket_cap_mb, DDP's backward profiled `profiles` times: how long gloo's
+    threads spent in all-reduces, and how much of that lay under the backward pass rather
+    than after it (the median profile's: the two processes share 2 cores, and a profile now
+    and then catches one of them waiting for a core)."""
+    rows = []
+    for cap in caps:
+        model = DDP(_gpt(n_embd, 4), bucket_cap_mb=cap)
+        _train(model, 2, 8, rank)  # past DDP's first step, which lays its buckets out again
+        runs = sorted((_under_backward(model, rank) for _ in range(profiles)),
+                      key=lambda run: run[1])
+        total, share, backward = runs[len(runs) // 2]
+        rows.append({"bucket_cap_mb": cap, "all-reduce ms": total, "under backward": share,
+                     "backward ms": backward})
+    return rows

@@ -389,7 +389,8 @@ def test_comm_lab(checkout):
     """comm_lab.ipynb with its defaults: each section asserts in the notebook what it shows
     (busbw climbing with size, the all-reduce's bytes as a reduce-scatter's and an
     all-gather's, fewer calls for larger buckets, half the bytes for fp16 and bf16, PowerSGD's
-    compression); here, that it ran and what it printed and drew."""
+    compression, buckets overlapping backward); here, that it ran and what it printed and
+    drew."""
     shutil.copytree(REPO / "02_multigpu", checkout / "02_multigpu",  # pitfalls_helpers' imports
                     ignore=shutil.ignore_patterns("__pycache__", "*.pt"))
     nb = execute(checkout, "comm_lab.ipynb")
@@ -401,6 +402,9 @@ def test_comm_lab(checkout):
     ratios = {m[1]: float(m[2]) for m in re.finditer(r"(powersgd\d): .* ([0-9.]+)x compressed",
                                                       hooks)}
     assert sorted(ratios) == ["powersgd1", "powersgd4"], hooks
+    under = re.findall(r"^bucket_cap_mb +\d+: .* (\d+) % of it under", text(cell(nb, "ch.overlap")),
+                       re.M)
+    assert len(under) == 2, under
     # Its time is printed, not bounded here (timings stay out of tests: notebooks/README.md).
     assert re.search(r"the notebook ran \d+ s", text(cell(nb, "ch.shutdown")))
 
