@@ -190,6 +190,32 @@ def test_set_grad_sync_switches_fsdp_gradient_reduction_until_changed(m, group):
         assert_close_ulps(full(a.grad), 2 * b.grad, 32)
 
 
+def test_clip_takes_torchs_fused_norm_for_plain_gradients_only(m, group, monkeypatch):
+    """grads.clip_grad_norm_ with plain and DTensor gradients (TP's mix) takes each kind's
+    norm with torch's get_total_norm: the plain ones told foreach=True (torch's own default
+    for them, said so that the dry run's fake tensors take the same path), the DTensor ones
+    left to torch's choice (None)."""
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+    from torch.distributed.tensor import Shard, distribute_tensor  # noqa: PLC0415
+
+    mesh = init_device_mesh("cpu", (1,))
+    plain = torch.nn.Parameter(torch.ones(3))
+    sharded = torch.nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)]))
+    plain.grad = torch.full((3,), 2.0)
+    sharded.grad = distribute_tensor(torch.full((4, 2), 2.0), mesh, [Shard(0)])
+    asked = []
+    total_norm = torch.nn.utils.get_total_norm
+
+    def spy(tensors, *args, foreach=None, **kwargs):
+        asked.append((isinstance(tensors[0], DTensor), foreach))
+        return total_norm(tensors, *args, foreach=foreach, **kwargs)
+
+    monkeypatch.setattr(torch.nn.utils, "get_total_norm", spy)
+    total = m["grads"].clip_grad_norm_([plain, sharded], 1.0)
+    assert asked == [(False, True), (True, None)]
+    assert total.item() == pytest.approx(2.0 * (3 + 8) ** 0.5)  # every gradient entry is 2
+
+
 def _two_rank_worker(rank: int, store_path: str, out_dir: str) -> None:
     """One of two ranks: two micro-steps, the first without gradient sync, for DDP and FSDP."""
     torch.set_num_threads(1)  # two processes share the cores

@@ -32,12 +32,13 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float,
         kinds.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None,
                          []).append(p)
     if len(kinds) <= 1 and stages is None:  # DDP, FSDP: one kind, torch's own (fused) version
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=_foreach(kinds))
+        return torch.nn.utils.clip_grad_norm_(params, max_norm,
+                                              foreach=_foreach(next(iter(kinds), None), params))
     norms = []
-    for same_mesh in kinds.values():  # the same order on every rank: the collectives match
+    for mesh, same_mesh in kinds.items():  # the same order on every rank: the collectives match
         norm = torch.nn.utils.get_total_norm([p.grad for p in same_mesh
                                               if id(p) not in not_counted],
-                                             foreach=_foreach({None: same_mesh}))
+                                             foreach=_foreach(mesh, same_mesh))
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     total = torch.linalg.vector_norm(torch.stack(norms))
     if stages is not None:  # the other stages' squares: sqrt(sum of squares), over the group
@@ -54,16 +55,16 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float,
     return total
 
 
-def _foreach(kinds: dict) -> bool | None:
-    """The `foreach` argument of torch's norm and clip for these gradients (clip_grad_norm_'s
-    kinds): True for plain ones on a CPU or GPU, else None (torch's own choice)."""
+def _foreach(mesh: object, params: list[nn.Parameter]) -> bool | None:
+    """The `foreach` argument of torch's norm and clip for the gradients of one of
+    clip_grad_norm_'s kinds (`mesh` None: plain tensors): True for plain ones on a CPU or
+    GPU, else None (torch's own choice)."""
     # True is what torch picks by default for plain CPU and GPU gradients: its fused (foreach)
     # kernels. Said here because torch decides by the tensors' type, and the dry run's fake
     # tensors would take the per-tensor loop instead: other ops than a real step runs, which
     # the predicted step time counts. DTensor gradients take the loop in both.
-    params = kinds.get(None)
-    return True if params and params[0].grad.device.type in ("cpu", "cuda") \
-        and len(kinds) == 1 else None
+    plain = mesh is None and params and params[0].grad.device.type in ("cpu", "cuda")
+    return True if plain else None
 
 
 def set_grad_sync(model: nn.Module, sync: bool) -> AbstractContextManager:
