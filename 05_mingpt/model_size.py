@@ -177,12 +177,14 @@ def layout_config(model: GPT, overrides: list[str], world_size: int, batch_size:
 
 def predict(model: GPT, layouts: dict[str, list[str]], world_size: int, batch_size: int,
             ranks: tuple[int, ...] = (0,), microbatches: int | None = None,
-            keep_refusals: bool = False) -> dict[str, dict[int, dict | ValueError]]:
+            keep_refusals: bool = False, configs: dict[str, DictConfig] | None = None
+            ) -> dict[str, dict[int, dict | ValueError]]:
     """What `ranks` hold and send in a training step of `model` (built on the meta device)
     under each layout (name -> main.py overrides), `batch_size` sequences per data-parallel
     rank: the dry run's plan (mingpt/dry_run.py), one process per rank, all layouts at once.
     ValueError (one line) where a layout does not fit the model or the world size; with
-    keep_refusals, that ValueError in the plan's place (the others are planned)."""
+    keep_refusals, that ValueError in the plan's place (the others are planned). `configs`,
+    where given, receives each planned layout's config (name -> main.py's checked config)."""
     # The import is here: the size table needs none of the distributed machinery.
     from mingpt import config, dry_run  # noqa: PLC0415
     # Every (layout, rank) is one job for the dry run's pool: all of them planned at once, two
@@ -202,6 +204,8 @@ def predict(model: GPT, layouts: dict[str, list[str]], world_size: int, batch_si
                                                "block_size": model.config.block_size})[0]
         jobs += [(cfg, gpt_config, world_size, rank) for rank in ranks]
         names += [(name, rank) for rank in ranks]
+        if configs is not None:
+            configs[name] = cfg
     # The pool returns the plans in the jobs' order: file each under its layout and rank.
     for (name, rank), plan in zip(names, dry_run.plan_ranks(jobs, keep_refusals), strict=True):
         plans[name][rank] = plan
@@ -238,14 +242,14 @@ MEMORY_KEYS = ("parameters", "gradients", "optimizer", "model state", "buffers",
                "activations / micro-batch", "peak activations", "predicted peak")
 
 
-def step_rate(model: GPT, overrides: list[str], args: argparse.Namespace, plan: dict,
-              profile: dict) -> tuple[float, float]:
-    """(predicted step in seconds, tokens per second) of a layout from rank 0's plan
-    (mingpt/step_time.py; rank 0 stands for every rank, its pipeline stage for every stage):
-    tokens/s compares layouts whose ranks share a batch (tp, cp, pp) with those that do not."""
+def step_rate(cfg: DictConfig, args: argparse.Namespace, plan: dict, profile: dict
+              ) -> tuple[float, float]:
+    """(predicted step in seconds, tokens per second) of a layout (its config: predict's
+    `configs`) from rank 0's plan (mingpt/step_time.py; rank 0 stands for every rank, its
+    pipeline stage for every stage): tokens/s compares layouts whose ranks share a batch
+    (tp, cp, pp) with those that do not."""
     from mingpt import step_time  # noqa: PLC0415
     from mingpt.parallel import layout  # noqa: PLC0415
-    cfg = layout_config(model, overrides, args.world_size, args.batch_size)
     t = cfg.trainer_config
     lay = layout.resolve(t.distributed_method, args.world_size, t.tp_size, t.pp_size,
                          t.cp_size, t.ep_size)
@@ -260,8 +264,9 @@ def memory_rows(model: GPT, args: argparse.Namespace) -> tuple[list[dict[str, ob
     or a pipeline's micro-batches). With a machine profile (--machine), each layout's
     predicted step and tokens/s too, the fastest first; else a line says why not."""
     from mingpt import ROOT, step_time  # noqa: PLC0415
-    layouts = memory_layouts(model, args)
-    plans = predict(model, layouts, args.world_size, args.batch_size, keep_refusals=True)
+    configs: dict[str, DictConfig] = {}
+    plans = predict(model, memory_layouts(model, args), args.world_size, args.batch_size,
+                    keep_refusals=True, configs=configs)
     try:
         profile = step_time.load_profile(ROOT / args.machine)
         step_time.check_world(profile, args.world_size)
@@ -274,11 +279,11 @@ def memory_rows(model: GPT, args: argparse.Namespace) -> tuple[list[dict[str, ob
     for name, by_rank in plans.items():
         plan = by_rank[0]
         if isinstance(plan, ValueError):
-            refused.append(f"{name}: {plan}")
+            refused.append(f"not shown: {name}: {plan}")
             continue
         row = {"layout": name, **{key: human_bytes(plan[key]) for key in MEMORY_KEYS}}
         if profile is not None:
-            step, tokens = step_rate(model, layouts[name], args, plan, profile)
+            step, tokens = step_rate(configs[name], args, plan, profile)
             row.update({"predicted step": f"{1e3 * step:.1f} ms", "tokens/s": f"{tokens:,.0f}"})
             speeds.append(tokens)
         rows.append(row)
@@ -302,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
             rows, refused = memory_rows(model, args)
             print_table(rows)
             for line in refused:
-                print(line if line.startswith("predicted step") else f"not shown: {line}")
+                print(line)
             print("model state = parameters + gradients + AdamW's state; buffers: DDP's "
                   "gradient buckets, FSDP's gathered blocks; activations: what autograd "
                   "keeps for backward; predicted peak = model state + buffers + peak "

@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mingpt.dry_run import CommCounter
 from mingpt.model import GPT, GPTConfig
+from mingpt.step_time import BUS_FACTOR
 
 launch, shutdown = ph.launch, ph.shutdown
 # This module's workers run in forks of a server that imported it (and pitfalls_helpers).
@@ -56,14 +57,14 @@ def _sent(fn) -> dict:
 
 def sizes_sweep(rank: int, world_size: int, sizes: list[int], calls: int = 5) -> list[dict]:
     """all_reduce of each size (bytes of float32): its time, algbw and busbw (nccl-tests'
-    bus factor 2(n-1)/n)."""
+    bus factor, 2(n-1)/n)."""
     rows = []
     for size in sizes:
         x = torch.ones(size // 4)
         seconds = _slowest(lambda x=x: dist.all_reduce(x), calls)
         algbw = size / seconds
         rows.append({"bytes": size, "seconds": seconds, "algbw": algbw,
-                     "busbw": algbw * 2 * (world_size - 1) / world_size})
+                     "busbw": algbw * BUS_FACTOR["all_reduce"](world_size)})
     return rows
 
 
@@ -180,8 +181,8 @@ def hooks(rank: int, world_size: int, names: list[str], steps: int = 40,
             # PowerSGD all-reduces P and Q in callbacks on another thread, which the counter
             # (this thread's dispatch mode) does not see: its bytes come from its own counter
             # of the floats it all-reduced in that step, as a ring share, 2 (n - 1) / n.
-            sent = (state.total_numel_after_compression - before) * 4 \
-                * 2 * (world_size - 1) // world_size
+            sent = int((state.total_numel_after_compression - before) * 4
+                       * BUS_FACTOR["all_reduce"](world_size))
             # floats before / after compression, summed over the steps since it began
             ratio = state.total_numel_before_compression / state.total_numel_after_compression
         rows.append({"hook": name, "sent": sent, "ratio": ratio,

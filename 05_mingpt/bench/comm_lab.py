@@ -46,10 +46,9 @@ from mingpt import step_time  # bench.py put 05_mingpt/ on the path
 HERE = Path(__file__).resolve().parent.parent  # 05_mingpt/
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast",
                "send_recv")
-# nccl-tests' bus-bandwidth factors (module docstring), n the number of ranks.
-BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
-              "all_gather": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
-              "broadcast": lambda n: 1.0, "send_recv": lambda n: 1.0}
+# nccl-tests' bus-bandwidth factors (module docstring), n the number of ranks: the table the
+# dry run's time prediction reads too.
+BUS_FACTOR = step_time.BUS_FACTOR
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -40,10 +40,10 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from mingpt import distributed, memory, step_time
+from mingpt import ROOT, distributed, memory, step_time
 from mingpt.model import GPT, GPTConfig
 from mingpt.optim import build_optimizer
-from mingpt.parallel import Settings, layout, parallelize, runner
+from mingpt.parallel import Settings, ddp, layout, parallelize, runner
 from mingpt.parallel.wrappers import unwrap
 
 CPU = torch.device("cpu")
@@ -220,7 +220,7 @@ def _ddp_on_fake(model: torch.nn.Module, comm_hook: str = "none") -> None:
     `comm_hook` (ddp.HOOKS), would (the same ops, which CommCounter counts; nothing moves)
     and hands the bucket back itself. DDP takes one hook, so parallelize was given none."""
     if isinstance(model, DistributedDataParallel):
-        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(comm_hook)
+        dtype = ddp.COMPRESSED.get(comm_hook)
 
         def hand_back(group, bucket):
             buffer = bucket.buffer()
@@ -482,8 +482,6 @@ def run(cfg: DictConfig) -> tuple[layout.Layout, dict[int, dict]]:
     """main.py with trainer_config.dry_run=N: print the plan and, with a machine profile,
     the predicted step; ValueError (one line) where a real run of this layout would be
     refused. Returns what plan() does."""
-    from mingpt import ROOT  # noqa: PLC0415
-
     lay, plans = plan(cfg)
     print(report(lay, plans))
     t = cfg.trainer_config

@@ -1,8 +1,8 @@
 """How long a training step takes, predicted from a dry run's plan and a machine profile.
 
-    plans = dry_run.plan(cfg)[1]                         # what each rank runs and sends
+    lay, plans = dry_run.plan(cfg)                        # what each rank runs and sends
     profile = step_time.load_profile("bench/comm_lab.json")
-    step_time.predict(lay, plans, profile, microbatches=4)  # seconds, with the breakdown
+    step_time.predict(lay.world, lay.pp, plans, profile, microbatches=4)  # the breakdown
 
 The profile is what bench/comm_lab.py measured on a machine (its JSON): a link model per
 collective and group size (latency alpha, seconds per byte beta) and four compute figures,
@@ -61,10 +61,11 @@ COLLECTIVES = ("c10d", "_c10d_functional")  # counted by dry_run.CommCounter, no
 LAB_NAMES = {"all-gather": "all_gather", "reduce-scatter": "reduce_scatter",
              "all-reduce": "all_reduce", "all-to-all": "all_to_all", "broadcast": "broadcast",
              "send/recv": "send_recv"}
-# nccl-tests' bus factors (bench/comm_lab.py): the ring share of a call of size S is S x this.
-BUS_FACTOR = {"all-reduce": lambda n: 2 * (n - 1) / n, "broadcast": lambda n: 1.0,
-              "send/recv": lambda n: 1.0}
-DEFAULT_BUS_FACTOR = lambda n: (n - 1) / n  # noqa: E731  (gathers, scatters, all-to-all)
+# nccl-tests' bus factors, n the ranks, by the lab's names: the ring share of a call of size S
+# that each rank's link carries is S x this (bench/comm_lab.py's busbw; the dry run's bytes).
+BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+              "all_gather": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
+              "broadcast": lambda n: 1.0, "send_recv": lambda n: 1.0}
 
 
 class WorkCounter(TorchDispatchMode):
@@ -200,7 +201,7 @@ def comm_seconds(comm: dict, profile: dict) -> dict[str, float]:
                 continue
             n = counts[f"{kind} ranks"]
             moved = max(counts[f"{kind} sent"], counts[f"{kind} received"])
-            size = moved / BUS_FACTOR.get(kind, DEFAULT_BUS_FACTOR)(n) if n > 1 else 0
+            size = moved / BUS_FACTOR[LAB_NAMES[kind]](n) if n > 1 else 0
             fit = link(profile, kind, n)
             out[f"{axis} {kind}"] = calls * fit["alpha_s"] + size * fit["beta_s_per_byte"]
     return out

@@ -22,8 +22,9 @@ from mingpt.parallel.wrappers import wrap_blocks
 # (torch.distributed.algorithms.ddp_comm_hooks): the bucket divided by the ranks, cast to
 # fp16 or bf16, all-reduced (half the bytes), cast back. The hook runs on the bucket only:
 # weights, AdamW and its state stay fp32. Stateless, so a resume is exact as without one.
-HOOKS = {"none": None, "fp16": default_hooks.fp16_compress_hook,
-         "bf16": default_hooks.bf16_compress_hook}
+COMPRESSED = {"fp16": torch.float16, "bf16": torch.bfloat16}  # name -> the dtype sent
+HOOKS = {"none": None, **{name: getattr(default_hooks, f"{name}_compress_hook")
+                          for name in COMPRESSED}}
 
 
 def check_config(t: DictConfig) -> None:
