@@ -88,7 +88,7 @@ def load_train_objs(cfg: DictConfig, device: torch.device) -> tuple:
     optimizer = build_optimizer(model, t.distributed_method, o.lr, o.betas, o.weight_decay,
                                 o.name, o.muon_lr)
     if t.ft_replicas:  # replica groups (torchft): gradients averaged over those alive
-        optimizer = ft.Replicas(t, model, optimizer, device).optimizer
+        optimizer = ft.Replicas(cfg, model, optimizer, device).optimizer
     return model, optimizer, train_set, val_set, data, snapshot_meta, flops_per_token
 
 

@@ -69,6 +69,7 @@ def pytest_configure(config: pytest.Config) -> None:
 BUDGETS = {
     "test_xla.py": 220,
     "test_mingpt_dry_run.py": 270,
+    "test_mingpt_diloco.py": 260,
     "test_mingpt_hang.py": 240,
     "test_mingpt_torchft.py": 120,
     "test_feature_matrix.py": 240,  # 80 pairs with muon: 169 s idle
@@ -120,6 +121,7 @@ ROBUSTNESS_FILES = (
     "test_mingpt_s3.py",
     "test_mingpt_snapshot_faults.py",
     "test_mingpt_torchft.py",
+    "test_mingpt_diloco.py",
     "test_restarts.py",
     "test_slurm.py",
     "test_teardown.py",

@@ -43,6 +43,8 @@ FEATURES = {
     "grad_accum_steps": {"grad_accum": ["trainer_config.grad_accum_steps=2"]},
     "dropout": {"dropout": ["gpt_config.dropout=0.1"]},
     "ft_replicas": {"ft_replicas": ["trainer_config.ft_replicas=2"]},
+    "ft_sync": {"local_sgd": ["trainer_config.ft_sync=local_sgd"],
+                "diloco": ["trainer_config.ft_sync=diloco"]},
     "profile_steps": {"profile": ["trainer_config.profile_steps=2"]},
     "dry_run": {"dry_run": ["trainer_config.dry_run=4"]},
     "init_from": {"init_from": ["gpt_config.init_from=gpt2"]},
@@ -56,6 +58,8 @@ NEEDS = {
     "ep_size": ["gpt_config.n_expert=4"],
     "cpu_offload": ["trainer_config.distributed_method=fsdp"],
     "async_save": ["trainer_config.distributed_method=fsdp"],
+    "local_sgd": ["trainer_config.ft_replicas=2"],
+    "diloco": ["trainer_config.ft_replicas=2"],
 }
 # Every verdict is a CPU machine's (CI's): dp and memory_snapshot need CUDA GPUs.
 BASE = ["trainer_config.device=cpu"]
@@ -71,6 +75,10 @@ SETTINGS = {
     "collective_timeout_s": "hang detection (test_mingpt_hang.py)",
     "flight_recorder_entries": "hang detection (test_mingpt_hang.py)",
     "ft_replica_group": "which group (with ft_replicas)",
+    "ft_sync_every": "how often replica groups meet (with ft_sync)",
+    "ft_fragments": "how much of the model meets at once (with diloco)",
+    "outer_lr": "the outer optimizer's settings (with diloco)",
+    "outer_momentum": "the outer optimizer's settings (with diloco)",
     "pp_schedule": "a pipeline's settings (test_mingpt_pipeline.py)",
     "microbatches": "a pipeline's settings", "pp_stages_per_rank": "a pipeline's settings",
     "pp_split": "a pipeline's settings", "model_type": "the model's size",

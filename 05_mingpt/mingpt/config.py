@@ -82,6 +82,9 @@ class TrainerKeys:
     # Replica groups that survive each other (FAULT_TOLERANCE.md)
     ft_replicas: int = MISSING
     ft_replica_group: int = MISSING
+    ft_sync: str = MISSING  # step, local_sgd or diloco: how often the groups meet (diloco.py)
+    ft_sync_every: int = MISSING
+    ft_fragments: int = MISSING
     dry_run: int = MISSING  # > 0: plan a run of that many ranks in one process (dry_run.py)
     dry_run_profile: str = MISSING  # its machine: bench/comm_lab.py's JSON (step_time.py)
 
@@ -105,6 +108,8 @@ class OptimizerConfig:
     weight_decay: float = MISSING
     betas: list[float] = MISSING
     muon_lr: float = MISSING
+    outer_lr: float = MISSING  # DiLoCo's outer SGD (trainer_config.ft_sync=diloco)
+    outer_momentum: float = MISSING
 
 
 # gpt_config: the model's own dataclass, less vocab_size (that always comes from the data),
@@ -208,7 +213,7 @@ def validate(cfg: DictConfig) -> None:
             "trainer_config.async_save", "False for a one-file snapshot (distributed_method=ddp, "
             "zero or dp without tp_size, pp_size or ep_size: rank 0 writes it alone; "
             "SNAPSHOTS.md)", t.async_save)
-    ft.check_config(t)  # replica groups (parallel/ft.py)
+    ft.check_config(t, o)  # replica groups (parallel/ft.py, diloco.py)
     require(t.grad_clip >= 0, "trainer_config.grad_clip", ">= 0 (0 turns clipping off)",
            t.grad_clip)
     require(0 <= t.min_lr_ratio <= 1, "trainer_config.min_lr_ratio", "between 0 and 1",

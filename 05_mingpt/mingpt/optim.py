@@ -64,6 +64,17 @@ def inner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return getattr(optimizer, "inner", optimizer)
 
 
+def extra_state(optimizer: torch.optim.Optimizer) -> dict:
+    """What a snapshot keeps of `optimizer` besides its state_dict: the replica groups'
+    meetings (parallel/diloco.py, behind ft.py's wrapper); {} for any other optimizer."""
+    return getattr(optimizer, "extra_state", dict)()
+
+
+def load_extra_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """extra_state() back, from a snapshot."""
+    getattr(optimizer, "load_extra_state", lambda _: None)(state)
+
+
 def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The optimizer that holds this rank's AdamW state: ZeRO's local one (`.optim`, the
     state of the parameters this rank owns), else the optimizer inside any wrapper."""

@@ -18,12 +18,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from mingpt import errors, faults, snapshot, storage
 from mingpt.log import print0
-from mingpt.optim import inner
+from mingpt.optim import extra_state, inner
 from mingpt.parallel.strided import checkpointable
 
 
@@ -56,13 +55,15 @@ class AsyncSaver(Saver):
         name = f"step_{state['step']:08d}"
         snapshot.agreed_part(self.url, snapshot.move_other_layout_on_rank_0, "fsdp")
         snapshot.agreed_part(self.url, snapshot.clear_step, name)
-        model_sd, optim_sd = get_state_dict(model, inner(optimizer))  # snapshot.save's
+        extra = extra_state(optimizer)  # the replica groups' meetings (diloco.py); mostly {}
+        if extra:
+            state = {**state, "replica_state": True}
         # Returns once this rank's shards are copied to host memory (DCP's staging); the
         # staging process writes them, its own gloo group planning with the other ranks'.
         # (The first call starts that process: it imports __main__ again, hence main.py's
         # `if __name__ == "__main__":` guard.)
         future = dcp.async_save(
-            checkpointable({"model": model_sd, "optim": optim_sd}),
+            checkpointable(snapshot.dcp_state(model, inner(optimizer), extra)),  # save's
             storage_writer=faults.faulty(storage.writer(f"{self.url}/{name}")),
             async_checkpointer_type=AsyncCheckpointerType.PROCESS)
         self.pending = (future, name, state)

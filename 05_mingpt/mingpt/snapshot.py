@@ -49,8 +49,10 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from mingpt import errors, faults, storage
 from mingpt.optim import (
     build_optimizer,
+    extra_state,
     inner,
     keep_own_optimizer_settings,
+    load_extra_state,
     local_optimizer,
     own_settings,
     restore_settings,
@@ -273,7 +275,7 @@ def check_compatible(state: dict, model_config: dict, data_meta: dict, url: str,
 
 def save_sharded(url: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  train_state: dict, before_commit: Callable[[], None] | None = None,
-                 keep_last: int = 1) -> None:
+                 keep_last: int = 1, extra: dict | None = None) -> None:
     """FSDP: all ranks write their shards; rank 0 then commits by rewriting `latest`, and
     removes all but the newest `keep_last` step directories. Each part's outcome is agreed
     (_agreed): SaveError on every rank where any rank failed."""
@@ -281,7 +283,7 @@ def save_sharded(url: str, step: int, model: torch.nn.Module, optimizer: torch.o
     agreed_part(url, clear_step, name)  # ... and removed before any rank writes into it again
     # Sharded state dicts: each rank only holds (and writes) its own shards, no gather; TP's
     # strided q/k/v shards too, as row runs DCP records (strided.checkpointable).
-    agreed_part(url, write_shards, name, model, optimizer)
+    agreed_part(url, write_shards, name, model, optimizer, extra)
     # dcp.save is collective: it returns only once every rank's shards are written and rank 0
     # (its coordinator) has written .metadata, so the step directory is complete here.
     agreed_part(url, commit_sharded, name, train_state, before_commit, keep_last)
@@ -295,12 +297,19 @@ def clear_step(url: str, name: str) -> None:
 
 
 def write_shards(url: str, name: str, model: torch.nn.Module,
-                  optimizer: torch.optim.Optimizer) -> None:
+                  optimizer: torch.optim.Optimizer, extra: dict | None = None) -> None:
     """Every rank's shards into step directory `name` (dcp.save: collective; a failure on any
     rank is a CheckpointException, naming it, on every rank)."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save(checkpointable({"model": model_sd, "optim": optim_sd}),
+    dcp.save(checkpointable(dcp_state(model, optimizer, extra)),
              storage_writer=faults.faulty(storage.writer(f"{url}/{name}")))
+
+
+def dcp_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+              extra: dict | None) -> dict:
+    """What DCP writes: the model's and the optimizer's sharded state dicts, and the replica
+    groups' meetings where they have any (optim.extra_state: DTensors like the weights)."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd, **({"replicas": extra} if extra else {})}
 
 
 def commit_sharded(url: str, name: str, train_state: dict,
@@ -356,14 +365,15 @@ def load_train_state(url: str, kind: str) -> dict:
 
 
 def load_sharded(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 checkpoint: str | None = None) -> None:
+                 checkpoint: str | None = None, extra: dict | None = None) -> None:
     """FSDP: each rank reads the pieces of every saved shard that its own shards need (from
     `checkpoint`, a DCP directory, where given; else the snapshot's newest)."""
     checkpoint = checkpoint or latest_sharded(url)
     # Every rank must call this: DCP plans the reads collectively (the ranks exchange what
     # they need), so a rank that stayed away would leave the others waiting.
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    # `extra`: the replica groups' meetings, read in place where the saver had them.
+    state = dcp_state(model, optimizer, extra)
+    optim_sd = state["optim"]
     # Each param group names its parameters, a plain list that DCP saves once under one key
     # (optim.param_groups.N.params), from one rank. Where ranks hold different parameters (a
     # pipeline's stages), the list loaded is another rank's; this rank's own names go back
@@ -516,12 +526,16 @@ def save(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.O
     state dicts on the CPU (xla_main.py: from the XLA devices' shards); the snapshot is then
     the one file. SaveError (one line, the same on every rank) when the storage fails on any
     rank; nothing was committed then."""
+    extra = extra_state(optimizer)  # the replica groups' meetings (diloco.py); mostly {}
+    if extra:  # (train_state.pt says so: a load then reads them in place)
+        state = {**state, "replica_state": True}
     optimizer = inner(optimizer)  # not a wrapper's step, which all-reduces across groups
     # gather (XLA's hook): the weights come to the CPU, one file whatever the model holds.
     kind = "ddp" if gather is not None else snapshot_layout(model, method)
     agreed_part(url, move_other_layout_on_rank_0, kind)
     if kind == "fsdp":
-        save_sharded(url, state["step"], model, optimizer, state, before_commit, keep_last)
+        save_sharded(url, state["step"], model, optimizer, state, before_commit, keep_last,
+                     extra)
         return
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         # Collective: every rank sends the state of the parameters it owns to rank 0.
@@ -529,7 +543,9 @@ def save(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.O
     # Every rank holds the same weights: one writer is enough. The others wait for its
     # outcome: without it they went on while a failed rank 0 left, and met its absence in
     # their next collective (gloo: "connection closed"; NCCL: the collective timeout).
-    agreed_part(url, _write_file, model, optimizer, state, before_commit, keep_last, gather)
+    agreed_part(url, _write_file, model, optimizer,
+                {**state, **({"replicas": extra} if extra else {})}, before_commit, keep_last,
+                gather)
 
 
 def _write_file(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -623,7 +639,7 @@ def load(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.O
     kind = agreed_kind(url)
     if kind is None:
         return None
-    optimizer = inner(optimizer)  # not a wrapper's step, which all-reduces across groups
+    wrapper, optimizer = optimizer, inner(optimizer)  # not a wrapper's step (cross-group)
     mine = snapshot_layout(model, method)
     if not convertible(kind, mine, optimizer):
         raise SnapshotError(f"{url} holds a {kind} snapshot, but distributed_method={method}; "
@@ -648,11 +664,16 @@ def load(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.O
         unwrap(model).load_state_dict(state.pop("model"))
         # ZeRO: each rank keeps the state of the parameters it owns from the whole dict.
         optimizer.load_state_dict(state.pop("optimizer"))
+        load_extra_state(wrapper, state.pop("replicas", None) or {})
     elif kind == "ddp":  # one file into shards (another layout: fsdp, tp_size, pp_size, ...)
-        load_file_into_shards(state, model, optimizer)
+        load_file_into_shards(state, model, optimizer)  # (the meetings' state starts afresh)
         del state["model"], state["optimizer"]
+        state.pop("replicas", None)
     else:  # shards into shards, or into a whole model (DCP reads any layout into any other)
-        _load_agreed(load_sharded, url, model, optimizer)
+        # The meetings' state where the saver had it and this run keeps it: read in place.
+        extra = extra_state(wrapper) if state.get("replica_state") else {}
+        _load_agreed(load_sharded, url, model, optimizer, None, extra)
+        load_extra_state(wrapper, extra)
     # The saved param groups came back with the saving run's kernel choice (fused or not) and
     # ZeRO put AdamW's step counts on the CPU: this run's own choices and devices again.
     keep_own_optimizer_settings(optimizer)

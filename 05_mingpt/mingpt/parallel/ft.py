@@ -32,6 +32,9 @@ What differs from one job of the same size:
   data loader goes on from where its own epoch stood until the next epoch.
 - Each group writes its own snapshots (give each a run_name of its own); evaluation runs
   over each group's share of the validation rows.
+
+trainer_config.ft_sync=local_sgd or diloco: the groups meet every ft_sync_every steps
+instead, and the optimizer's step is the group's own (diloco.py).
 """
 from collections.abc import Callable
 from datetime import timedelta
@@ -43,12 +46,15 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from mingpt import faults
+from mingpt.log import print0
+from mingpt.parallel import diloco
 from mingpt.parallel.wrappers import data_parallel, unwrap
 from mingpt.trainer import DeviceHooks
 
 
-def check_config(t: DictConfig) -> None:
-    """ValueError (one line) unless ft_replicas and ft_replica_group name a group."""
+def check_config(t: DictConfig, o: DictConfig) -> None:
+    """ValueError (one line) unless ft_replicas and ft_replica_group name a group, and
+    ft_sync's keys (diloco.py) fit."""
     if t.ft_replicas < 0:
         raise ValueError(f"trainer_config.ft_replicas must be an integer >= 0 (0: off), got "
                          f"{t.ft_replicas}")
@@ -66,6 +72,7 @@ def check_config(t: DictConfig) -> None:
     if t.ft_replicas and t.distributed_method == "dp":
         raise ValueError("trainer_config.ft_replicas needs a torchrun job per replica group; "
                          "distributed_method=dp runs in one process without one")
+    diloco.check_config(t, o)  # how often the groups meet
 
 
 class Hooks(DeviceHooks):
@@ -87,10 +94,14 @@ class Optimizer(torch.optim.Optimizer):
     ranks would no longer average among themselves) and starts a quorum at every zero_grad,
     the last step's too, with no step after it to join."""
 
-    def __init__(self, manager, inner: torch.optim.Optimizer) -> None:
+    def __init__(self, manager, inner: torch.optim.Optimizer, every_step: bool = True) -> None:
         # No Optimizer.__init__: param_groups and state are the inner optimizer's (below),
         # which GradScaler, the lr scheduler and snapshots read and change.
         self.manager, self.inner = manager, inner
+        # ft_sync=step: the groups meet at every step; else torchft's hooks on the inner
+        # optimizer's step hold a meeting every ft_sync_every steps (diloco.py).
+        self.every_step = every_step
+        self.sync: diloco.Sync | None = None  # those hooks' owner, where they are on
         # Replicas.start: the step the next quorum is for, None where no step follows.
         self.next_step: Callable[[], int | None] = lambda: None
 
@@ -112,10 +123,18 @@ class Optimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         self.inner.load_state_dict(state_dict)
 
+    def extra_state(self) -> dict:
+        """What a snapshot keeps besides weights and AdamW (snapshot.save): DiLoCo's state."""
+        return self.sync.state_dict() if self.sync is not None else {}
+
+    def load_extra_state(self, state: dict) -> None:
+        if self.sync is not None:
+            self.sync.load_state_dict(state)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none)
         step = self.next_step()  # the trainer has not counted this step yet
-        if step is not None:
+        if step is not None and self.every_step:
             self.start_quorum(step)
 
     def start_quorum(self, step: int) -> None:
@@ -124,6 +143,9 @@ class Optimizer(torch.optim.Optimizer):
         self.manager.start_quorum()
 
     def step(self, closure=None) -> None:
+        if not self.every_step:  # the group's own step; torchft's hooks hold any meeting
+            self.inner.step()
+            return
         # Every local gradient in one flat buffer, one all-reduce: the mean over the groups of
         # the quorum (a group that is healing sends zeros and is not counted).
         grads = [p.grad for group in self.param_groups for p in group["params"]
@@ -150,9 +172,11 @@ def replicas_of(optimizer: torch.optim.Optimizer) -> "Replicas | None":
 class Replicas:
     """This replica group's Manager, its optimizer and the trainer's hooks."""
 
-    def __init__(self, t: DictConfig, model: nn.Module, optimizer: torch.optim.Optimizer,
+    def __init__(self, cfg: DictConfig, model: nn.Module, optimizer: torch.optim.Optimizer,
                  device: torch.device) -> None:
         from torchft import Manager
+
+        t = cfg.trainer_config
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
         timeout = timedelta(seconds=t.collective_timeout_s)
@@ -166,13 +190,21 @@ class Replicas:
         # init_sync off: every group draws the same initial weights (the same seed), so the
         # first step needs no copy; with it on, the groups that copied would sit that step out
         # (a healing group sends zeros) and the first step would average fewer gradients.
+        # A quorum every step starts in the background (the step's all-reduce waits for it);
+        # LocalSGD and DiLoCo need it formed, and a joining group healed, when it returns.
         self.manager = Manager(
             pg=pg, load_state_dict=None, state_dict=None, min_replica_size=1,
             timeout=timeout, quorum_timeout=timeout, rank=dist.get_rank(),
             world_size=dist.get_world_size(), replica_id=f"mingpt_{t.ft_replica_group}",
-            init_sync=False)
+            init_sync=False, use_async_quorum=t.ft_sync == "step")
+        # Bytes sent between the groups, and the meetings' gate (diloco.Meetings).
+        self.meetings = diloco.Meetings(self.manager, lambda: self.trainer.step + 1,
+                                        gate=t.ft_sync != "step")
         self.manager.register_state_dict_fn("model", self._load_model, self._model_state)
-        self.optimizer = Optimizer(self.manager, optimizer)
+        self.optimizer = Optimizer(self.manager, optimizer, every_step=t.ft_sync == "step")
+        if t.ft_sync != "step":  # torchft's LocalSGD or DiLoCo on the group's own optimizer
+            self.optimizer.sync = diloco.Sync(t, cfg.optimizer_config, self.manager, model,
+                                              optimizer, self.meetings)
         self.optimizer.replicas = self  # main.train finds it there (replicas_of)
         self.manager.register_state_dict_fn("optimizer", optimizer.load_state_dict,
                                             optimizer.state_dict)
@@ -205,8 +237,11 @@ class Replicas:
     def start(self, trainer) -> None:
         """The first step's quorum, once the trainer exists and resumed its own snapshot (a
         peer's state, received in it, replaces that)."""
-        self.trainer = trainer
+        self.trainer, self.first_step = trainer, trainer.step
         self.manager.register_state_dict_fn("trainer", self._load_trainer, self._trainer_state)
+        if self.optimizer.sync is not None:  # the groups meet in torchft's hooks
+            self.optimizer.sync.start(trainer.step, trainer.log.writer)
+            return
         # zero_grad ends step `trainer.step`; the next one runs if it is below max_steps.
         self.optimizer.next_step = lambda: trainer.step + 1 \
             if trainer.step + 1 < trainer.cfg.max_steps else None
@@ -214,4 +249,9 @@ class Replicas:
             self.optimizer.start_quorum(trainer.step)
 
     def shutdown(self) -> None:
+        if self.optimizer.sync is not None:
+            self.optimizer.sync.stop()
+        steps = self.trainer.step - self.first_step
+        print0(f"replica groups: rank 0 sent {self.meetings.sent:,} bytes in {steps} steps "
+               f"({self.meetings.sent / max(steps, 1):,.0f} per step)")
         self.manager.shutdown(wait=False)
