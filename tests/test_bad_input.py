@@ -1,4 +1,4 @@
-"""The bad-input matrix (issue 11): every way a user commonly gets a command of 01-05 wrong ends
+"""The bad-input matrix: every way a user commonly gets a command of 01-05 wrong ends
 with ONE `error:` line on stderr that names the problem and the fix, a non-zero exit, no
 traceback, and every file that existed before unchanged. tests/README.md, section "Bad input",
 shows the table; `test_readme_lists_the_matrix` keeps the two in step.

@@ -22,6 +22,7 @@ import time
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import TORCHRUN, child_env, run
 from mingpt_helpers import assert_refused, copy_mingpt, mingpt_imported, snapshot_weights, tiny
@@ -59,6 +60,11 @@ def met(out: str) -> list[tuple[int, int]]:
         r"step (\d+): replica groups met \(\w+\): [\d.]+ ms, rank 0 sent ([\d,]+) bytes", out)]
 
 
+def parameter_bytes(out: str) -> int:
+    """Every parameter once, in float32: what ft_sync=step sends at each step."""
+    return 4 * int(re.search(r"model: ([\d,]+) parameters", out)[1].replace(",", ""))
+
+
 def sent(out: str) -> int:
     """The bytes rank 0 sent to the other groups over the run (its last line says)."""
     return int(re.search(r"rank 0 sent ([\d,]+) bytes in \d+ steps", out)[1].replace(",", ""))
@@ -91,12 +97,9 @@ def test_diloco_that_only_averages_is_local_sgd_and_sends_a_step_of_bytes_every_
     with Lighthouse(tmp_path, min_replicas=2) as lighthouse:
         outer = groups(mingpt, lighthouse, "outer", *args, "trainer_config.ft_sync=diloco",
                        "optimizer_config.outer_lr=1", "optimizer_config.outer_momentum=0")
-    with Lighthouse(tmp_path, min_replicas=2) as lighthouse:
-        step = groups(mingpt, lighthouse, "step", *args[:1])
     weights = {name: snapshot(mingpt, name)["model"]
                for name in ("local0", "local1", "outer0", "outer1")}
-    n_bytes = sent(step[0])  # every gradient once in the one step, in float32
-    assert n_bytes % 4 == 0 and n_bytes > 0
+    n_bytes = parameter_bytes(local[0])
     for out in (*local, *outer):
         assert met(out) == [(1, n_bytes)], out[-3000:]
     # Both groups hold the weights of the last meeting, bit for bit.
@@ -125,14 +128,21 @@ def test_diloco_every_10_steps_sends_a_tenth_and_follows_the_groups_that_meet_ev
     with Lighthouse(tmp_path, min_replicas=2) as lighthouse:
         halves = groups(mingpt, lighthouse, "halves", *args, "trainer_config.ft_sync=diloco",
                         "trainer_config.ft_fragments=2")
-    n_bytes = sent(every[0]) // 40  # a step's: every gradient once
+    n_bytes = parameter_bytes(every[0])  # a step's: every gradient once
     assert sent(every[0]) == 40 * n_bytes and sent(diloco[0]) == sent(halves[0]) == 4 * n_bytes
     assert met(diloco[0]) == [(s, n_bytes) for s in (10, 20, 30, 40)]
     fragments = met(halves[0])
     assert [s for s, _ in fragments] == [5, 10, 15, 20, 25, 30, 35, 40], halves[0][-3000:]
     assert sum(b for _, b in fragments[:2]) == n_bytes  # the two halves: every weight once
     assert max(b for _, b in fragments) < 0.6 * n_bytes  # each meeting about half
-    assert "outer gradient norm" in diloco[0]
+    # What a user watches: each meeting's outer gradient norm in the log and in TensorBoard.
+    norms = [float(n) for n in re.findall(r"outer gradient norm ([\d.]+)", diloco[0])]
+    events = EventAccumulator(str(mingpt / "runs" / "diloco0" / "tensorboard"))
+    events.Reload()
+    logged = [(e.step, e.value) for e in events.Scalars("replicas/outer_grad_norm")]
+    assert [s for s, _ in logged] == [10, 20, 30, 40], logged
+    # The log prints 4 decimals: within half a unit of the last (and float32's rounding).
+    assert all(abs(v - n) <= 5.1e-5 for (_, v), n in zip(logged, norms, strict=True))
     final = {name: float(re.search(r"final val loss ([\d.]+)", out)[1])
              for name, out in (("every", every[0]), ("diloco", diloco[0]))}
     a, b = (snapshot(mingpt, n)["model"] for n in ("diloco0", "diloco1"))

@@ -27,7 +27,7 @@ from mingpt_helpers import copy_mingpt, mingpt_imported, script_in_process, tiny
 # long on a loaded 2-core machine (the longest, the first all-gather, waits for the slower
 # rank's imports: a few seconds), short enough for a test.
 TIMEOUT_S = 15
-# The bound: the job ends within the timeout plus a minute (torchrun noticing the
+# The bound: the job ends within the timeout plus a minute (torchrun noticing the
 # failed rank, SIGTERM to the others, their dumps and teardown: about 1-3 s measured).
 MARGIN_S = 60
 

@@ -33,7 +33,7 @@ from mingpt_helpers import (
 )
 from step_helpers import node_envs, peer_process
 
-# The bound from the fault to the exit of every rank: the agreement is one
+# The bound from the fault to the exit of every rank: the agreement is one
 # all_gather_object, but this machine is a loaded 2-core one.
 BOUND_S = 30
 ARGS = ("trainer_config.max_steps=6", "trainer_config.save_every=3", "trainer_config.keep_last=2",

@@ -381,7 +381,7 @@ def test_pitfalls(checkout, monkeypatch):
         assert pngs(cell(nb, snippet)) == 1, snippet
     end = text(cell(nb, "ph.shutdown()"))
     ran = int(re.search(r"child processes left: 0; the notebook ran (\d+) s", end)[1])
-    # The budget: under 5 minutes on a 2-core CPU, the kernel's start included.
+    # The notebook's budget: under 5 minutes on a 2-core CPU, the kernel's start included.
     assert ran <= seconds < 300, (ran, seconds)
 
 

@@ -446,7 +446,7 @@ def quality(args: argparse.Namespace) -> int:
     if proc.returncode != 0 or not curve:
         print(f"error: main.py exited {proc.returncode}", file=sys.stderr)
         return 1
-    # The first val loss at or below the target, the figure the recipe is held to.
+    # The first val loss at or below the target, the figure the default recipe is held to.
     reached = next(((s, step) for s, step, v in curve if v <= QUALITY), None)
     # The trainer's own summary of evaluation and snapshot time (trainer.py, end of train()).
     paused = next((line for line in lines if " s in training: " in line), "")

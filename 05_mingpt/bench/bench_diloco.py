@@ -49,7 +49,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--groups", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--every", type=int, nargs="+", default=[1, 10, 50, 100],
                         help="H: the steps between meetings")
-    parser.add_argument("--fragments", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--fragments", type=int, nargs="+", default=[1, 2],
+                        help="diloco's fragments (local_sgd runs one)")
+    parser.add_argument("--syncs", nargs="+", default=["diloco", "local_sgd"],
+                        choices=["diloco", "local_sgd"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[1337])
     parser.add_argument("--test", action="store_true",
                         help="test_mingpt_diloco.py's run (2 groups, H 10, 40 steps) instead")
@@ -73,15 +76,25 @@ def train(groups: int, overrides: list[str], folder: Path) -> dict:
              "1000", "--bind", f"[::]:{port}"], stdout=log, stderr=subprocess.STDOUT)
     try:
         # Every group a torchrun job of one process, all at once (FAULT_TOLERANCE.md's way);
-        # each its own run_dir, group 0's log read below.
-        env = {**__import__("os").environ, "TORCHFT_LIGHTHOUSE": f"http://localhost:{port}"}
-        procs = [subprocess.Popen(
-            [BIN / "torchrun", "--standalone", "--nproc_per_node=1", "main.py", *overrides,
-             f"trainer_config.ft_replicas={groups}", f"trainer_config.ft_replica_group={g}",
-             f"run_dir={folder}/group{g}", "trainer_config.collective_timeout_s=120"],
-            cwd=HERE, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for g in range(groups)]
-        outs = [p.communicate()[0] for p in procs]
+        # each its own run_dir and log file (a pipe read one group after the other would
+        # fill up and stop the group whose turn had not come, and so the others' quorum).
+        # One thread per process: torchrun sets it only for 2 or more per job, and groups of
+        # two threads each on 2 cores spun against each other (a step took 30x as long).
+        env = {**__import__("os").environ, "TORCHFT_LIGHTHOUSE": f"http://localhost:{port}",
+               "OMP_NUM_THREADS": "1"}
+        logs = [folder / f"group{g}.log" for g in range(groups)]
+        procs = []
+        for g, path in enumerate(logs):
+            with open(path, "w") as log:
+                procs.append(subprocess.Popen(
+                    [BIN / "torchrun", "--standalone", "--nproc_per_node=1", "main.py",
+                     *overrides, f"trainer_config.ft_replicas={groups}",
+                     f"trainer_config.ft_replica_group={g}", f"run_dir={folder}/group{g}",
+                     "trainer_config.collective_timeout_s=120"],
+                    cwd=HERE, env=env, stdout=log, stderr=subprocess.STDOUT))
+        for p in procs:
+            p.wait()
+        outs = [path.read_text() for path in logs]
     finally:
         lighthouse.terminate()
         lighthouse.wait()
@@ -99,18 +112,22 @@ def train(groups: int, overrides: list[str], folder: Path) -> dict:
             "norms": [float(n) for n in re.findall(r"outer gradient norm ([\d.]+)", out)]}
 
 
-def runs(args: argparse.Namespace) -> list[tuple[int, int, int, int]]:
-    """(groups, H, fragments, seed) of every run; H 0: ft_sync=step."""
+def runs(args: argparse.Namespace) -> list[tuple[int, str, int, int, int]]:
+    """(groups, ft_sync, H, fragments, seed) of every run; ft_sync=step has H 0."""
     if args.test:  # the test's pair: every step against H = 10, per seed
-        return [(2, h, 1, seed) for seed in args.seeds for h in (0, 10)]
+        return [(2, sync, h, 1, seed) for seed in args.seeds
+                for sync, h in (("step", 0), ("diloco", 10))]
     # Per group count and seed: the every-step run first, then each H with each fragment
     # count that divides it (torchft: one fragment meets every H / fragments steps).
     out = []
     for groups in args.groups:
         for seed in args.seeds:
-            out.append((groups, 0, 1, seed))
-            out += [(groups, h, f, seed) for h in args.every for f in args.fragments
-                    if h % f == 0 and h >= f]
+            out.append((groups, "step", 0, 1, seed))
+            for h in args.every:
+                out += [(groups, "diloco", h, f, seed) for f in args.fragments
+                        if "diloco" in args.syncs and h % f == 0 and h >= f]
+                if "local_sgd" in args.syncs:
+                    out.append((groups, "local_sgd", h, 1, seed))
     return out
 
 
@@ -119,20 +136,21 @@ def main(argv: list[str] | None = None) -> None:
     base = TEST if args.test else MODEL
     results = []
     with tempfile.TemporaryDirectory(prefix="diloco-") as tmp:
-        for i, (groups, every, fragments, seed) in enumerate(runs(args)):
-            # H 0 is the groups meeting at every step: DDP over the same processes.
-            sync = ["trainer_config.ft_sync=step"] if every == 0 else [
-                "trainer_config.ft_sync=diloco", f"trainer_config.ft_sync_every={every}",
-                f"trainer_config.ft_fragments={fragments}"]
+        for i, (groups, kind, every, fragments, seed) in enumerate(runs(args)):
+            # step: the groups meet at every step, which is DDP over the same processes.
+            sync = [f"trainer_config.ft_sync={kind}"] + ([] if kind == "step" else [
+                f"trainer_config.ft_sync_every={every}",
+                f"trainer_config.ft_fragments={fragments}"])
             folder = Path(tmp) / str(i)
             folder.mkdir()
-            row = {"groups": groups, "every": every, "fragments": fragments, "seed": seed,
+            row = {"groups": groups, "sync": kind, "every": every, "fragments": fragments,
+                   "seed": seed,
                    **train(groups, [*base, *sync, f"trainer_config.seed={seed}"], folder)}
             results.append(row)
             print(json.dumps(row), flush=True)
     for row in results:  # the gap: against ft_sync=step with the same groups and seed
-        step = next(r for r in results if (r["groups"], r["seed"], r["every"]) ==
-                    (row["groups"], row["seed"], 0))
+        step = next(r for r in results if (r["groups"], r["seed"], r["sync"]) ==
+                    (row["groups"], row["seed"], "step"))
         row["gap"] = row["val_loss"] - step["val_loss"]
         row["bytes_ratio"] = step["bytes_per_step"] / row["bytes_per_step"]
     out = args.out or str(HERE / "bench" / ("diloco_test" if args.test else "diloco"))
@@ -144,16 +162,17 @@ def main(argv: list[str] | None = None) -> None:
 
 def table(results: list[dict]) -> str:
     """bench/README.md's table: one row per groups, H and fragments (seeds averaged)."""
-    lines = ["| groups | H | fragments | bytes/step | vs step | largest meeting | val loss | gap |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    keys = sorted({(r["groups"], r["every"], r["fragments"]) for r in results})
-    for groups, every, fragments in keys:
-        rows = [r for r in results if (r["groups"], r["every"], r["fragments"]) ==
-                (groups, every, fragments)]
+    lines = ["| groups | ft_sync | H | fragments | bytes/step | vs step | largest meeting "
+             "| val loss | gap |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    order = {"step": 0, "local_sgd": 1, "diloco": 2}
+    keys = sorted({(r["groups"], order[r["sync"]], r["every"], r["fragments"]) for r in results})
+    for groups, kind, every, fragments in keys:
+        rows = [r for r in results if (r["groups"], order[r["sync"]], r["every"],
+                                       r["fragments"]) == (groups, kind, every, fragments)]
         # Seeds averaged; the bytes are the same for every seed (the model's size and H).
         mean = {k: sum(r[k] for r in rows) / len(rows) for k in ("val_loss", "gap")}
         r = rows[0]
-        lines.append(f"| {groups} | {every or 'step'} | {fragments} | "
+        lines.append(f"| {groups} | {r['sync']} | {every or 1} | {fragments} | "
                      f"{r['bytes_per_step']:,.0f} | 1/{r['bytes_ratio']:.0f} | "
                      f"{r['largest_meeting']:,} | {mean['val_loss']:.4f} | "
                      f"{mean['gap']:+.4f} |")
@@ -169,12 +188,14 @@ def plot(results: list[dict], path: str) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for groups in sorted({r["groups"] for r in results}):
         for fragments in sorted({r["fragments"] for r in results}):
-            rows = sorted((r["every"], r["gap"]) for r in results
-                          if (r["groups"], r["fragments"]) == (groups, fragments)
-                          and r["every"] > 0)
-            if rows:
-                ax.plot(*zip(*rows, strict=True), marker="o",
-                        label=f"{groups} groups, {fragments} fragment(s)")
+            for kind in ("diloco", "local_sgd"):
+                rows = sorted((r["every"], r["gap"]) for r in results
+                              if (r["groups"], r["fragments"], r["sync"]) ==
+                              (groups, fragments, kind))
+                if rows:
+                    ax.plot(*zip(*rows, strict=True), marker="o" if kind == "diloco" else "x",
+                            ls="-" if kind == "diloco" else ":",
+                            label=f"{kind}, {groups} groups, {fragments} fragment(s)")
     # H spans two decades: a log axis; 0 marks the every-step run's loss.
     ax.set_xscale("log")
     ax.axhline(0, color="gray", lw=0.5)

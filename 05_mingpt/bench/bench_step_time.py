@@ -32,7 +32,7 @@ from mingpt import config, dry_run, step_time  # bench.py put 05_mingpt/ on the 
 
 HERE = bench.HERE
 GLOBAL = 48  # sequences per step, over every data-parallel rank
-# The layouts issue 38 names: a name -> main.py's overrides (and the degrees' product).
+# The layouts compared, one per axis: a name -> main.py's overrides.
 LAYOUTS = {
     "ddp": ["trainer_config.distributed_method=ddp"],
     "zero": ["trainer_config.distributed_method=zero"],
