@@ -196,6 +196,38 @@ def test_a_diloco_group_killed_mid_interval_resumes_its_snapshot_bit_for_bit(tmp
         assert [k for k in a if not torch.equal(a[k], b[k])] == []
 
 
+def test_two_groups_of_two_fsdp_processes_meet_shard_by_shard(tmp_path):
+    """Each group two fsdp processes (each rank holds half of every weight); rank r of one
+    group meets rank r of the other: after the last meeting both groups hold the same
+    weights, bit for bit, and rank 0 sent its shards at each meeting: about half the model
+    (FSDP splits dim 0: the 65-row embedding as 33 + 32)."""
+    mingpt = copy_mingpt(tmp_path)
+    args = ("trainer_config.max_steps=4", "trainer_config.distributed_method=fsdp",
+            "trainer_config.ft_sync=diloco", "trainer_config.ft_sync_every=2",
+            "trainer_config.save_every=4")
+    with Lighthouse(tmp_path, min_replicas=2) as lighthouse:
+        procs = []
+        for g in (0, 1):
+            cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", "main.py",
+                   *tiny(*args, *COMMON[:2], "trainer_config.collective_timeout_s=30",
+                         "trainer_config.ft_replicas=2", f"trainer_config.ft_replica_group={g}",
+                         f"run_name=shards{g}")]
+            with open(mingpt / f"shards{g}.log", "w") as out:
+                procs.append(subprocess.Popen(
+                    cmd, cwd=mingpt, stdout=out, stderr=subprocess.STDOUT,
+                    env=child_env(TORCHFT_LIGHTHOUSE=f"http://localhost:{lighthouse.port}")))
+            procs[-1].log = mingpt / f"shards{g}.log"
+        outs = [finish(p) for p in procs]
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out[-4000:]
+    whole = parameter_bytes(outs[0])
+    meetings = met(outs[0])
+    assert [s for s, _ in meetings] == [2, 4], outs[0][-3000:]
+    assert all(whole / 2 <= b <= 0.51 * whole for _, b in meetings), (meetings, whole)
+    a, b = (snapshot_weights(mingpt / "runs" / f"shards{g}") for g in (0, 1))
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+
+
 def test_a_group_killed_mid_interval_rejoins_at_the_next_meeting_bit_for_bit(tmp_path):
     """Gates, not delays (faults.hold_quorum, at the meeting after step N). H = 10, 40 steps.
     The killed group dies before step 5, before its first meeting; the survivor meets alone

@@ -175,10 +175,9 @@ class Replicas:
     def __init__(self, cfg: DictConfig, model: nn.Module, optimizer: torch.optim.Optimizer,
                  device: torch.device) -> None:
         from torchft import Manager
-
-        t = cfg.trainer_config
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
+        t = cfg.trainer_config
         timeout = timedelta(seconds=t.collective_timeout_s)
         pg = (ProcessGroupNCCL(timeout=timeout) if device.type == "cuda"
               else ProcessGroupGloo(timeout=timeout))
