@@ -17,41 +17,26 @@ joined by torchft's lighthouse, as in test_mingpt_torchft.py.
 - Values that cannot work: one line each.
 """
 import re
-import subprocess
 import time
 
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import TORCHRUN, child_env, run
+from conftest import TORCHRUN, run
 from mingpt_helpers import assert_refused, copy_mingpt, mingpt_imported, snapshot_weights, tiny
-from test_mingpt_torchft import COMMON, Lighthouse, finish, snapshot, wait_for
+from test_mingpt_torchft import COMMON, Lighthouse, finish, group, snapshot, wait_for
 
 
-def groups(mingpt, lighthouse, name: str, *args: str, n: int = 2, **env) -> list[str]:
-    """`n` replica groups of one process each, run to the end: their logs."""
-    procs = [launch(mingpt, lighthouse, g, f"{name}{g}", *args, n=n, **env) for g in range(n)]
+def groups(mingpt, lighthouse, name: str, *args: str, n: int = 2, nproc: int = 1,
+           **env) -> list[str]:
+    """`n` replica groups of `nproc` processes each, run to the end: their logs."""
+    procs = [group(mingpt, lighthouse, g, *args, run_name=f"{name}{g}", groups=n,
+                   nproc=nproc, **env) for g in range(n)]
     outs = [finish(p) for p in procs]
     for p, out in zip(procs, outs, strict=True):
         assert p.returncode == 0, out[-4000:]
     return outs
-
-
-def launch(mingpt, lighthouse, g: int, run_name: str, *args: str, n: int = 2,
-           **env) -> subprocess.Popen:
-    """Replica group `g` of `n`, one process, as FAULT_TOLERANCE.md starts it."""
-    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=1", "main.py",
-           *tiny(*args, *COMMON, f"trainer_config.ft_replicas={n}",
-                 f"trainer_config.ft_replica_group={g}", f"run_name={run_name}")]
-    path = mingpt / f"{run_name}.log"
-    with open(path, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=mingpt, stdout=out, stderr=subprocess.STDOUT,
-                                env=child_env(
-                                    TORCHFT_LIGHTHOUSE=f"http://localhost:{lighthouse.port}",
-                                    **env))
-    proc.log = path
-    return proc
 
 
 def met(out: str) -> list[tuple[int, int]]:
@@ -206,23 +191,9 @@ def test_two_groups_of_two_fsdp_processes_meet_shard_by_shard(tmp_path):
     (FSDP splits dim 0: the 65-row embedding as 33 + 32)."""
     mingpt = copy_mingpt(tmp_path)
     args = ("trainer_config.max_steps=4", "trainer_config.distributed_method=fsdp",
-            "trainer_config.ft_sync=diloco", "trainer_config.ft_sync_every=2",
-            "trainer_config.save_every=4")
+            "trainer_config.ft_sync=diloco", "trainer_config.ft_sync_every=2")
     with Lighthouse(tmp_path, min_replicas=2) as lighthouse:
-        procs = []
-        for g in (0, 1):
-            cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", "main.py",
-                   *tiny(*args, *COMMON[:2], "trainer_config.collective_timeout_s=30",
-                         "trainer_config.ft_replicas=2", f"trainer_config.ft_replica_group={g}",
-                         f"run_name=shards{g}")]
-            with open(mingpt / f"shards{g}.log", "w") as out:
-                procs.append(subprocess.Popen(
-                    cmd, cwd=mingpt, stdout=out, stderr=subprocess.STDOUT,
-                    env=child_env(TORCHFT_LIGHTHOUSE=f"http://localhost:{lighthouse.port}")))
-            procs[-1].log = mingpt / f"shards{g}.log"
-        outs = [finish(p) for p in procs]
-    for p, out in zip(procs, outs, strict=True):
-        assert p.returncode == 0, out[-4000:]
+        outs = groups(mingpt, lighthouse, "shards", *args, nproc=2)
     whole = parameter_bytes(outs[0])
     meetings = met(outs[0])
     assert [s for s, _ in meetings] == [2, 4], outs[0][-3000:]
@@ -242,15 +213,15 @@ def test_a_group_killed_mid_interval_rejoins_at_the_next_meeting_bit_for_bit(tmp
     rows)."""
     mingpt = copy_mingpt(tmp_path)
     args = ("trainer_config.max_steps=40", "trainer_config.ft_sync=diloco",
-            "trainer_config.ft_sync_every=10", "trainer_config.save_every=0")
+            "trainer_config.ft_sync_every=10")  # (COMMON: a snapshot only at the end)
     meet = tmp_path / "meet"
     with Lighthouse(tmp_path, min_replicas=1) as lighthouse:
-        survivor = launch(mingpt, lighthouse, 0, "ft0", *args, FAULT_HOLD_QUORUM=f"30:{meet}")
-        killed = launch(mingpt, lighthouse, 1, "ft1_killed", *args, FAULT_AT_STEP="5")
+        survivor = group(mingpt, lighthouse, 0, *args, FAULT_HOLD_QUORUM=f"30:{meet}")
+        killed = group(mingpt, lighthouse, 1, *args, run_name="ft1_killed", FAULT_AT_STEP="5")
         wait_for("FAULT_AT_STEP=5: killing this worker", killed)
         wait_for("FAULT_HOLD_QUORUM: step 30 waits", survivor)
         asked = lighthouse.path.read_text().count("Received quorum request for replica mingpt_1")
-        again = launch(mingpt, lighthouse, 1, "ft1", *args)
+        again = group(mingpt, lighthouse, 1, *args)
         deadline = time.monotonic() + 300
         while lighthouse.path.read_text().count(
                 "Received quorum request for replica mingpt_1") == asked:

@@ -59,13 +59,16 @@ class Lighthouse:
 
 
 def group(mingpt: Path, lighthouse: Lighthouse, g: int, *args: str, log: str | None = None,
+          run_name: str | None = None, groups: int = 2, nproc: int = 1,
           **env: str) -> subprocess.Popen:
-    """Replica group `g`: a torchrun job of one process, as FAULT_TOLERANCE.md starts it; its
-    output in runs/<log>.log (a failed test's folder keeps every group's whole log)."""
-    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=1", "main.py",
-           *tiny(*args, *COMMON, "trainer_config.ft_replicas=2",
-                 f"trainer_config.ft_replica_group={g}", f"run_name=ft{g}")]
-    path = mingpt / f"{log or f'ft{g}'}.log"
+    """Replica group `g` of `groups`: a torchrun job of `nproc` processes, as
+    FAULT_TOLERANCE.md starts it, in runs/<run_name> (ft<g>); its output in <log>.log
+    (run_name's; a failed test's folder keeps every group's whole log)."""
+    run_name = run_name or f"ft{g}"
+    cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", "main.py",
+           *tiny(*args, *COMMON, f"trainer_config.ft_replicas={groups}",
+                 f"trainer_config.ft_replica_group={g}", f"run_name={run_name}")]
+    path = mingpt / f"{log or run_name}.log"
     with open(path, "w") as out:
         proc = subprocess.Popen(cmd, cwd=mingpt, stdout=out, stderr=subprocess.STDOUT,
                                 env=child_env(

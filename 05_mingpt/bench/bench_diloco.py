@@ -17,14 +17,17 @@ holds the same weights).
 """
 import argparse
 import json
+import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent.parent  # 05_mingpt/
+sys.path.insert(0, str(HERE))
+from mingpt.devices import free_port  # noqa: E402  (05_mingpt/ is on the path only now)
+
 BIN = Path(sys.executable).parent  # torchrun and torchft_lighthouse, beside this Python
 # The model and run: small enough for 400 steps on 2 cores in about half a minute per run.
 MODEL = ["gpt_config.model_type=null", "gpt_config.n_layer=2", "gpt_config.n_head=2",
@@ -60,12 +63,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def train(groups: int, overrides: list[str], folder: Path) -> dict:
     """One run of `groups` replica groups: group 0's loss, bytes and meetings."""
     # min_replicas: every meeting waits for all the groups (none meets alone and copies).
@@ -80,7 +77,7 @@ def train(groups: int, overrides: list[str], folder: Path) -> dict:
         # fill up and stop the group whose turn had not come, and so the others' quorum).
         # One thread per process: torchrun sets it only for 2 or more per job, and groups of
         # two threads each on 2 cores spun against each other (a step took 30x as long).
-        env = {**__import__("os").environ, "TORCHFT_LIGHTHOUSE": f"http://localhost:{port}",
+        env = {**os.environ, "TORCHFT_LIGHTHOUSE": f"http://localhost:{port}",
                "OMP_NUM_THREADS": "1"}
         logs = [folder / f"group{g}.log" for g in range(groups)]
         procs = []

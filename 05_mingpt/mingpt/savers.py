@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from mingpt import errors, faults, snapshot, storage
 from mingpt.log import print0
-from mingpt.optim import extra_state, inner
+from mingpt.optim import inner
 from mingpt.parallel.strided import checkpointable
 
 
@@ -55,9 +55,7 @@ class AsyncSaver(Saver):
         name = f"step_{state['step']:08d}"
         snapshot.agreed_part(self.url, snapshot.move_other_layout_on_rank_0, "fsdp")
         snapshot.agreed_part(self.url, snapshot.clear_step, name)
-        extra = extra_state(optimizer)  # the replica groups' meetings (diloco.py); mostly {}
-        if extra:
-            state = {**state, "replica_state": True}
+        state, extra = snapshot.with_meetings(optimizer, state)  # snapshot.save's
         # Returns once this rank's shards are copied to host memory (DCP's staging); the
         # staging process writes them, its own gloo group planning with the other ranks'.
         # (The first call starts that process: it imports __main__ again, hence main.py's

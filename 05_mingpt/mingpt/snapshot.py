@@ -304,6 +304,13 @@ def write_shards(url: str, name: str, model: torch.nn.Module,
              storage_writer=faults.faulty(storage.writer(f"{url}/{name}")))
 
 
+def with_meetings(optimizer: torch.optim.Optimizer, state: dict) -> tuple[dict, dict]:
+    """The replica groups' meetings' state (diloco.py; {} for any other optimizer), and
+    `state` marked where there is one: train_state.pt says so, a load then reads it in place."""
+    extra = extra_state(optimizer)
+    return ({**state, "replica_state": True} if extra else state), extra
+
+
 def dcp_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
               extra: dict | None) -> dict:
     """What DCP writes: the model's and the optimizer's sharded state dicts, and the replica
@@ -526,9 +533,7 @@ def save(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.O
     state dicts on the CPU (xla_main.py: from the XLA devices' shards); the snapshot is then
     the one file. SaveError (one line, the same on every rank) when the storage fails on any
     rank; nothing was committed then."""
-    extra = extra_state(optimizer)  # the replica groups' meetings (diloco.py); mostly {}
-    if extra:  # (train_state.pt says so: a load then reads them in place)
-        state = {**state, "replica_state": True}
+    state, extra = with_meetings(optimizer, state)
     optimizer = inner(optimizer)  # not a wrapper's step, which all-reduces across groups
     # gather (XLA's hook): the weights come to the CPU, one file whatever the model holds.
     kind = "ddp" if gather is not None else snapshot_layout(model, method)

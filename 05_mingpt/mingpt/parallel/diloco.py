@@ -125,8 +125,15 @@ class Sync:
             self.outer.append(sgd)
         # Saves the weights of "the last meeting": now, the initial (or resumed) weights.
         self.algorithm = DiLoCo(manager, parts, inner, self.outer, t.ft_sync_every)
-        # Snapshot keys: the model's names of the parameters each fragment holds.
-        self.names = {p: name for name, p in self.model.named_parameters()}
+
+    def _held(self):
+        """For every parameter: its name in the model, the parameter, torchft's copy of its
+        weights at the last meeting and its outer SGD's state (fragments() named each in
+        its fragment as in the model, "/" for ".", in the order its SGD holds them)."""
+        for fragment, sgd in zip(self.algorithm._fragments, self.outer, strict=True):
+            for (key, kept), p in zip(fragment.original_parameters.items(),
+                                      sgd.param_groups[0]["params"], strict=True):
+                yield key.replace("/", "."), p, kept, sgd.state[p]
 
     def _measure(self, sgd: torch.optim.Optimizer, *_) -> None:
         """Before the outer step: the norm of the averaged outer gradient (how far the groups
@@ -191,15 +198,13 @@ class Sync:
         meetings = self.manager.state_dict()
         state: dict = {"meetings": torch.tensor([meetings["step"],
                                                  meetings["batches_committed"]])}
-        for fragment, sgd in zip(self.algorithm._fragments, self.outer, strict=True):
-            for p in (p for g in sgd.param_groups for p in g["params"]):
-                name = self.names[p]
-                kept = fragment.original_parameters[name.replace(".", "/")].to(p.device)
-                state[f"original/{name}"] = DTensor.from_local(
-                    kept, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()) \
-                    if isinstance(p, DTensor) else kept
-                if "momentum_buffer" in sgd.state[p]:
-                    state[f"momentum/{name}"] = sgd.state[p]["momentum_buffer"]
+        for name, p, kept, outer in self._held():
+            kept = kept.to(p.device)
+            state[f"original/{name}"] = DTensor.from_local(
+                kept, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()) \
+                if isinstance(p, DTensor) else kept
+            if "momentum_buffer" in outer:
+                state[f"momentum/{name}"] = outer["momentum_buffer"]
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -208,14 +213,11 @@ class Sync:
             return
         step, committed = state["meetings"].tolist()
         self.manager.load_state_dict({"step": step, "batches_committed": committed})
-        for fragment, sgd in zip(self.algorithm._fragments, self.outer, strict=True):
-            for p in (p for g in sgd.param_groups for p in g["params"]):
-                name = self.names[p]
-                saved = state[f"original/{name}"]
-                fragment.original_parameters[name.replace(".", "/")].copy_(
-                    saved.to_local() if isinstance(saved, DTensor) else saved)
-                if f"momentum/{name}" in state:
-                    sgd.state[p]["momentum_buffer"].copy_(state[f"momentum/{name}"])
+        for name, _, kept, outer in self._held():
+            saved = state[f"original/{name}"]
+            kept.copy_(saved.to_local() if isinstance(saved, DTensor) else saved)
+            if f"momentum/{name}" in state:
+                outer["momentum_buffer"].copy_(state[f"momentum/{name}"])
         self.loaded = True
 
 

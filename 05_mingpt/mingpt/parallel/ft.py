@@ -94,14 +94,14 @@ class Optimizer(torch.optim.Optimizer):
     ranks would no longer average among themselves) and starts a quorum at every zero_grad,
     the last step's too, with no step after it to join."""
 
-    def __init__(self, manager, inner: torch.optim.Optimizer, every_step: bool = True) -> None:
+    def __init__(self, manager, inner: torch.optim.Optimizer) -> None:
         # No Optimizer.__init__: param_groups and state are the inner optimizer's (below),
         # which GradScaler, the lr scheduler and snapshots read and change.
         self.manager, self.inner = manager, inner
-        # ft_sync=step: the groups meet at every step; else torchft's hooks on the inner
-        # optimizer's step hold a meeting every ft_sync_every steps (diloco.py).
-        self.every_step = every_step
-        self.sync: diloco.Sync | None = None  # those hooks' owner, where they are on
+        # None (ft_sync=step): the groups meet at every step, here. Else the owner of
+        # torchft's hooks on the inner optimizer's step, which hold a meeting every
+        # ft_sync_every steps (diloco.py).
+        self.sync: diloco.Sync | None = None
         # Replicas.start: the step the next quorum is for, None where no step follows.
         self.next_step: Callable[[], int | None] = lambda: None
 
@@ -133,8 +133,8 @@ class Optimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none)
-        step = self.next_step()  # the trainer has not counted this step yet
-        if step is not None and self.every_step:
+        step = self.next_step()  # the trainer has not counted this step yet (None: no
+        if step is not None:  # step follows, or the groups meet in diloco.py's hooks)
             self.start_quorum(step)
 
     def start_quorum(self, step: int) -> None:
@@ -143,7 +143,7 @@ class Optimizer(torch.optim.Optimizer):
         self.manager.start_quorum()
 
     def step(self, closure=None) -> None:
-        if not self.every_step:  # the group's own step; torchft's hooks hold any meeting
+        if self.sync is not None:  # the group's own step; torchft's hooks hold any meeting
             self.inner.step()
             return
         # Every local gradient in one flat buffer, one all-reduce: the mean over the groups of
@@ -200,7 +200,7 @@ class Replicas:
         self.meetings = diloco.Meetings(self.manager, lambda: self.trainer.step + 1,
                                         gate=t.ft_sync != "step")
         self.manager.register_state_dict_fn("model", self._load_model, self._model_state)
-        self.optimizer = Optimizer(self.manager, optimizer, every_step=t.ft_sync == "step")
+        self.optimizer = Optimizer(self.manager, optimizer)
         if t.ft_sync != "step":  # torchft's LocalSGD or DiLoCo on the group's own optimizer
             self.optimizer.sync = diloco.Sync(t, cfg.optimizer_config, self.manager, model,
                                               optimizer, self.meetings)
