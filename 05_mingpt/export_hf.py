@@ -30,7 +30,7 @@ import torch
 
 from mingpt import snapshot
 from mingpt.errors import one_line_errors
-from mingpt.model import GPT, GPTConfig
+from mingpt.model import GPT, OPTIONS, GPTConfig
 from mingpt.pretrained import CONV1D, _quiet
 
 # Our snapshot's model config: the keys GPTConfig has. Any other key (experts, say, from a
@@ -75,6 +75,10 @@ def check_representable(url: str, model_config: dict) -> None:
         raise ValueError(f"{url} holds a mixture of experts (gpt_config.n_expert="
                          f"{model_config['n_expert']}), which GPT-2 (GPT2LMHeadModel) cannot "
                          "represent: it has one dense MLP per block")
+    for key, has in OPTIONS.items():  # a snapshot from before the options has none of them
+        if model_config.get(key):
+            raise ValueError(f"{url} holds a model with gpt_config.{key}=true, which GPT-2 "
+                             f"(GPT2LMHeadModel) cannot represent: it has {has}")
     if model_config.get("bias") is False:
         raise ValueError(f"{url} holds a model without biases (gpt_config.bias=false), which "
                          "GPT-2 (GPT2LMHeadModel) cannot represent: it has a bias in every "

@@ -96,7 +96,8 @@ WORLD = 4  # torchrun's WORLD_SIZE for the checks that need one
 # others are proven alone by their own files (ft_replicas, async_save, s3, init_from, ...)
 # or need what a CPU lacks (dp, memory_snapshot; fp16 and compile: slow on a CPU).
 RUNNABLE = ("grad_accum", "zero", "fsdp", "bf16", "activation_checkpointing", "tp_size",
-            "cp_size", "ep_size", "pp_size", "dropout", "experts", "cpu_offload", "muon")
+            "cp_size", "ep_size", "pp_size", "dropout", "experts", "cpu_offload", "muon",
+            "rotary")
 
 
 def schema_keys(config) -> dict[str, tuple[str, object]]:

@@ -161,3 +161,31 @@ def test_comm_lab_fit_recovers_a_link_and_never_goes_negative(monkeypatch):
     latency = fit([(1024, 5e-4), (4096, 4e-4), (16384, 3e-4)])  # beta would be < 0
     assert latency["beta_s_per_byte"] == 0 and latency["alpha_s"] > 0
     assert latency["large_algbw_GBps"] is None
+
+
+def test_records_runs_each_row_per_seed_and_summarises_the_seeds(mingpt):
+    """bench/records.py on a tiny model: one timed run per row and seed, the row's overrides
+    and seed in its command, the best val the lowest it printed, the table the seeds' median
+    and range; a row it does not have is one error line."""
+    overrides = tiny("trainer_config.eval_every=5", "trainer_config.max_steps=10")
+    proc = run([PYTHON, "bench/records.py", "--rows", "default", "qk_norm", "--seeds", "1", "2",
+                "--out", "bench/rec", "--", *overrides], cwd=mingpt)
+    runs = json.loads((mingpt / "bench/rec.json").read_text())["runs"]
+    assert [(r["row"], r["seed"]) for r in runs] == [("default", 1), ("default", 2),
+                                                      ("qk_norm", 1), ("qk_norm", 2)]
+    for r in runs:
+        assert f"trainer_config.seed={r['seed']}" in r["command"].split()
+        assert ("gpt_config.qk_norm=true" in r["command"].split()) == (r["row"] == "qk_norm")
+        assert "run_dir=" not in r["command"]  # the scratch folder is not the reader's
+        assert [step for _, step, _ in r["curve"]] == [0, 5, 10]
+        assert r["best_val"] == min(v for _, _, v in r["curve"])
+        assert r["tokens_per_step"] == 8 * 32  # TINY's batch 8 x block 32
+    finals = [r["final_val"] for r in runs[:2]]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("| `default` |"))
+    cells = [c.strip() for c in line.split("|")[1:-1]]
+    assert cells[2] == "2" and cells[3] == "never" and \
+        cells[6] == f"{statistics.median(finals):.4f} ({min(finals):.4f}–{max(finals):.4f})"
+    refused = run([PYTHON, "bench/records.py", "--rows", "nope"], cwd=mingpt, check=False)
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        "error: no row nope for target 1.88; rows: nanogpt, default, muon, rotary, qk_norm, "
+        "relu2, untied_head, options, options_muon"]

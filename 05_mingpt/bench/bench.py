@@ -422,6 +422,46 @@ def machine() -> dict:
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
 
 
+def timed_main(overrides: list[str], budget_s: float | None = None) -> dict:
+    """`python main.py` with `overrides`, timed from before its start to every val loss it
+    prints; with `budget_s`, stopped (SIGTERM) at that many seconds. Returns what it saw."""
+    # Unbuffered output: each val line is timed when main.py prints it, not at a flush.
+    cmd = [sys.executable, "main.py", *overrides]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # From before the child starts, so imports and data preparation count as the user waits.
+    start = time.perf_counter()
+    curve, lines = [], []
+    with subprocess.Popen(cmd, cwd=HERE, env=env, stdout=subprocess.PIPE, text=True) as proc:
+        timer = None
+        if budget_s is not None:  # the line reader below blocks: a timer stops the run
+            import threading  # noqa: PLC0415 (records.py's 10-minute rows only)
+            timer = threading.Timer(budget_s, proc.terminate)
+            timer.start()
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            found = re.match(r"step (\d+) \| val loss ([0-9.]+)", line)
+            if found:
+                curve.append((time.perf_counter() - start, int(found[1]), float(found[2])))
+                print(f"{curve[-1][0]:6.1f} s  step {found[1]:>5}  val {found[2]}", flush=True)
+        if timer is not None:
+            timer.cancel()
+    wall = time.perf_counter() - start
+    # The first val loss at or below the target, the figure the default recipe is held to.
+    reached = next(((s, step) for s, step, v in curve if v <= QUALITY), None)
+    # Sequences per step and tokens per sequence (main.py's start lines): the tokens a run
+    # has seen by a step.
+    per_step = next((int(m[1]) for line in lines
+                     if (m := re.search(r"(\d+) sequences per step", line))), 0)
+    block = next((int(m[1]) for line in lines if (m := re.search(r"block (\d+)\)", line))), 0)
+    return {"command": " ".join(["python", "main.py", *overrides]), "machine": machine(),
+            "returncode": proc.returncode, "curve": curve, "wall_s": wall,
+            "final_val": curve[-1][2] if curve else None, "tokens_per_step": per_step * block,
+            "time_to_quality_s": reached[0] if reached else None,
+            "step_to_quality": reached[1] if reached else None,
+            # The trainer's own summary of evaluation and snapshot time (trainer.py).
+            "paused": next((line for line in lines if " s in training: " in line), "")}
+
+
 def quality(args: argparse.Namespace) -> int:
     """`python main.py` with the overrides, timed from process start to every val loss."""
     import matplotlib
@@ -429,34 +469,15 @@ def quality(args: argparse.Namespace) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    # Unbuffered output: each val line is timed when main.py prints it, not at a flush.
-    cmd = [sys.executable, "main.py", *args.overrides]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    # From before the child starts, so imports and data preparation count as the user waits.
-    start = time.perf_counter()
-    curve, lines = [], []
-    with subprocess.Popen(cmd, cwd=HERE, env=env, stdout=subprocess.PIPE, text=True) as proc:
-        for line in proc.stdout:
-            lines.append(line.rstrip("\n"))
-            found = re.match(r"step (\d+) \| val loss ([0-9.]+)", line)
-            if found:
-                curve.append((time.perf_counter() - start, int(found[1]), float(found[2])))
-                print(f"{curve[-1][0]:6.1f} s  step {found[1]:>5}  val {found[2]}", flush=True)
-    wall = time.perf_counter() - start
-    if proc.returncode != 0 or not curve:
-        print(f"error: main.py exited {proc.returncode}", file=sys.stderr)
+    info = timed_main(args.overrides)
+    curve, reached = info.pop("curve"), info["time_to_quality_s"]
+    if info.pop("returncode") != 0 or not curve:
+        print("error: main.py failed", file=sys.stderr)
         return 1
-    # The first val loss at or below the target, the figure the default recipe is held to.
-    reached = next(((s, step) for s, step, v in curve if v <= QUALITY), None)
-    # The trainer's own summary of evaluation and snapshot time (trainer.py, end of train()).
-    paused = next((line for line in lines if " s in training: " in line), "")
-    info = {"command": " ".join(["python", "main.py", *args.overrides]), "machine": machine(),
-            "curve": curve, "wall_s": wall, "final_val": curve[-1][2],
-            "time_to_quality_s": reached[0] if reached else None,
-            "step_to_quality": reached[1] if reached else None, "paused": paused}
-    print(f"val <= {QUALITY} at " + (f"{reached[0]:.1f} s (step {reached[1]})" if reached
-                                     else "never") +
-          f"; final val {curve[-1][2]:.4f} after {wall:.1f} s; {paused}")
+    info["curve"] = curve
+    print(f"val <= {QUALITY} at " + (f"{reached:.1f} s (step {info['step_to_quality']})"
+                                     if reached else "never") +
+          f"; final val {curve[-1][2]:.4f} after {info['wall_s']:.1f} s; {info['paused']}")
     out = HERE / args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(info, indent=1))

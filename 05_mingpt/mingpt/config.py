@@ -240,6 +240,8 @@ def validate(cfg: DictConfig) -> None:
            "gpt_config.init_from", "null, gpt2, gpt2-medium, gpt2-large, gpt2-xl or a directory",
            init_from)
     if init_from is not None:  # the pretrained model's sizes: pretrained.gpt_config_from
+        from mingpt import pretrained  # noqa: PLC0415 (as model_config below)
+        pretrained.check_architecture(init_from, settings)  # before a stand-in size fails it
         settings.update(model_type=None, n_layer=1, n_head=1, n_embd=1)  # checks them later
     # The model's own check (presets, n_embd % n_head, dropout, ...); vocab_size is a stand-in
     # here because it is only known once the data is read.

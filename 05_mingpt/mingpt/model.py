@@ -1,5 +1,10 @@
 """A minGPT-style GPT: token + position embeddings, a stack of transformer blocks, a tied LM head.
 
+Four options from recent recipes (modded-nanogpt's speedrun), each off by default because
+GPT-2's weights cannot hold it (export_hf.py refuses them): `rotary` positions in place of the
+learned position embedding, `qk_norm` (RMSNorm on each head's queries and keys), `relu2`
+(ReLU squared in place of GELU) and `untied_head` (an output layer of its own).
+
 This file is plain PyTorch with no distributed code: the trainer wraps the model (DDP, or FSDP
 per entry of `self.blocks`) after it is built. The layout and parameter names follow GPT-2
 (`c_attn`, `c_fc`, `c_proj`, `ln_1`, ...), so GPT-2 weights map onto it one to one (their Conv1D
@@ -51,6 +56,13 @@ class GPTConfig:
     n_expert: int = 0
     expert_top_k: int = 1
     aux_loss_coef: float = 0.01
+    # Options GPT-2 does not have (module docstring): rotary position embeddings (RoFormer)
+    # instead of wpe, queries and keys RMS-normalised per head, ReLU(x)^2 in the MLP, and an
+    # output layer apart from the token embedding.
+    rotary: bool = False
+    qk_norm: bool = False
+    relu2: bool = False
+    untied_head: bool = False
 
 
 def _is_positive_int(value: object) -> bool:
@@ -107,7 +119,36 @@ def resolve_config(cfg: GPTConfig) -> GPTConfig:
     if isinstance(cfg.aux_loss_coef, bool) or not isinstance(cfg.aux_loss_coef, int | float) \
             or cfg.aux_loss_coef < 0:
         raise ValueError(f"aux_loss_coef must be >= 0, got {cfg.aux_loss_coef!r}")
+    for key in OPTIONS:
+        if not isinstance(getattr(cfg, key), bool):
+            raise ValueError(f"{key} must be true or false, got {getattr(cfg, key)!r}")
+    if cfg.rotary and sizes["n_embd"] // sizes["n_head"] % 2:
+        raise ValueError(f"rotary needs an even head size (n_embd / n_head), got "
+                         f"{sizes['n_embd']} / {sizes['n_head']}")
     return replace(cfg, **sizes)
+
+
+# GPTConfig's options GPT-2 lacks, and what GPT-2 has instead (pretrained.py and export_hf.py
+# refuse them in one line each).
+OPTIONS = {"rotary": "learned position embeddings (wpe), not rotary ones",
+           "qk_norm": "no norm on its queries and keys",
+           "relu2": "GELU in its MLPs, not ReLU squared",
+           "untied_head": "its output layer tied to the token embedding"}
+
+
+def rotate(x: torch.Tensor, pos: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """Rotary position embedding (RoFormer): x (B, nh, T, hs) with each channel pair (i, i +
+    hs/2) turned by the angle pos * base^(-2i/hs), pos (T,) the tokens' positions.
+
+    A query at position m and a key at n then score q_m . k_n as a function of m - n only:
+    attention sees relative positions, and no position table is learned. The angles in fp32,
+    the product in x's dtype (bf16 under autocast)."""
+    half = x.size(-1) // 2
+    inv_freq = base ** -(torch.arange(half, dtype=torch.float32, device=x.device) / half)
+    angles = pos.to(torch.float32)[:, None] * inv_freq[None, :]  # (T, hs / 2)
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
 
 class KVCache:
@@ -151,6 +192,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.head_size = config.n_embd // config.n_head  # hs: channels per head
         self.dropout = config.dropout
+        self.rotary, self.qk_norm = config.rotary, config.qk_norm
         # How q, k, v become the output when nothing is cached: a plain attribute, so that a
         # wrapper can put another implementation of the same function here (context
         # parallelism's ring attention, parallel/context.py) without touching this file.
@@ -161,9 +203,11 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None,
+                pos: torch.Tensor | None = None) -> torch.Tensor:
         """x (B, T, C) -> (B, T, C). With a cache, x holds only the positions after the cached
-        ones: they also attend to the cached keys and values, and their own are added to it."""
+        ones: they also attend to the cached keys and values, and their own are added to it.
+        pos (T,): x's positions in its sequence (rotary needs them; GPT.forward passes them)."""
         B, T, _ = x.size()  # batch, sequence length, n_embd
         qkv = self.c_attn(x)  # (B, T, 3 * C)
         # C is this process's share of the heads' channels: n_embd, or n_embd / tp when a
@@ -176,6 +220,10 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, nh, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, nh, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, nh, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
+        if self.qk_norm:  # each head's vectors to RMS 1: the scores' scale stays bounded
+            q, k = F.rms_norm(q, (self.head_size,)), F.rms_norm(k, (self.head_size,))
+        if self.rotary:  # before the cache: cached keys keep their own positions' angles
+            q, k = rotate(q, pos), rotate(k, pos)
         past = 0  # positions before x's first one
         if cache is not None:
             past = cache.length
@@ -198,19 +246,24 @@ class CausalSelfAttention(nn.Module):
         return self.resid_dropout(self.c_proj(y))
 
 
+def activation(x: torch.Tensor, relu2: bool) -> torch.Tensor:
+    """The MLP's nonlinearity: GELU's tanh approximation (GPT-2 was trained with it: weight
+    parity), or with relu2 ReLU(x)^2 (Primer; modded-nanogpt's)."""
+    return F.relu(x).square() if relu2 else F.gelu(x, approximate="tanh")
+
+
 class MLP(nn.Module):
-    """Position-wise feed-forward: widen 4x, GELU, project back."""
+    """Position-wise feed-forward: widen 4x, GELU (or ReLU^2), project back."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        # GPT-2 was trained with the tanh approximation of GELU; keep it for weight parity.
-        self.gelu = nn.GELU(approximate="tanh")
+        self.relu2 = config.relu2
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))  # (B, T, C)
+        return self.dropout(self.c_proj(activation(self.c_fc(x), self.relu2)))  # (B, T, C)
 
 
 class ExpertLinear(nn.Module):
@@ -225,7 +278,7 @@ class ExpertLinear(nn.Module):
 
 
 def expert_mlp(x: torch.Tensor, counts: list[int], c_fc: ExpertLinear | tuple,
-               c_proj: ExpertLinear | tuple) -> torch.Tensor:
+               c_proj: ExpertLinear | tuple, relu2: bool = False) -> torch.Tensor:
     """Each expert's MLP on its own rows: x (N, C) sorted by expert, counts[e] rows for expert
     e -> (N, C). c_fc and c_proj give (weight, bias) per expert along dim 0 of their tensors.
 
@@ -239,7 +292,7 @@ def expert_mlp(x: torch.Tensor, counts: list[int], c_fc: ExpertLinear | tuple,
         h = x[start:start + n] @ w_fc[e]  # (n, 4C)
         if b_fc is not None:
             h = h + b_fc[e]
-        h = F.gelu(h, approximate="tanh") @ w_proj[e]  # (n, C)
+        h = activation(h, relu2) @ w_proj[e]  # (n, C)
         out.append(h + b_proj[e] if b_proj is not None else h)
         start += n
     return torch.cat(out) if out else x[:0]
@@ -257,10 +310,11 @@ class Experts(nn.Module):
         C, E = config.n_embd, config.n_expert
         self.c_fc = ExpertLinear(E, C, 4 * C, config.bias)
         self.c_proj = ExpertLinear(E, 4 * C, C, config.bias)
+        self.relu2 = config.relu2
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         return expert_mlp(x, counts, (self.c_fc.weight, self.c_fc.bias),
-                          (self.c_proj.weight, self.c_proj.bias))
+                          (self.c_proj.weight, self.c_proj.bias), self.relu2)
 
 
 class MoE(nn.Module):
@@ -338,8 +392,9 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MoE(config) if config.n_expert else MLP(config)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), cache)  # (B, T, C)
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None,
+                pos: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache, pos)  # (B, T, C); pos: x's positions
         return x + self.mlp(self.ln_2(x))  # (B, T, C)
 
 
@@ -363,15 +418,17 @@ class GPT(nn.Module):
         config = resolve_config(config)
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)  # token embedding
-        self.wpe = nn.Embedding(config.block_size, config.n_embd)  # learned position embedding
+        # Learned position embedding; none with rotary (each attention turns q and k instead).
+        self.wpe = None if config.rotary else nn.Embedding(config.block_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
         # A ModuleList of identical blocks: the unit FSDP shards and activation checkpointing wraps.
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         # Weight tying: the output layer reuses the token embedding (one tensor, fewer parameters,
-        # and the same vector both reads and writes a token).
-        self.wte.weight = self.lm_head.weight
+        # and the same vector both reads and writes a token); untied_head keeps them apart.
+        if not config.untied_head:
+            self.wte.weight = self.lm_head.weight
         self.init_weights()
 
     def init_weights(self, fill: Callable[[torch.Tensor, Callable], object] | None = None
@@ -424,9 +481,9 @@ class GPT(nn.Module):
                              f"{self.config.block_size}")
         pos = positions if positions is not None else \
             torch.arange(past, past + T, dtype=torch.long, device=idx.device)  # (T,)
-        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C) + (T, C) broadcasts over batch
+        x = self.drop(self.embed(idx, pos))  # (B, T, C)
         for block, cache in zip(self.blocks, caches or [None] * len(self.blocks), strict=True):
-            x = block(x, cache)  # (B, T, C)
+            x = block(x, cache, pos)  # (B, T, C)
         logits = self.lm_head(self.ln_f(x))  # (B, T, vocab_size)
         loss = None
         if targets is not None:
@@ -441,6 +498,12 @@ class GPT(nn.Module):
                 aux = torch.stack([m.aux_loss for m in moe]).mean()
                 loss = AuxLossGrad.apply(loss, aux, self.config.aux_loss_coef)
         return logits, loss
+
+    def embed(self, idx: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Token embeddings (B, T, C), plus the positions' (T, C) where the model learns them
+        (broadcast over the batch); with rotary the attention places the tokens instead."""
+        x = self.wte(idx)
+        return x if self.wpe is None else x + self.wpe(pos)
 
     def moe_layers(self) -> list["MoE"]:
         """The blocks' MoE layers (none in a dense model), in block order."""
@@ -496,12 +559,14 @@ class GPT(nn.Module):
     def num_params(self, non_embedding: bool = False) -> int:
         """Number of parameters (the tied embedding / lm_head weight counts once).
 
-        non_embedding=True leaves out the position embedding. The token embedding stays: tied to
-        lm_head it is also the output matmul, which costs compute like any other weight.
+        non_embedding=True leaves out the position embedding. The token embedding stays where it
+        is tied to lm_head: it is also the output matmul, which costs compute like any other
+        weight. An untied one is a lookup only, and left out too.
         """
         n = sum(p.numel() for p in self.parameters())
         if non_embedding:
-            n -= self.wpe.weight.numel()
+            n -= sum(e.weight.numel() for e in (self.wpe, self.wte if self.config.untied_head
+                                                 else None) if e is not None)
         return n
 
     def num_active_params(self) -> int:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from mingpt import ROOT
-from mingpt.model import GPT, PRESETS, SIZE_KEYS, GPTConfig
+from mingpt.model import GPT, OPTIONS, PRESETS, SIZE_KEYS, GPTConfig
 
 HERE = ROOT  # 05_mingpt/: paths in the config are relative to it
 # HF's Conv1D keeps its weight as (in, out); nn.Linear as (out, in): these four are transposed.
@@ -95,6 +95,18 @@ def hf_config(source: str) -> object:
     return config
 
 
+def check_architecture(source: str, settings: dict) -> None:
+    """ValueError (one line) unless gpt_config asks for GPT-2's own architecture: biases, and
+    none of the model's options (model.OPTIONS). config.py asks it before any data is read."""
+    if settings.get("bias") is False:
+        raise ValueError(f"gpt_config.bias must be true with gpt_config.init_from={source}: "
+                         "GPT-2 has biases")
+    for key, has in OPTIONS.items():
+        if settings.get(key):
+            raise ValueError(f"gpt_config.{key} must be false with gpt_config.init_from="
+                             f"{source}: GPT-2 has {has}")
+
+
 def gpt_config_from(source: str, settings: dict, vocab_size: int, block_size: int,
                     data_name: str) -> GPTConfig:
     """Our GPTConfig for `source`'s weights: its sizes and vocabulary, the data's block_size.
@@ -122,9 +134,7 @@ def gpt_config_from(source: str, settings: dict, vocab_size: int, block_size: in
     if block_size > hf.n_positions:
         raise ValueError(f"gpt_config.block_size must be at most {hf.n_positions} (the context "
                          f"of gpt_config.init_from={source}), got {block_size}")
-    if settings.get("bias") is False:
-        raise ValueError(f"gpt_config.bias must be true with gpt_config.init_from={source}: "
-                         "GPT-2 has biases")
+    check_architecture(source, settings)
     # The sizes as explicit numbers; model_type only names them (snapshots ignore it).
     return GPTConfig(**{**settings, "model_type": None, **pretrained, "vocab_size": vocab_size,
                         "block_size": block_size})

@@ -282,6 +282,7 @@ def apply(model: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
         # (Pipeline), both by these positions. The cp ranks of one stage run the same
         # schedule, so their rings meet in the same order.
         switch.active = True
+        model.cp = cp_size
         model.positions = lambda seq_len, device: zigzag_positions(seq_len, cp_size, cp_rank,
                                                                     device)
         return model

@@ -65,7 +65,7 @@ class ShardedExperts(Experts):
         order = expert_of_row.argsort(stable=True)
         weights = [(m.weight.to_local(), m.bias.to_local() if m.bias is not None else None)
                    for m in (self.c_fc, self.c_proj)]
-        y = expert_mlp(got[order], recv.sum(0).tolist(), *weights)
+        y = expert_mlp(got[order], recv.sum(0).tolist(), *weights, self.relu2)
         y = y[order.argsort()]  # (rows received, C), in arrival order
         # 4. back to where each row came from, in the order it was sent.
         return dist_fn.all_to_all_single(x.new_empty(x.size(0), C), y, send_splits,

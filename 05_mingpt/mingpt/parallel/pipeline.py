@@ -24,7 +24,8 @@ GPT's own forward cut into pieces (model.py stays free of any of this).
 The tied embedding. wte and lm_head share one weight. The first and the last stage both use
 it, often on different ranks: both ranks hold it (under both names, as the whole model does),
 and after backward its two gradients are summed over those two ranks (Megatron-LM's way), so
-both copies take the same AdamW step and stay equal. The clip norm counts it once.
+both copies take the same AdamW step and stay equal. The clip norm counts it once. An untied
+head (gpt_config.untied_head) is two weights: the first stage holds wte, the last lm_head.
 
 Stages per rank. gpipe and 1f1b: one stage per rank (stage s on pp rank s). The looped
 schedules (interleaved_1f1b, looped_bfs, interleaved_zb): `pp_stages_per_rank` stages each,
@@ -61,7 +62,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from mingpt.errors import require
-from mingpt.model import AuxLossGrad, MoE
+from mingpt.model import GPT, AuxLossGrad, MoE
 from mingpt.parallel.grads import clip_grad_norm_
 from mingpt.parallel.layout import Settings
 from mingpt.precision import DTYPES, autocast
@@ -118,16 +119,20 @@ class Stage(nn.Module):
     # The positions of the tokens this rank computes, (seq_len, device) -> (T_kept,); None:
     # all of them. context.apply sets it where cp splits each sequence over ranks.
     positions: Callable[[int, torch.device], torch.Tensor] | None = None
+    cp = 1  # ranks each sequence is split over: a later stage's T is the sequence's / cp
 
     def __init__(self, gpt: nn.Module, blocks: range, first: bool, last: bool) -> None:
         super().__init__()
         self.first, self.last = first, last
         self.config = gpt.config  # tensor.apply checks its heads and width per TP rank
-        if first or last:
-            # Both halves of the tied weight, on either end: FSDP then shards the one tensor
-            # once and sets it on both modules (a module it does not manage would keep the
-            # unsharded tensor, and the snapshot a stale copy).
-            self.wte, self.lm_head = gpt.wte, gpt.lm_head
+        # Both halves of the tied weight, on either end: FSDP then shards the one tensor
+        # once and sets it on both modules (a module it does not manage would keep the
+        # unsharded tensor, and the snapshot a stale copy). Untied: each end its own.
+        holds = _holds(gpt.config, first, last)
+        if "wte" in holds:
+            self.wte = gpt.wte
+        if "lm_head" in holds:
+            self.lm_head = gpt.lm_head
         if first:
             self.wpe, self.drop = gpt.wpe, gpt.drop
         self.blocks = nn.ModuleList(gpt.blocks[i] for i in blocks)
@@ -139,15 +144,18 @@ class Stage(nn.Module):
         """First stage: token ids (B, T); others: the residual stream (B, T, C). Returns the
         residual stream (B, T, C), or the last stage's logits (B, T, vocab_size). Under cp,
         T is the kept tokens' count (T / cp) after the first stage."""
-        if self.first:  # as GPT.forward, without a KV cache
-            if self.positions is None:
-                pos = torch.arange(x.size(1), dtype=torch.long, device=x.device)  # (T,)
-            else:  # this cp rank's tokens only, at their places in the sequence
-                pos = self.positions(x.size(1), x.device)  # (T / cp,)
+        # Every stage knows its tokens' positions (rotary turns q and k by them in each block).
+        seq_len = x.size(1) if self.first else x.size(1) * self.cp  # the whole sequence's
+        if self.positions is None:
+            pos = torch.arange(seq_len, dtype=torch.long, device=x.device)  # (T,)
+        else:  # this cp rank's tokens only, at their places in the sequence
+            pos = self.positions(seq_len, x.device)  # (T / cp,)
+        if self.first:  # as GPT.forward, without a KV cache: the GPT's own embed
+            if self.positions is not None:
                 x = x[:, pos]  # (B, T / cp)
-            x = self.drop(self.wte(x) + self.wpe(pos))  # (B, T, C)
+            x = self.drop(GPT.embed(self, x, pos))  # (B, T, C)
         for block in self.blocks:
-            x = block(x)  # (B, T, C)
+            x = block(x, None, pos)  # (B, T, C)
         moe = [m for m in self.blocks.modules() if isinstance(m, MoE)]
         if moe and self.training and self.config.aux_loss_coef:
             # The experts' balancing loss never reaches the last stage's loss: its gradient
@@ -161,17 +169,25 @@ class Stage(nn.Module):
         return x
 
 
+def _holds(config, first: bool, last: bool) -> set[str]:
+    """Which of wte and lm_head a rank with the first and/or the last stage holds: both on
+    either end where they are one tied weight; else the first wte, the last lm_head."""
+    tied = not config.untied_head
+    return {name for name, on in (("wte", first or (last and tied)),
+                                  ("lm_head", last or (first and tied))) if on}
+
+
 def _trim(gpt: nn.Module, owned: set[int], first: bool, last: bool) -> None:
     """Replace whatever other ranks run with nn.Identity: no parameters, the names kept."""
     for i in range(len(gpt.blocks)):
         if i not in owned:
             gpt.blocks[i] = nn.Identity()
-    if not first:
+    if not first and gpt.wpe is not None:
         gpt.wpe = nn.Identity()
     if not last:
         gpt.ln_f = nn.Identity()
-    if not (first or last):
-        gpt.wte, gpt.lm_head = nn.Identity(), nn.Identity()
+    for name in {"wte", "lm_head"} - _holds(gpt.config, first, last):
+        setattr(gpt, name, nn.Identity())
 
 
 # --- the schedule, and what the trainer calls ----------------------------------------------------
@@ -398,9 +414,10 @@ def schedule(model: nn.Module, stages: list[nn.Module], mesh: DeviceMesh, s: Set
                                                       isinstance(stage, FSDPModule)))
                        for stage, i in zip(stages, mine, strict=True)]
     last_rank = rank_of_stage(n_stages - 1, pp)
-    tied_group = _tied_group(mesh, 0, last_rank)
+    tied = not model.config.untied_head  # every rank alike: _tied_group is collective
+    tied_group = _tied_group(mesh, 0, last_rank) if tied else None
     return Pipeline(pipeline_stages, s.pp_schedule, s.microbatches, mesh, last_rank,
-                    model.wte.weight if (first or last) else None, tied_group,
+                    model.wte.weight if tied and (first or last) else None, tied_group,
                     tied_counted=first, params=list(model.parameters()), precision=s.precision)
 
 
