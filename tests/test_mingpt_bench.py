@@ -168,24 +168,36 @@ def test_records_runs_each_row_per_seed_and_summarises_the_seeds(mingpt):
     and seed in its command, the best val the lowest it printed, the table the seeds' median
     and range; a row it does not have is one error line."""
     overrides = tiny("trainer_config.eval_every=5", "trainer_config.max_steps=10")
-    proc = run([PYTHON, "bench/records.py", "--rows", "default", "qk_norm", "--seeds", "1", "2",
+    proc = run([PYTHON, "bench/records.py", "--rows", "default", "options", "--seeds", "1", "2",
                 "--out", "bench/rec", "--", *overrides], cwd=mingpt)
     runs = json.loads((mingpt / "bench/rec.json").read_text())["runs"]
     assert [(r["row"], r["seed"]) for r in runs] == [("default", 1), ("default", 2),
-                                                      ("qk_norm", 1), ("qk_norm", 2)]
+                                                      ("options", 1), ("options", 2)]
     for r in runs:
         assert f"trainer_config.seed={r['seed']}" in r["command"].split()
-        assert ("gpt_config.qk_norm=true" in r["command"].split()) == (r["row"] == "qk_norm")
+        assert ("gpt_config.qk_norm=true" in r["command"].split()) == (r["row"] == "options")
         assert "run_dir=" not in r["command"]  # the scratch folder is not the reader's
         assert [step for _, step, _ in r["curve"]] == [0, 5, 10]
         assert r["best_val"] == min(v for _, _, v in r["curve"])
         assert r["tokens_per_step"] == 8 * 32  # TINY's batch 8 x block 32
-    finals = [r["final_val"] for r in runs[:2]]
+    finals = [r["final_val"] for r in runs[:2]]  # never at 1.88: each ran to its end
     line = next(x for x in proc.stdout.splitlines() if x.startswith("| `default` |"))
     cells = [c.strip() for c in line.split("|")[1:-1]]
     assert cells[2] == "2" and cells[3] == "never" and \
         cells[6] == f"{statistics.median(finals):.4f} ({min(finals):.4f}–{max(finals):.4f})"
     refused = run([PYTHON, "bench/records.py", "--rows", "nope"], cwd=mingpt, check=False)
     assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
-        "error: no row nope for target 1.88; rows: nanogpt, default, muon, rotary, qk_norm, "
-        "relu2, untied_head, options, options_muon"]
+        "error: no row nope for target 1.88; rows: nanogpt, default, options, muon, short, "
+        "two_layers, without_rotary, without_qk_norm, without_relu2, without_untied_head"]
+
+
+def test_a_timed_run_stops_at_its_target(mingpt):
+    """bench.timed_main(stop_at=...): the first val loss at or below it ends the run (records.py's
+    1.88 rows); step 0's, about ln 65 = 4.17 for any fresh model, is below 10."""
+    code = ("import json, sys; sys.path.insert(0, 'bench'); import bench; "
+            f"print(json.dumps(bench.timed_main({tiny('trainer_config.eval_every=5')!r}, "
+            "stop_at=10.0)))")
+    proc = run([PYTHON, "-c", code], cwd=mingpt)
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [step for _, step, _ in info["curve"]] == [0]
+    assert info["returncode"] == -15  # SIGTERM: steps 5 and 10 never came

@@ -422,9 +422,11 @@ def machine() -> dict:
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
 
 
-def timed_main(overrides: list[str], budget_s: float | None = None) -> dict:
+def timed_main(overrides: list[str], budget_s: float | None = None,
+               stop_at: float | None = None) -> dict:
     """`python main.py` with `overrides`, timed from before its start to every val loss it
-    prints; with `budget_s`, stopped (SIGTERM) at that many seconds. Returns what it saw."""
+    prints; stopped (SIGTERM) after `budget_s` seconds, or at the first val loss at or below
+    `stop_at`, where given. Returns what it saw."""
     # Unbuffered output: each val line is timed when main.py prints it, not at a flush.
     cmd = [sys.executable, "main.py", *overrides]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -443,6 +445,8 @@ def timed_main(overrides: list[str], budget_s: float | None = None) -> dict:
             if found:
                 curve.append((time.perf_counter() - start, int(found[1]), float(found[2])))
                 print(f"{curve[-1][0]:6.1f} s  step {found[1]:>5}  val {found[2]}", flush=True)
+                if stop_at is not None and curve[-1][2] <= stop_at:
+                    proc.terminate()  # the figure is in: the rest of the run moves none
         if timer is not None:
             timer.cancel()
     wall = time.perf_counter() - start
