@@ -88,7 +88,7 @@ BUDGETS = {
     "test_mingpt_strategies.py": 85,
     "test_cluster.py": 80,  # 85 with pip's cache cold, 1 once its venv exists
     "test_mingpt_pretrained.py": 75,
-    "test_mingpt_bench.py": 70,
+    "test_mingpt_bench.py": 110,  # records.py's two tests: about 35 s more
     "test_mingpt_s3.py": 60,
     "test_teardown.py": 60,
     "test_vscode.py": 40,

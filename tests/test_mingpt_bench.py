@@ -188,7 +188,7 @@ def test_records_runs_each_row_per_seed_and_summarises_the_seeds(mingpt):
     refused = run([PYTHON, "bench/records.py", "--rows", "nope"], cwd=mingpt, check=False)
     assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
         "error: no row nope for target 1.88; rows: nanogpt, default, options, muon, short, "
-        "two_layers, without_rotary, without_qk_norm, without_relu2, without_untied_head"]
+        "two_layers, without_rotary, without_qk_norm, without_relu2, without_untied_head, lean"]
 
 
 def test_a_timed_run_stops_at_its_target(mingpt):
