@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -436,7 +437,6 @@ def timed_main(overrides: list[str], budget_s: float | None = None,
     with subprocess.Popen(cmd, cwd=HERE, env=env, stdout=subprocess.PIPE, text=True) as proc:
         timer = None
         if budget_s is not None:  # the line reader below blocks: a timer stops the run
-            import threading  # noqa: PLC0415 (records.py's 10-minute rows only)
             timer = threading.Timer(budget_s, proc.terminate)
             timer.start()
         for line in proc.stdout:

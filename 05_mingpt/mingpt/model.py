@@ -565,8 +565,10 @@ class GPT(nn.Module):
         """
         n = sum(p.numel() for p in self.parameters())
         if non_embedding:
-            n -= sum(e.weight.numel() for e in (self.wpe, self.wte if self.config.untied_head
-                                                 else None) if e is not None)
+            if self.wpe is not None:  # rotary: no position table
+                n -= self.wpe.weight.numel()
+            if self.config.untied_head:
+                n -= self.wte.weight.numel()
         return n
 
     def num_active_params(self) -> int:
