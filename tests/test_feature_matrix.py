@@ -131,7 +131,7 @@ ROUNDING = 1e-6
 MUON_ROUNDING = 5 * 2.0**-8 * 0.02 * 2 * 1.2
 
 
-# The world's 160 runs (80 pairs and singles, each twice): 169 s on an idle 2-core Xeon.
+# The world's 190 runs (95 pairs and singles, each twice): 341 s on an idle 2-core EPYC.
 @pytest.mark.timeout(900)
 def test_every_runnable_pair_resumes_bit_for_bit(world, config):
     out, pairs = world

@@ -40,8 +40,8 @@ BASE = ["gpt_config.model_type=null", "gpt_config.n_layer=2", "gpt_config.n_head
         "trainer_config.batch_size=4", "trainer_config.microbatches=2",
         "trainer_config.grad_accum_steps=2"]
 # world size -> layouts (their overrides): ddp, zero, fsdp, tp, pp, cp and pp in bf16 at 2;
-# FSDP and TP with Muon, DDP with its fp16 hook at 2; FSDP x TP, FSDP x PP, DDP x PP in bf16 and
-# DDP x PP x CP at 4;
+# FSDP and TP with Muon, DDP with its fp16 hook at 2; FSDP x TP, FSDP x PP, DDP x PP in bf16,
+# DDP x PP x CP and ZeRO x PP at 4;
 # FSDP x TP x PP at 8.
 LAYOUTS = {
     2: {"ddp": ["trainer_config.distributed_method=ddp"],
@@ -66,7 +66,9 @@ LAYOUTS = {
         "ddp_pp_bf16": ["trainer_config.distributed_method=ddp", "trainer_config.pp_size=2",
                         "trainer_config.precision=bf16"],
         "ddp_pp_cp": ["trainer_config.distributed_method=ddp", "trainer_config.pp_size=2",
-                      "trainer_config.cp_size=2"]},
+                      "trainer_config.cp_size=2"],
+        # ZeRO's plain stages: the pipeline's one all-reduce, each owner's broadcasts
+        "zero_pp": ["trainer_config.distributed_method=zero", "trainer_config.pp_size=2"]},
     8: {"fsdp_tp_pp": ["trainer_config.distributed_method=fsdp", "trainer_config.tp_size=2",
                        "trainer_config.pp_size=2"]},
 }
@@ -79,7 +81,8 @@ WORK_GAPS = {
     # The real pipeline's counted step is its second (its first infers the stages' shapes);
     # the dry run's is a first step, which creates AdamW's state (a zeros_like per moment,
     # an op on DTensors where the parameters are).
-    **dict.fromkeys(("pp", "pp_bf16", "ddp_pp_bf16", "ddp_pp_cp", "fsdp_pp"), ("flops",)),
+    **dict.fromkeys(("pp", "pp_bf16", "ddp_pp_bf16", "ddp_pp_cp", "fsdp_pp", "zero_pp"),
+                   ("flops",)),
     # FSDP2 copies gathered parameters out on real tensors (copy_) and not on fake ones;
     # Muon's step dispatches more ops in the dry run's processes than in a real one; torch's
     # fp16 hook copies the reduced bucket back in a callback on another thread, unseen.

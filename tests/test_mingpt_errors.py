@@ -160,11 +160,13 @@ def test_corrupt_and_incompatible_snapshots_are_refused_and_kept(mingpt, main_py
     proc = main_py(*wider, "run_name=e1", "trainer_config.snapshot_path=ddp.pt")
     one_error_line(proc, "holds a different model", "n_embd=32 there, 64 here")
     assert ddp.read_bytes() == good
-    # A sharded snapshot where zero expects one file (a ddp file resumes fsdp, and shards
-    # resume ddp, but ZeRO's spread optimizer state has no names for DCP).
+    # A sharded snapshot where zero writes one file: ZeRO reads it too (by parameter name,
+    # snapshot.dcp_state), and with no step left to train it leaves the shards as they were.
+    before = sorted(p.name for p in fsdp.rglob("*"))
     proc = main_py(*args, "run_name=e2", "trainer_config.distributed_method=zero",
                    "trainer_config.snapshot_path=fsdp_snap")
-    one_error_line(proc, "holds a fsdp snapshot", "distributed_method=zero")
+    assert proc.returncode == 0 and "resumed from fsdp_snap at step 2" in proc.stdout, proc.stdout
+    assert sorted(p.name for p in fsdp.rglob("*")) == before
     # Another optimizer: AdamW's moments are no state for Muon (mingpt/muon.py).
     proc = main_py(*args, "run_name=e5", "optimizer_config.name=muon",
                    "trainer_config.snapshot_path=ddp.pt")

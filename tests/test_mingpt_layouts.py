@@ -39,6 +39,7 @@ LAYOUTS = {
     "ddp": ("ddp", 0, 0, 0),           # dp 4: the reference
     "ddp_tp2": ("ddp", 2, 0, 0),       # replicas of TP groups: dp 2 x tp 2
     "ddp_pp2": ("ddp", 0, 2, 0),       # replicas of pipelines: pp 2 x dp 2
+    "zero_pp2": ("zero", 0, 2, 0),     # the same, each stage's AdamW state over its dp 2
     "fsdp_tp2_cp2": ("fsdp", 2, 0, 2),  # dp 1 x cp 2 x tp 2
     "fsdp_pp2_cp2": ("fsdp", 0, 2, 2),  # pp 2 x dp 1 x cp 2: stages pass T / cp tokens
 }
@@ -98,6 +99,10 @@ def _worker(rank: int, store: str, out: str, text: str, world: int = WORLD) -> N
         # one file (dp 4) into fsdp's shards over pp 2 x dp 2.
         run(m, overrides("ddp", out_dir / "moved", text, HALF))
         result["moved"] = {"log": run(m, overrides("moved", out_dir / "moved", text, STEPS))[0]}
+        # ... and into ZeRO's pipeline: each stage's two ranks read the state of what they own.
+        run(m, overrides("ddp", out_dir / "moved_zero", text, HALF))
+        result["moved_zero"] = {"log": run(m, overrides("zero_pp2", out_dir / "moved_zero",
+                                                        text, STEPS))[0]}
         # Dropout's streams as snapshots keep them (test_dropout_streams_follow_the_layout):
         # pp 2 x dp 2, resumed as dp 2 x tp 2 (the same world and data-parallel sizes).
         run(m, overrides("ddp_pp2", out_dir / "streams", text, HALF))
@@ -153,6 +158,7 @@ def test_a_resume_is_bitwise_and_other_degrees_resume_it(spawned):
     # file is kept beside the new shards.
     assert (out / "moved/snapshot.ddp").is_file() and (out / "moved/snapshot/latest").is_file()
     assert_retraces(out, result, "moved", "ddp", range(HALF + 1, STEPS + 1), **BOUNDS)
+    assert_retraces(out, result, "moved_zero", "ddp", range(HALF + 1, STEPS + 1), **BOUNDS)
 
 
 def saved_streams(snapshot: Path) -> list[torch.Tensor]:
@@ -207,10 +213,6 @@ def test_every_layouts_breakdown_marks_forward_and_backward(spawned):
       "trainer_config.cp_size=2"], "6",
      "pp_size=2 x cp_size=2 = 4 must divide the world size 6 (each model replica takes that "
      "many ranks)"),
-    (["trainer_config.distributed_method=zero", "trainer_config.pp_size=2"], "4",
-     "distributed_method=zero cannot take pp_size=2: its ZeroRedundancyOptimizer broadcasts "
-     "plain tensors, and with tp_size or pp_size the weights are DTensors (ddp's replicas "
-     "there are FSDP2's replicate); use fsdp, which shards the optimizer state too"),
 ])
 def test_a_layout_that_cannot_work_is_one_line_before_any_group(monkeypatch, args, world,
                                                                 message):

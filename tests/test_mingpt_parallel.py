@@ -375,7 +375,7 @@ def test_save_then_load_restores_weights_and_optimizer(m, group, tmp_path, metho
 
 def test_load_finds_nothing_or_reads_the_other_layout(m, group, tmp_path):
     """A one-file (ddp) snapshot resumes a sharded layout and the reverse, weights and AdamW's
-    state whole; ZeRO, whose state DCP cannot name, still refuses a sharded one."""
+    state whole; and into ZeRO's optimizer, each rank the state of the parameters it owns."""
     snapshot, keys = m["snapshot"], m["char_dataset"].MATCH_KEYS
     meta = {"model_config": MODEL, "data_meta": DATA}
     objects = {method: trained(m, method, seed=1 + i) for i, method in enumerate(("ddp", "fsdp"))}
@@ -394,13 +394,18 @@ def test_load_finds_nothing_or_reads_the_other_layout(m, group, tmp_path):
         for a, b in zip(optimizer_tensors(fresh_optimizer), optimizer_tensors(optimizer),
                         strict=True):
             assert torch.equal(a, b), (saved_as, loaded_as)
-    url = str(tmp_path / "fsdp")
-    model = m["parallel"].parallelize(tiny_gpt(m, 1), CPU, "zero")
+    # ZeRO reads the sharded one too: DCP names the state of each parameter its AdamW owns.
+    model = m["parallel"].parallelize(tiny_gpt(m, 9), CPU, "zero")
     zero = m["optim"].build_optimizer(model, "zero", lr=1e-2)
-    with pytest.raises(snapshot.SnapshotError) as e:
-        snapshot.load(url, "zero", model, zero, meta, keys)
-    assert str(e.value) == (f"{url} holds a fsdp snapshot, but distributed_method=zero; use "
-                            "fsdp or another snapshot_path")
+    assert snapshot.load(str(tmp_path / "fsdp"), "zero", model, zero, meta, keys)["step"] == 7
+    saved, saved_optimizer = objects["fsdp"]
+    local = m["optim"].local_optimizer(zero)  # its parameters sorted by size: by parameter
+    for a, b in zip(model.parameters(), saved.parameters(), strict=True):
+        assert torch.equal(full(a), full(b))
+        assert sorted(local.state[a]) == sorted(saved_optimizer.state[b]) == [
+            "exp_avg", "exp_avg_sq", "step"]
+        for key in local.state[a]:
+            assert torch.equal(full(local.state[a][key]), full(saved_optimizer.state[b][key]))
 
 
 def test_another_model_is_refused_before_any_weight_changes(m, group, tmp_path):

@@ -378,8 +378,8 @@ def test_parity_holds_on_other_cpu_kernels(tmp_path, monkeypatch):
     # tp_size is a degree of any flavour but zero (ddp with tp_size: replicas of TP groups).
     (["trainer_config.distributed_method=zero", "trainer_config.tp_size=2"],
      "distributed_method=zero cannot take tp_size=2: its ZeroRedundancyOptimizer broadcasts "
-     "plain tensors, and with tp_size or pp_size the weights are DTensors (ddp's replicas "
-     "there are FSDP2's replicate); use fsdp, which shards the optimizer state too"),
+     "plain tensors, and tensor parallelism's weights are DTensors; use fsdp, which shards "
+     "the optimizer state too"),
     (["trainer_config.distributed_method=fsdp_tp", "trainer_config.tp_size=-1"],
      "trainer_config.tp_size must be an integer >= 0 (0: every rank), got -1"),
 ])

@@ -16,7 +16,8 @@ layouts, chosen by whether a rank holds the whole model (parallel.snapshot_layou
   `snapshot_path/step_XXXXXXXX/`; rank 0 adds `train_state.pt` (everything but model and
   optimizer) and then `snapshot_path/latest`, which names the newest complete step
   directory. DCP reshards on load, so another number of ranks, or another of these methods,
-  can resume.
+  can resume. ZeRO (zero with pp_size, or reading shards) gives DCP its local AdamW: each
+  owner writes the state of its parameters by name, each rank reads what it owns now.
   A step directory that `latest` does not name is an interrupted save: it is never loaded.
 
 Everything is loaded to the CPU; `load_state_dict` then copies weights and optimizer state to
@@ -314,8 +315,10 @@ def with_meetings(optimizer: torch.optim.Optimizer, state: dict) -> tuple[dict, 
 def dcp_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
               extra: dict | None) -> dict:
     """What DCP writes: the model's and the optimizer's sharded state dicts, and the replica
-    groups' meetings where they have any (optim.extra_state: DTensors like the weights)."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    groups' meetings where they have any (optim.extra_state: DTensors like the weights).
+    ZeRO's optimizer is its local AdamW: each owner's state under its parameters' names, so a
+    rank reads back the state of whatever it owns then, under any layout."""
+    model_sd, optim_sd = get_state_dict(model, local_optimizer(optimizer))
     return {"model": model_sd, "optim": optim_sd, **({"replicas": extra} if extra else {})}
 
 
@@ -400,7 +403,7 @@ def load_sharded(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimi
         group["params"] = names
     # The optimizer state is keyed by parameter name; set_state_dict puts it back under this
     # optimizer's own parameters.
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
+    set_state_dict(model, local_optimizer(optimizer), model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
 
 
@@ -430,13 +433,6 @@ def load_file_into_shards(state: dict, model: torch.nn.Module,
                      no_dist=True)
         del whole, adamw, model_sd, optim_sd
         load_sharded(folder, model, optimizer, checkpoint=folder)
-
-
-def convertible(kind: str, mine: str, optimizer: torch.optim.Optimizer) -> bool:
-    """Whether a `kind` snapshot loads into a `mine` layout: its own always; one file into
-    shards and shards into a whole model, but for ZeRO's optimizer (DCP cannot name the
-    state it spreads over the ranks)."""
-    return kind == mine or not isinstance(optimizer, ZeroRedundancyOptimizer)
 
 
 def load_sharded_weights(url: str, model: torch.nn.Module) -> None:
@@ -646,9 +642,6 @@ def load(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.O
         return None
     wrapper, optimizer = optimizer, inner(optimizer)  # not a wrapper's step (cross-group)
     mine = snapshot_layout(model, method)
-    if not convertible(kind, mine, optimizer):
-        raise SnapshotError(f"{url} holds a {kind} snapshot, but distributed_method={method}; "
-                            f"use {kind} or another snapshot_path")
     # On the CPU; a rank that cannot read it (its node's own copy is missing or corrupt) stops
     # every rank here, before the all_gather below would wait for it.
     state = _load_agreed(load_train_state, url, kind)

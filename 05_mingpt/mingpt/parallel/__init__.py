@@ -12,8 +12,8 @@ mesh and applies each axis in one order, as torchtitan does:
 2. then on each part (the whole GPT, or each of this rank's stages):
    tensor.apply (each block's matmuls over the tp ranks), context.apply (the sequences over
    the cp ranks), expert.apply (each MoE block's experts over the ep ranks), and the
-   flavour's apply (ddp.py, fsdp.py, dataparallel.py; zero is ddp plus
-   zero.py's optimizer), which also takes activation checkpointing and compile per block.
+   flavour's apply (ddp.py, zero.py, fsdp.py, dataparallel.py), which also takes
+   activation checkpointing and compile per block.
 3. pipeline.schedule: the stages and their schedule (the trainer's step under pp).
 
 TP comes first because its plan names the blocks' own submodules (attn.c_attn, ...), which
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mingpt.parallel import context, dataparallel, ddp, expert, fsdp, layout, pipeline, tensor
+from mingpt.parallel import context, dataparallel, ddp, expert, fsdp, layout, pipeline, tensor, zero
 from mingpt.parallel.layout import FLAVOURS, METHODS, SHORTHANDS, Layout, Settings, resolve
 from mingpt.parallel.runner import Runner
 from mingpt.parallel.wrappers import unwrap, wrap_blocks
@@ -74,7 +74,9 @@ def parallelize(model: nn.Module, device: torch.device, method: str = "ddp",
     parts = pipeline.split(model, mesh, s) if "pp" in axes else [model]
     wrapped = [_apply_axes(part, device, s, lay, mesh) for part in parts]
     if "pp" in axes:
-        model.pipeline = pipeline.schedule(model, wrapped, mesh, s, device)
+        # zero's stages are plain modules: the pipeline averages their gradients itself.
+        average = layout.grad_mesh(mesh).get_group() if lay.flavour == "zero" else None
+        model.pipeline = pipeline.schedule(model, wrapped, mesh, s, device, average)
     else:
         model = wrapped[0]
     unwrap(model).mesh, unwrap(model).layout = mesh, lay  # the trainer and snapshots read them
@@ -92,8 +94,10 @@ def _apply_axes(part: nn.Module, device: torch.device, s: Settings, lay: Layout,
     if "ep" in axes:  # the experts over ep, their gradients averaged over edp
         expert.apply(part, mesh, lay.flavour, s)
     grads = layout.grad_mesh(mesh)  # the ranks that average gradients: dp (x cp)
-    if lay.flavour in ("ddp", "zero"):
+    if lay.flavour == "ddp":
         return ddp.apply(part, device, s, grads, pipeline="pp" in axes)
+    if lay.flavour == "zero":
+        return zero.apply(part, device, s, grads, pipeline="pp" in axes)
     if lay.flavour == "fsdp":
         # Under a pipeline every micro-batch runs each stage's forward and backward: resharding
         # after forward would gather the weights again for its backward (torchtitan turns it

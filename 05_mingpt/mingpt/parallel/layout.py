@@ -177,12 +177,11 @@ def check_axes(method: str, tp_size: int = 0, pp_size: int = 0, cp_size: int = 0
     if flavour == "dp" and axes:
         raise ValueError(f"distributed_method=dp (nn.DataParallel, one process) combines with "
                          f"no other axis, got {axes[0]}; use ddp or fsdp with it")
-    if flavour == "zero" and (tp_size > 1 or pp_size > 1):
-        axis = f"tp_size={tp_size}" if tp_size > 1 else f"pp_size={pp_size}"
-        raise ValueError(f"distributed_method=zero cannot take {axis}: its "
-                         "ZeroRedundancyOptimizer broadcasts plain tensors, and with tp_size or "
-                         "pp_size the weights are DTensors (ddp's replicas there are FSDP2's "
-                         "replicate); use fsdp, which shards the optimizer state too")
+    if flavour == "zero" and tp_size > 1:
+        raise ValueError(f"distributed_method=zero cannot take tp_size={tp_size}: its "
+                         "ZeroRedundancyOptimizer broadcasts plain tensors, and tensor "
+                         "parallelism's weights are DTensors; use fsdp, which shards the "
+                         "optimizer state too")
     if ep_size > 1:
         _check_ep(flavour, on, tp_size, cp_size, ep_size)
 

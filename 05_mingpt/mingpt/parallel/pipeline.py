@@ -202,8 +202,11 @@ class Pipeline:
     def __init__(self, stages: list, schedule: str, microbatches: int,
                  mesh: DeviceMesh, last_rank: int, tied: torch.nn.Parameter | None,
                  tied_group: dist.ProcessGroup | None, tied_counted: bool,
-                 params: list[torch.nn.Parameter], precision: str = "fp32") -> None:
+                 params: list[torch.nn.Parameter], precision: str = "fp32",
+                 average: dist.ProcessGroup | None = None) -> None:
         self.stages, self.microbatches, self.mesh = stages, microbatches, mesh
+        # zero: plain stages, whose gradients this averages over these data-parallel ranks.
+        self.average = average if average is not None and average.size() > 1 else None
         self.params, self.precision = params, precision  # this rank's, in the GPT's order
         self.group = mesh["pp"].get_group()
         self.last_rank = last_rank  # the pp rank of the last stage
@@ -323,14 +326,26 @@ class Pipeline:
             self.losses[before:] = self.losses[-self.microbatches:]
 
     def finish_step(self) -> torch.Tensor:
-        """After the last round: the tied weight's gradients summed; the step's micro-batch
-        losses (on every rank of the pipeline: broadcast from the last stage)."""
+        """After the last round: the tied weight's gradients summed, and averaged over the
+        data-parallel ranks where no wrapper did (zero); the step's micro-batch losses (on
+        every rank of the pipeline: broadcast from the last stage)."""
         if self.tied_group is not None and self.tied.grad is not None:
             grad = self.tied.grad
             # In place on the local shard (fsdp_pp: both ranks hold the same dp shard).
             dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad,
                             group=self.tied_group)
+        if self.average is not None:
+            self._average_grads()
         return self._broadcast(self.losses, self.scale)
+
+    def _average_grads(self) -> None:
+        """Every gradient of this rank's stages averaged over self.average in one all-reduce
+        (DDP's arithmetic, one bucket: each divided by the ranks, then summed)."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        flat = torch.cat([g.flatten() for g in grads]).div_(self.average.size())
+        dist.all_reduce(flat, group=self.average)
+        for grad, mean in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+            grad.copy_(mean.view_as(grad))
 
     def _broadcast(self, values: list[torch.Tensor], n: int) -> torch.Tensor:
         device = self.stages[0].device
@@ -401,9 +416,10 @@ def split(model: nn.Module, mesh: DeviceMesh, s: Settings) -> list[Stage]:
 
 
 def schedule(model: nn.Module, stages: list[nn.Module], mesh: DeviceMesh, s: Settings,
-             device: torch.device) -> Pipeline:
-    """This rank's `stages` (as the other axes left them: FSDP roots, DDP) in torch's
-    PipelineStage and their schedule: the Pipeline the trainer runs (parallel.runner)."""
+             device: torch.device, average: dist.ProcessGroup | None = None) -> Pipeline:
+    """This rank's `stages` (as the other axes left them: FSDP roots, replicate, plain) in
+    torch's PipelineStage and their schedule: the Pipeline the trainer runs (parallel.runner).
+    `average`: the ranks over which the pipeline averages the gradients itself (zero.py)."""
     blocks, mine = _plan(model, mesh, s)
     n_stages, pp = len(blocks), mesh["pp"].size()
     first, last = 0 in mine, n_stages - 1 in mine
@@ -418,7 +434,8 @@ def schedule(model: nn.Module, stages: list[nn.Module], mesh: DeviceMesh, s: Set
     tied_group = _tied_group(mesh, 0, last_rank) if tied else None
     return Pipeline(pipeline_stages, s.pp_schedule, s.microbatches, mesh, last_rank,
                     model.wte.weight if tied and (first or last) else None, tied_group,
-                    tied_counted=first, params=list(model.parameters()), precision=s.precision)
+                    tied_counted=first, params=list(model.parameters()), precision=s.precision,
+                    average=average)
 
 
 def _static_shapes(config, s: Settings, stage: int, n_stages: int,
