@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+import sample
 from mingpt import config, distributed, dry_run, errors, forensics, profiling, snapshot, storage
 from mingpt.data import data_module
 from mingpt.errors import fail
@@ -25,9 +26,8 @@ from mingpt.log import print0, print_versions
 from mingpt.model import GPT
 from mingpt.optim import build_optimizer
 from mingpt.parallel import Settings, fsdp, ft, parallelize
-from mingpt.parallel.wrappers import unwrap
+from mingpt.pretrained import load_pretrained
 from mingpt.trainer import NonFiniteLoss, Trainer
-from sample import generate_text
 
 USAGE = """usage: python main.py [--cfg job] [section.key=value ...]
 
@@ -43,26 +43,17 @@ def build_local(cfg: DictConfig, device: torch.device) -> tuple:
                                                    cfg.trainer_config.seed)
     gpt_config, init_from = config.model_config(cfg, meta)
     t = cfg.trainer_config
-    # FSDP without pretrained weights: build on the meta device (shapes, no memory), shard,
-    # then give each rank storage for its shards only and draw the weights into them
-    # (init_sharded), so no rank ever holds the whole model. The pretrained weights are
-    # copied into a whole model first (pretrained.load_pretrained), so init_from does not.
-    on_meta = t.distributed_method == "fsdp" and t.tp_size <= 1 and t.pp_size <= 1 \
-        and not init_from
-    # The same seed on every rank: FSDP shards each rank's own copy of the initial weights,
-    # so all copies must be equal (DDP would broadcast rank 0's, FSDP does not).
+    # fsdp: built on the meta device, each rank then draws only its own shards (init_sharded)
+    on_meta = fsdp.builds_on_meta(t.distributed_method, t.tp_size, t.pp_size, init_from)
+    # One seed on every rank: FSDP shards each rank's own copy (DDP broadcasts rank 0's).
     torch.manual_seed(t.seed)
     with torch.device("meta") if on_meta else nullcontext():
         model = GPT(gpt_config)
     if not on_meta:
         model = model.to(device)
-    if init_from and not snapshot.committed(t.snapshot_path):
-        # Into the plain model, before wrapping: every rank reads the whole checkpoint (on the
-        # CPU) and copies it in; FSDP then keeps each rank's shards (README: GPT-2 weights).
-        # Not on a resume: the snapshot replaces every weight, and reading GPT-2's (on every
-        # rank: 6 GB for gpt2-xl, and transformers' model code) would only delay the restart.
-        from mingpt import pretrained  # transformers is imported only for GPT-2's weights
-        pretrained.load_pretrained(model, init_from)
+    if init_from and not snapshot.committed(t.snapshot_path):  # a resume has its weights
+        # Into the plain model, before wrapping: FSDP then keeps each rank's shards.
+        load_pretrained(model, init_from)
         print0(f"weights from {init_from}")
     return data, train_set, val_set, meta, model, fsdp.init_sharded if on_meta else None
 
@@ -83,27 +74,12 @@ def load_train_objs(cfg: DictConfig, device: torch.device) -> tuple:
                         **{key: t[key] for key in Settings._fields})
     if init:  # the weights GPT(gpt_config) would have drawn, bit for bit, in shards
         init(model, device, t.cpu_offload)
-    # Built after wrapping: FSDP has replaced every parameter with its sharded version.
-    o = cfg.optimizer_config
+    o = cfg.optimizer_config  # the optimizer after wrapping: FSDP replaced the parameters
     optimizer = build_optimizer(model, t.distributed_method, o.lr, o.betas, o.weight_decay,
                                 o.name, o.muon_lr)
     if t.ft_replicas:  # replica groups (torchft): gradients averaged over those alive
         optimizer = ft.Replicas(cfg, model, optimizer, device).optimizer
     return model, optimizer, train_set, val_set, data, snapshot_meta, flops_per_token
-
-
-def sampling_model(cfg: DictConfig, model: torch.nn.Module, device: torch.device
-                   ) -> torch.nn.Module | None:
-    """The model to generate the end-of-run sample with: the trained one, or for a pipeline
-    (whose stages are spread over the ranks) the whole model read back from the final
-    snapshot, on rank 0 only (None on the others): the other ranks need not hold it."""
-    if getattr(unwrap(model), "pipeline", None) is None:
-        return unwrap(model)  # FSDP: every rank generates, each forward gathers the shards
-    if dist.get_rank() != 0:
-        return None
-    whole = GPT(unwrap(model).config).to(device)
-    snapshot.load_sharded_weights(cfg.trainer_config.snapshot_path, whole)
-    return whole
 
 
 def train(cfg: DictConfig, device: torch.device) -> str | None:
@@ -141,16 +117,8 @@ def train(cfg: DictConfig, device: torch.device) -> str | None:
     except (NonFiniteLoss, snapshot.SaveError) as e:
         return str(e)
     print0(f"final val loss {val_loss:.4f} (run dir {cfg.run_dir})")
-    meta = snapshot_meta["data_meta"]
-    if data.TEXT and cfg.trainer_config.sample_tokens:
-        # Every rank generates (FSDP needs all of them for each forward); rank 0 prints.
-        # A newline: any BPE encodes it, a char vocabulary may lack it.
-        prompt = "\n" if "\n" in meta.get("itos", "\n") else meta["itos"][0]
-        sampler = sampling_model(cfg, model, device)
-        if sampler is not None:
-            text = generate_text(sampler, meta, prompt, cfg.trainer_config.sample_tokens,
-                                 temperature=0.8, top_k=10, device=device)
-            print0(f"sample:\n{text.strip()}")
+    if data.TEXT and cfg.trainer_config.sample_tokens:  # a few tokens, printed by rank 0
+        sample.after_training(cfg, model, snapshot_meta["data_meta"], device)
     return None
 
 
@@ -186,17 +154,14 @@ def main(argv: list[str]) -> None:
     try:
         show, overrides = config.command_line(argv, "main.py")
         cfg = config.load(overrides)  # composed and checked once, before anything is created
+        if show:
+            print(OmegaConf.to_yaml(cfg).rstrip())
+            return
+        if cfg.trainer_config.dry_run:  # plan N ranks in this process on a fake group
+            dry_run.run(cfg)  # (and train nothing)
+            return
     except ValueError as e:
         fail(e)
-    if show:
-        print(OmegaConf.to_yaml(cfg).rstrip())
-        return
-    if cfg.trainer_config.dry_run:  # plan N ranks in this process on a fake group, train nothing
-        try:
-            dry_run.run(cfg)
-        except ValueError as e:
-            fail(e)
-        return
     run(cfg)
 
 

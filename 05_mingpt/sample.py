@@ -22,12 +22,16 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
 
 from mingpt import snapshot
 from mingpt.data import data_module
 from mingpt.devices import pick_device
 from mingpt.errors import one_line_errors
+from mingpt.log import print0
 from mingpt.model import GPT, GPTConfig
+from mingpt.parallel.wrappers import unwrap
 
 
 def generate_text(model: torch.nn.Module, meta: dict, prompt: str, num_tokens: int,
@@ -49,6 +53,25 @@ def generate_text(model: torch.nn.Module, meta: dict, prompt: str, num_tokens: i
         out = model.generate(idx, num_tokens, temperature=temperature, top_k=top_k)  # (1, T+n)
     model.train(was_training)
     return data.decode(out[0].tolist(), meta)
+
+
+def after_training(cfg: DictConfig, model: torch.nn.Module, meta: dict,
+                   device: torch.device) -> None:
+    """main.py's end-of-run sample: trainer_config.sample_tokens tokens after a newline,
+    printed by rank 0. Every rank generates (FSDP needs all of them for each forward), but a
+    pipeline's stages are spread over the ranks: rank 0 reads the whole model back from the
+    final snapshot instead, and the other ranks need not hold it."""
+    plain = unwrap(model)
+    if getattr(plain, "pipeline", None) is not None:
+        if dist.get_rank() != 0:
+            return
+        plain = GPT(plain.config).to(device)
+        snapshot.load_sharded_weights(cfg.trainer_config.snapshot_path, plain)
+    # A newline: any BPE encodes it, a char vocabulary may lack it.
+    prompt = "\n" if "\n" in meta.get("itos", "\n") else meta["itos"][0]
+    text = generate_text(plain, meta, prompt, cfg.trainer_config.sample_tokens,
+                         temperature=0.8, top_k=10, device=device)
+    print0(f"sample:\n{text.strip()}")
 
 
 def load_model(path: str, device: torch.device) -> tuple[GPT, dict]:

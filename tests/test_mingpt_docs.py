@@ -23,6 +23,8 @@ README = MINGPT / "README.md"
 BENCH_README = MINGPT / "bench" / "README.md"
 CONFIG = MINGPT / "gpt2_train_cfg.yaml"
 MAX_LINES = 360  # a learner reads it in one sitting; measurements live in bench/README.md
+# main.py is the page a reader starts on: the run's story, each concern in its own module.
+MAIN_MAX_LINES = 169
 # The reading order's spine, in the order a learner should meet the files.
 SPINE = ("main.py", "mingpt/config.py", "mingpt/data/__init__.py", "mingpt/model.py",
          "mingpt/parallel/__init__.py", "mingpt/optim.py", "mingpt/trainer.py",
@@ -81,6 +83,12 @@ def test_readme_stays_short():
     lines = len(text().splitlines())
     assert lines <= MAX_LINES, f"05_mingpt/README.md has {lines} lines (at most {MAX_LINES}); " \
         "move measurements to bench/README.md and let gpt2_train_cfg.yaml document the keys"
+
+
+def test_main_py_stays_short():
+    lines = len((MINGPT / "main.py").read_text().splitlines())
+    assert lines <= MAIN_MAX_LINES, f"05_mingpt/main.py has {lines} lines (at most " \
+        f"{MAIN_MAX_LINES}): give a concern to the module that owns it"
 
 
 def test_the_strategies_are_the_registrys(m):

@@ -162,7 +162,9 @@ def load_pretrained(model: GPT, source: str) -> None:
     """Copy `source`'s GPT-2 weights into `model` (a plain GPT, on any device, not wrapped yet).
 
     The whole pretrained model is read into CPU memory (on every rank that calls this) and
-    copied into the model's own tensors; strict loading: every weight is replaced.
+    copied into the model's own tensors; strict loading: every weight is replaced. main.py
+    skips it on a resume: the snapshot replaces every weight, and reading GPT-2's (6 GB for
+    gpt2-xl, on every rank) would only delay the restart.
     """
     from transformers import GPT2LMHeadModel  # imported only when init_from is set
 

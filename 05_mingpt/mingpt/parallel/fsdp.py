@@ -22,6 +22,14 @@ from mingpt.parallel.wrappers import wrap_blocks
 from mingpt.precision import fsdp_policy
 
 
+def builds_on_meta(method: str, tp_size: int, pp_size: int, init_from: str | None) -> bool:
+    """Whether main.py builds the GPT on the meta device (shapes, no memory) for
+    init_sharded to draw in shards: fsdp alone, so that no rank ever holds the whole model.
+    Not with init_from: the pretrained weights are copied into a whole model first
+    (pretrained.load_pretrained), and FSDP then keeps each rank's shards of it."""
+    return method == "fsdp" and tp_size <= 1 and pp_size <= 1 and not init_from
+
+
 def apply(model: nn.Module, device: torch.device, s: Settings,
           mesh: DeviceMesh | None = None, reshard_after_forward: bool = True) -> nn.Module:
     """FSDP2 over `mesh` (the data-parallel ranks; None: every rank): every block sharded on
