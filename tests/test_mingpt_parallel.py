@@ -408,6 +408,47 @@ def test_load_finds_nothing_or_reads_the_other_layout(m, group, tmp_path):
             assert torch.equal(full(local.state[a][key]), full(saved_optimizer.state[b][key]))
 
 
+class Meetings:
+    """torchft's replica-group wrapper as snapshot.py sees it (mingpt/parallel/ft.py): the
+    optimizer inside (`inner`) and DiLoCo's state beside it (extra_state: the last meeting's
+    weights by parameter name, shaped as the parameters, DTensors where FSDP shards them; the
+    outer momentum; the meetings' count), here drawn from `scale` so that two runs' differ."""
+
+    def __init__(self, model: torch.nn.Module, inner: torch.optim.Optimizer, scale: float):
+        self.model, self.inner, self.scale = model, inner, scale
+        self.loaded: dict | None = None
+
+    def extra_state(self) -> dict:  # new tensors each time: a load reads into them
+        state = {"meetings": torch.tensor([int(self.scale), 2 * int(self.scale)])}
+        for name, p in self.model.named_parameters():
+            state[f"original/{name}"] = p.detach() * self.scale
+            state[f"momentum/{name}"] = p.detach() + self.scale
+        return state
+
+    def load_extra_state(self, state: dict) -> None:
+        self.loaded = state
+
+
+def test_a_one_file_snapshot_brings_the_meetings_into_shards(m, group, tmp_path):
+    """DiLoCo's state in a one-file (ddp) snapshot comes back under a sharded layout,
+    resharded as the weights are (it was dropped without a word: a resumed group's next
+    meeting then started from its current weights, not its last meeting's)."""
+    snapshot, keys = m["snapshot"], m["char_dataset"].MATCH_KEYS
+    meta = {"model_config": MODEL, "data_meta": DATA}
+    model, optimizer = trained(m, "ddp", seed=1)
+    saver = Meetings(m["wrappers"].unwrap(model), optimizer, scale=3.0)
+    url = str(tmp_path / "snap.pt")
+    snapshot.save(url, "ddp", model, saver, {"step": 7, **meta})
+    fresh, fresh_optimizer = trained(m, "fsdp", seed=2)
+    loader = Meetings(fresh, fresh_optimizer, scale=5.0)
+    assert snapshot.load(url, "fsdp", fresh, loader, meta, keys)["step"] == 7
+    saved = saver.extra_state()
+    assert loader.loaded is not None and sorted(loader.loaded) == sorted(saved)
+    for key, value in saved.items():
+        assert torch.equal(full(loader.loaded[key]), value), key
+        assert isinstance(loader.loaded[key], DTensor) == (key != "meetings"), key
+
+
 def test_another_model_is_refused_before_any_weight_changes(m, group, tmp_path):
     snapshot, keys = m["snapshot"], m["char_dataset"].MATCH_KEYS
     url = str(tmp_path / "snap.pt")

@@ -408,7 +408,7 @@ def load_sharded(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimi
 
 
 def load_file_into_shards(state: dict, model: torch.nn.Module,
-                          optimizer: torch.optim.Optimizer) -> None:
+                          optimizer: torch.optim.Optimizer, extra: dict | None = None) -> None:
     """A one-file (ddp) snapshot into a layout where no rank holds the whole model.
 
     The file keeps AdamW's state by parameter number, in the order the whole model's
@@ -416,7 +416,8 @@ def load_file_into_shards(state: dict, model: torch.nn.Module,
     model and AdamW on the CPU as it was saved (its model_config), becomes a DCP checkpoint
     of their named state in a private folder of this rank, and is read from there exactly as
     a sharded snapshot is (load_sharded: each rank its own shards, TP's q/k/v rows, a
-    pipeline's stages). One whole copy per rank while it lasts: what the saving run held."""
+    pipeline's stages). One whole copy per rank while it lasts: what the saving run held.
+    `extra`: the replica groups' meetings (optim.extra_state), read in place from the file's."""
     import tempfile  # noqa: PLC0415  (only this rare path needs them)
 
     from mingpt.model import GPT, GPTConfig  # noqa: PLC0415
@@ -429,10 +430,11 @@ def load_file_into_shards(state: dict, model: torch.nn.Module,
     with tempfile.TemporaryDirectory(prefix="snapshot-") as folder:
         with warnings.catch_warnings():  # one process's own copy: no group is the point
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder,
+            meetings = {"replicas": state["replicas"]} if extra else {}
+            dcp.save({"model": model_sd, "optim": optim_sd, **meetings}, checkpoint_id=folder,
                      no_dist=True)
         del whole, adamw, model_sd, optim_sd
-        load_sharded(folder, model, optimizer, checkpoint=folder)
+        load_sharded(folder, model, optimizer, checkpoint=folder, extra=extra)
 
 
 def load_sharded_weights(url: str, model: torch.nn.Module) -> None:
@@ -664,7 +666,10 @@ def load(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.O
         optimizer.load_state_dict(state.pop("optimizer"))
         load_extra_state(wrapper, state.pop("replicas", None) or {})
     elif kind == "ddp":  # one file into shards (another layout: fsdp, tp_size, pp_size, ...)
-        load_file_into_shards(state, model, optimizer)  # (the meetings' state starts afresh)
+        # The meetings' state where the file has it and this run keeps it: resharded too.
+        extra = extra_state(wrapper) if state.get("replicas") else {}
+        load_file_into_shards(state, model, optimizer, extra)
+        load_extra_state(wrapper, extra)
         del state["model"], state["optimizer"]
         state.pop("replicas", None)
     else:  # shards into shards, or into a whole model (DCP reads any layout into any other)
