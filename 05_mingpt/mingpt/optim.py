@@ -39,8 +39,8 @@ def build_optimizer(model: nn.Module, method: str, lr: float, betas: Iterable[fl
         if group.get("muon"):
             group["lr"] = muon_lr
     kind, extra = (MuonAdamW, {"muon_lr": muon_lr}) if muon else (torch.optim.AdamW, {})
-    # The fused kernel updates every parameter in one pass: 0.5 ms instead of 2.3 ms per step
-    # for gpt-micro on a CPU, where foreach still loops per op. It takes plain tensors or
+    # The fused kernel updates every parameter in one pass, where foreach still loops per op
+    # on a CPU (bench/README.md times both). It takes plain tensors or
     # DTensors of one mesh (FSDP), not a mix of them (TP), and only on CPUs and CUDA GPUs.
     fused = can_fuse([p for g in groups for p in g["params"]])
     if method == "zero":  # each data-parallel rank keeps the state of the parameters it owns

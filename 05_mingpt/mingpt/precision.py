@@ -44,7 +44,7 @@ def keep_autocast(function: Callable, device_type: str) -> Callable:
 
     Autocast's dtype is per thread, and a new thread starts from the device's default (fp16 on
     CUDA, bf16 on a CPU) even inside `torch.autocast(..., enabled=True)`: nn.DataParallel's
-    replica threads (parallelize.DataParallel) need the caller's dtype passed on."""
+    replica threads (parallel/dataparallel.py) need the caller's dtype passed on."""
     enabled = torch.is_autocast_enabled(device_type)
     dtype = torch.get_autocast_dtype(device_type)
 

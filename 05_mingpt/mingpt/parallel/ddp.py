@@ -53,15 +53,15 @@ def apply(model: nn.Module, device: torch.device, s: Settings, mesh: DeviceMesh,
         # same as original model parameters size").
         return _replicate(model, s, mesh)
     # Blocks checkpointed one by one; compiled as ONE graph, so inductor also takes the output
-    # layer and the loss: on an H100, GPT-2's step went from 72.2 ms (per block) to 41.3 ms
-    # (bench/README.md). In place: parameter names (and snapshots) do not change.
+    # layer and the loss (faster than block by block on a GPU: bench/README.md). In place:
+    # parameter names (and snapshots) do not change.
     wrap_blocks(model, s.activation_checkpointing, compile=False)
     if s.compile:
         model.compile()
     if mesh.size() == 1:
         # One replica has no gradients to average, but DDP would still copy each one into
-        # its buckets and all-reduce them over a group of one: about 10 % of a small
-        # model's step on a CPU (bench/README.md). Snapshots hold unwrap(model) anyway.
+        # its buckets and all-reduce them over a group of one: a share of a small model's
+        # step that bench/README.md measures. Snapshots hold unwrap(model) anyway.
         return model
     return wrap(model, device, mesh.get_group(), s.comm_hook)
 

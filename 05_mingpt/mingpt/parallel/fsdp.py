@@ -50,9 +50,8 @@ def shard(model: nn.Module, device: torch.device, precision: str = "fp32",
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward,
               **policies(precision, cpu_offload, device)}
-    for block in model.blocks:
-        if not isinstance(block, nn.Identity):  # a pipeline stage's place for another's block
-            fully_shard(block, **kwargs)
+    for block in model.blocks:  # a pipeline stage's blocks are its own (pipeline.Stage)
+        fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return model
 

@@ -1,16 +1,16 @@
 """Pipeline parallelism (PP): the blocks split into stages on different ranks, micro-batches
-flowing through them by a schedule of torch.distributed.pipelining; alone (pp), with FSDP over
-the data-parallel ranks (fsdp_pp), or with TP inside each stage as well (fsdp_tp_pp).
+flowing through them by a schedule of torch.distributed.pipelining; alone (pp), or under a
+data-parallel flavour (ddp, zero, fsdp) with tp and cp inside each stage.
 
-    model = apply(model, device, settings)   # parallel.STRATEGIES["pp"]: this rank's stages
-    model.pipeline.start_step(rounds)         # then per micro-step (trainer._run_pipeline):
-    model.pipeline.train_step(x, y)           # one round of the schedule, backward included
-    losses = model.pipeline.finish_step()     # tied gradients summed; losses on every rank
+    stages = split(model, mesh, settings)      # parallel.parallelize: this rank's stages,
+    model.pipeline = schedule(model, wrapped, mesh, settings, device)  # as the axes left them
+    model.pipeline.forward_backward(micro_batches, scaler, mark)  # the trainer's step (runner)
 
-The mesh is (pp, dp, tp), pp outermost and tp innermost, as torchtitan orders it: rank
-r = (pp_rank * dp + dp_rank) * tp + tp_rank. So a TP group is tp consecutive ranks, inside a
-node when tp divides the GPUs per node (TP all-reduces every block's activations: it wants the
-fast links); a pipeline's stages are dp * tp ranks apart, so PP crosses nodes, which suits it:
+The mesh is (pp, dp, cp, tp), pp outermost and tp innermost, as torchtitan orders it: rank
+r = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank. So a TP group is tp consecutive
+ranks, inside a node when tp divides the GPUs per node (TP all-reduces every block's
+activations: it wants the fast links); a pipeline's stages are dp * cp * tp ranks apart, so PP
+crosses nodes, which suits it:
 a stage sends one activation per micro-batch to the next, point to point, nothing else.
 
 What each rank holds. Each rank keeps the GPT that model.py builds, with every part owned by
