@@ -359,7 +359,7 @@ def frames_of(stack: list[str]) -> list[tuple[str, int, str]]:
 
 
 def where_line(rank: int, where: dict | None, dump: dict | None) -> str:
-    """'rank 1 (pid 4856, stopped by SIGTERM ...): faults.py:43 inject_fault < ...'."""
+    """'rank 1 (pid 4856, stopped by SIGTERM ...): faults.py:56 inject_fault < ...'."""
     if where:
         frames = frames_of(where["stack"])
         # gloo's source location ("[.../unbound_buffer.cc:78] ") says nothing to a reader

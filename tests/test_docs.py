@@ -34,8 +34,9 @@ FORKED_HELPERS = {
                                     "CUDA RNG of this rank's GPU); layouts per strategy, "
                                     "keep_last, storage errors as one line",
     "05_mingpt/mingpt/faults.py": "counts optimizer steps rather than epochs, and can also "
-                                  "crash in the middle of a snapshot save (FAULT_AT_SAVE) "
-                                  "and make one rank stall or skip a collective",
+                                  "crash in the middle of a snapshot save (FAULT_AT_SAVE), "
+                                  "make one rank stall or skip a collective, fail one rank's "
+                                  "storage; installed at one seam (install)",
 }
 # Changed lines (added + removed, blank lines not counted) of train.py against the previous
 # step: CONTRIBUTING.md allows about 60 per step, and step 03, whose README splits its diff into two
@@ -311,7 +312,7 @@ def test_files_named_in_docs_configs_and_comments_exist():
 
 
 # Stack frames quoted in the docs, innermost first: analyze_hang.py's one-line stacks
-# (`faults.py:43 inject_fault < trainer.py:220 _run_epoch`) and py-spy's dump lines
+# (`faults.py:56 inject_fault < trainer.py:220 _run_epoch`) and py-spy's dump lines
 # (`    Trainer._run_epoch (mingpt/trainer.py:220)`).
 HANG_STACK = re.compile(r"[\w/.]+\.py:\d+ \w+(?: < [\w/.]+\.py:\d+ \w+)+")
 HANG_FRAME = re.compile(r"([\w/.]+\.py):(\d+) (\w+)")

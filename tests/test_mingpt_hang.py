@@ -92,10 +92,11 @@ def test_a_stalled_rank_ends_in_the_timeout_with_every_ranks_trace(mingpt):
     assert (f"step 3: the ranks' collectives differ\n  rank 0 made #{seq} all_reduce "
             f"[[{params}]] Float\n  rank 1 made none\n") in out
     assert re.search(r"rank 0 \(pid \d+ on .+: Timed out waiting \d+ms for recv operation to "
-                     r"complete\): runner\.py:\d+ forward_backward < trainer\.py:\d+ _run_batch < "
-                     r"trainer\.py:\d+ _run_epoch", out)
+                     r"complete\): runner\.py:\d+ forward_backward < faults\.py:\d+ "
+                     r"forward_backward < trainer\.py:\d+ _run_batch", out)
     assert re.search(r"rank 1 \(pid \d+ on .+: stopped by SIGTERM .*\): faults\.py:\d+ "
-                     r"inject_fault < trainer\.py:\d+ _run_epoch", out)
+                     r"inject_fault < faults\.py:\d+ forward_backward < trainer\.py:\d+ "
+                     r"_run_batch", out)
 
 
 def test_a_rank_that_skips_an_all_reduce_and_goes_on_pairs_off_by_one(tmp_path):

@@ -2,18 +2,28 @@
 test tool, not for real runs). Steps 03 and 04 count epochs; this version counts optimizer steps,
 can also crash in the middle of a snapshot save, and can make one rank stall or skip a
 collective (DEBUGGING.md shows what the Flight Recorder then says), or have one rank's snapshot
-storage fail (SNAPSHOTS.md: every rank then stops with the same one line)."""
+storage fail (SNAPSHOTS.md: every rank then stops with the same one line).
+
+    faults.install(trainer)   # the Trainer's constructor: nothing unless a FAULT_* is set
+
+One seam: where a FAULT_* variable is set, install() wraps the trainer's runner and saver,
+DDP's gradient hook and the storage functions snapshots go through (end of this file); the
+trainer and snapshot code call none of this.
+"""
 import errno
 import os
 import signal
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from mingpt import storage
 
 
 def _hang_target(variable: str, step: int) -> bool:
@@ -138,11 +148,93 @@ class FaultyReader(FileSystemReader):
         return super().read_data(plan, planner)
 
 
-def faulty(storage: object) -> object:
-    """DCP's local `storage` writer or reader, as its Faulty* kind where a fault names shards;
-    anything else (an fsspec writer for s3://) as it is."""
+def faulty(dcp_storage: object) -> object:
+    """DCP's local writer or reader, as its Faulty* kind where a fault names shards; anything
+    else (an fsspec writer for s3://) as it is."""
     for kind, real, fault in (("WRITE", FileSystemWriter, FaultyWriter),
                               ("READ", FileSystemReader, FaultyReader)):
-        if type(storage) is real and os.environ.get(f"FAULT_{kind}_ERROR", "").endswith(":shard"):
-            storage.__class__ = fault
-    return storage
+        if type(dcp_storage) is real and \
+                os.environ.get(f"FAULT_{kind}_ERROR", "").endswith(":shard"):
+            dcp_storage.__class__ = fault
+    return dcp_storage
+
+
+# --- the seam ------------------------------------------------------------------------------
+
+def install(trainer: object) -> None:
+    """Where a FAULT_* variable is set, the faults around `trainer` (a Trainer being built) and
+    the snapshot storage; in every other run nothing changes. Once per process for storage."""
+    if not any(name.startswith("FAULT_") for name in os.environ):
+        return
+    step = lambda: trainer.step  # noqa: E731 (the steps done so far, read when a fault asks)
+    trainer.runner = _BeforeStep(trainer.runner, step)  # FAULT_AT_STEP, FAULT_STALL_AT_STEP
+    trainer.saver = _DuringSave(trainer.saver, step)  # FAULT_AT_SAVE
+    skip_gradient_sync(trainer.model, step)  # FAULT_SKIP_AT_STEP
+    if not _wrapped:  # FAULT_WRITE_ERROR, FAULT_READ_ERROR
+        _wrap_storage()
+
+
+class _BeforeStep:
+    """The trainer's runner, whose forward_backward first runs inject_fault(step)."""
+
+    def __init__(self, runner: object, step: Callable[[], int]) -> None:
+        self.runner, self.step = runner, step
+
+    def forward_backward(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+        inject_fault(self.step())
+        return self.runner.forward_backward(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> object:  # evaluate, clip_grad_norm, ...: the runner's
+        return getattr(self.runner, name)
+
+
+class _DuringSave:
+    """The trainer's saver, whose save runs inject_fault(step, during_save=True) once the
+    snapshot is written and before its commit (the saver's before_commit)."""
+
+    def __init__(self, saver: object, step: Callable[[], int]) -> None:
+        self.saver, self.step = saver, step
+
+    def save(self, model, optimizer, state, before_commit=None) -> None:  # noqa: ANN001
+        self.saver.save(model, optimizer, state,
+                        before_commit=partial(inject_fault, self.step(), during_save=True))
+
+    def __getattr__(self, name: str) -> object:  # finish: the saver's
+        return getattr(self.saver, name)
+
+
+def _target(url: str) -> str:
+    """IO_TARGETS' name of a whole-file write or read: the sharded layout's commit, or a file."""
+    return "latest" if url.endswith("/latest") else "file"
+
+
+_wrapped = False  # storage's functions are wrapped once per process, whatever the runs
+
+
+def _wrap_storage() -> None:
+    """storage's writers and readers as snapshot.py calls them (storage.X at each call), each
+    first asking io_error whether this rank's write or read of its target fails."""
+    global _wrapped
+    writer, reader = storage.writer, storage.reader
+    write_atomic, write_bytes_atomic, load_torch = \
+        storage.write_atomic, storage.write_bytes_atomic, storage.load_torch
+
+    def failing_write_atomic(url: str, write: Callable, before_commit=None) -> None:  # noqa: ANN001
+        def checked(f: object) -> object:  # inside the temporary file: it must be cleaned up
+            io_error("write", _target(url), url)
+            return write(f)
+        write_atomic(url, checked, before_commit)
+
+    def failing_write_bytes_atomic(url: str, data: bytes, before_commit=None) -> None:  # noqa: ANN001
+        io_error("write", _target(url), url)  # an object store's upload (local: write_atomic)
+        write_bytes_atomic(url, data, before_commit)
+
+    def failing_load_torch(url: str) -> object:
+        io_error("read", "file", url)
+        return load_torch(url)
+
+    storage.writer = lambda url: faulty(writer(url))
+    storage.reader = lambda url: faulty(reader(url))
+    storage.write_atomic, storage.write_bytes_atomic, storage.load_torch = \
+        failing_write_atomic, failing_write_bytes_atomic, failing_load_torch
+    _wrapped = True

@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from mingpt import errors, faults, snapshot, storage
+from mingpt import errors, snapshot, storage
 from mingpt.log import print0
 from mingpt.optim import inner
 from mingpt.parallel.strided import checkpointable
@@ -62,10 +62,10 @@ class AsyncSaver(Saver):
         # `if __name__ == "__main__":` guard.)
         future = dcp.async_save(
             checkpointable(snapshot.dcp_state(model, inner(optimizer), extra)),  # save's
-            storage_writer=faults.faulty(storage.writer(f"{self.url}/{name}")),
+            storage_writer=storage.writer(f"{self.url}/{name}"),
             async_checkpointer_type=AsyncCheckpointerType.PROCESS)
         self.pending = (future, name, state)
-        if before_commit:  # FAULT_AT_SAVE: a crash while the shards are being written
+        if before_commit:  # while the shards are being written (faults.py: FAULT_AT_SAVE)
             before_commit()
 
     def finish(self) -> None:

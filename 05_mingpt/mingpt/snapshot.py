@@ -35,7 +35,6 @@ import sys
 import traceback
 import warnings
 from collections.abc import Callable
-from functools import partial
 from typing import TypeVar
 
 import numpy as np
@@ -47,7 +46,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from mingpt import errors, faults, storage
+from mingpt import errors, storage
 from mingpt.optim import (
     build_optimizer,
     extra_state,
@@ -84,8 +83,6 @@ class SaveError(Exception):
 def save_file(url: str, obj: dict, before_commit: Callable[[], None] | None = None) -> None:
     """torch.save(obj) to `url`, atomically (write_bytes_atomic)."""
     def write(f: io.BufferedIOBase) -> None:
-        if dist.is_initialized():  # a training run's ranks (FAULT_WRITE_ERROR=RANK:file)
-            faults.io_error("write", "file", url)
         torch.save(obj, f)
 
     if storage.is_local(url):
@@ -98,37 +95,11 @@ def save_file(url: str, obj: dict, before_commit: Callable[[], None] | None = No
     storage.write_bytes_atomic(url, buffer.getvalue(), before_commit)
 
 
-def _load_mapped(path: str) -> dict | None:
-    """torch.load of a local file, memory-mapped: a tensor's pages are read when it is used.
-    None where it cannot be mapped: not a zip-format torch file (an older format, or none at
-    all), a corrupt one, or a filesystem that refuses mmap. load_file then reads it as it
-    reads an object, which loads it or raises the error its message has always named.
-
-    Reading the whole file into a buffer and unpickling that held it twice in memory (3x the
-    weights, with AdamW's two moments) on every rank at once. Mapped, the pages come from the
-    page cache, which the ranks of a node share and the kernel can drop again. The tensors
-    are views of the file (mapped private: writes never reach it): load() copies whatever
-    outlives it (_unmapped)."""
-    try:
-        return torch.load(path, mmap=True, map_location="cpu", weights_only=True)
-    except Exception:
-        return None
-
-
 def load_file(url: str) -> dict:
     """A snapshot dict on the CPU; weights_only=True refuses pickled code. The tensors of a
-    local file are views of it (_load_mapped): copy those that must outlive it."""
+    local file are views of it (storage.load_torch): copy those that must outlive it."""
     try:
-        fs, path = storage.filesystem(url)
-        if dist.is_initialized():  # a training run's ranks (sample.py, export_hf.py: no group)
-            faults.io_error("read", "file", url)
-        state = _load_mapped(path) if isinstance(fs, LocalFileSystem) else None
-        if state is None:  # an object store, or a file that could not be mapped
-            with fs.open(path, "rb") as f:
-                data = f.read()
-            # To the CPU whatever device saved it: RNG states must be CPU tensors, and
-            # load_state_dict moves each weight to its parameter's device (module docstring).
-            state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        state = storage.load_torch(url)
     except Exception as e:  # truncated, corrupt, not a torch file, unreadable
         failed = storage.storage_error(url, e)
         if failed:  # the store failed, not the snapshot
@@ -302,7 +273,7 @@ def write_shards(url: str, name: str, model: torch.nn.Module,
     """Every rank's shards into step directory `name` (dcp.save: collective; a failure on any
     rank is a CheckpointException, naming it, on every rank)."""
     dcp.save(checkpointable(dcp_state(model, optimizer, extra)),
-             storage_writer=faults.faulty(storage.writer(f"{url}/{name}")))
+             storage_writer=storage.writer(f"{url}/{name}"))
 
 
 def with_meetings(optimizer: torch.optim.Optimizer, state: dict) -> tuple[dict, dict]:
@@ -327,7 +298,6 @@ def commit_sharded(url: str, name: str, train_state: dict,
     """Rank 0: train_state.pt, then `latest` names step directory `name` (the commit), then
     the older step directories go. One writer commits: `latest` never sees two ranks' writes."""
     fs, path = storage.filesystem(url)
-    before_commit = partial(_before_latest, url, before_commit)
     if dist.get_rank() == 0:
         save_file(f"{url}/{name}/{TRAIN_STATE}", train_state)
         if before_commit:
@@ -342,13 +312,6 @@ def commit_sharded(url: str, name: str, train_state: dict,
                           and fs.exists(f"{p}/{TRAIN_STATE}")), reverse=True)
         for old in set(others) - set(earlier[:keep_last - 1]):
             fs.rm(old, recursive=True)
-
-
-def _before_latest(url: str, before_commit: Callable[[], None] | None) -> None:
-    """The caller's before_commit, and FAULT_WRITE_ERROR=0:latest: the commit's write fails."""
-    faults.io_error("write", "latest", f"{url}/{LATEST}")
-    if before_commit:
-        before_commit()
 
 
 def latest_sharded(url: str) -> str:
@@ -392,7 +355,7 @@ def load_sharded(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimi
     try:
         # Into each rank's own rows of TP's q/k/v too: views of the DTensors in `state`.
         dcp.load(checkpointable(state),
-                 storage_reader=faults.faulty(storage.reader(checkpoint)))
+                 storage_reader=storage.reader(checkpoint))
     # DCP raises CheckpointException, a BaseException, on every rank when any rank fails to
     # read (reason() names the first that did): no rank waits for another.
     except (Exception, CheckpointException) as e:  # missing or truncated shards, bad metadata
@@ -654,7 +617,7 @@ def load(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.O
                             "trainer_config.snapshot_path on storage all nodes share")
     _load_agreed(check_compatible, state, meta["model_config"], meta["data_meta"], url,
                  match_keys, meta.get("optimizer_name", "adamw"))
-    # A local file is mapped (_load_mapped): the memory of every tensor read from it. (From
+    # A local file is mapped (storage.load_torch): the memory of every tensor read from it. (From
     # an object store they are the process's own: nothing to copy.)
     mapped = {t.untyped_storage().data_ptr() for t in _tensors(state)} if storage.is_local(url) \
         else set()

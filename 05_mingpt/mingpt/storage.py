@@ -10,12 +10,14 @@ s3fs reads the endpoint and credentials from the usual AWS_* environment variabl
 """
 import contextlib
 import functools
+import io
 import os
 import tempfile
 from collections.abc import Callable
 from typing import BinaryIO
 
 import fsspec
+import torch
 import torch.distributed as dist
 from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -167,6 +169,28 @@ def write_atomic(url: str, write: Callable[[BinaryIO], object],
                 f.discard()
             f.closed = True  # nor may garbage collection close (and so commit) it later
             raise
+
+
+def load_torch(url: str) -> object:
+    """torch.load of the file at `url` on the CPU, weights_only=True (pickled code refused).
+
+    A local file is memory-mapped: a tensor's pages are read when it is used, and come from
+    the page cache, which the ranks of a node share and the kernel can drop again (reading it
+    into a buffer first held it twice in memory, on every rank at once). Its tensors are views
+    of the file (mapped private: writes never reach it): copy whatever must outlive it. Where
+    it cannot be mapped (not a zip-format torch file, a corrupt one, a filesystem that refuses
+    mmap), and from an object store, it is read whole, which loads it or raises the error."""
+    fs, path = filesystem(url)
+    if isinstance(fs, LocalFileSystem):
+        try:
+            return torch.load(path, mmap=True, map_location="cpu", weights_only=True)
+        except Exception:  # noqa: S110 (read whole below, which names the error)
+            pass
+    with fs.open(path, "rb") as f:
+        data = f.read()
+    # To the CPU whatever device saved it: RNG states must be CPU tensors, and load_state_dict
+    # moves each weight to its parameter's device.
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
 def is_local(url: str) -> bool:

@@ -11,7 +11,6 @@ saving stay these, for every device.
 """
 import time
 from collections.abc import Callable, Iterable
-from functools import partial
 from itertools import islice
 
 import torch
@@ -21,8 +20,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
-from mingpt import forensics, savers, snapshot
-from mingpt.faults import inject_fault, skip_gradient_sync
+from mingpt import faults, forensics, savers, snapshot
 from mingpt.log import TrainLog, print0
 from mingpt.optim import SCHEDULE_KEYS, build_scheduler, resume_scheduler
 from mingpt.parallel import Layout, describe, runner
@@ -111,10 +109,10 @@ class Trainer:
         # Loss, tokens/s, MFU, memory and TensorBoard: log.TrainLog's (rank 0 writes).
         self.log = TrainLog(device, self.hooks.memory_devices(model, device), run_dir,
                             flops_per_token, cfg.precision, self.dp_size, cfg.profile_steps, model)
-        skip_gradient_sync(model, lambda: self.step)  # FAULT_SKIP_AT_STEP only (faults.py)
         self.scheduler = build_scheduler(optimizer, cfg)
         self.scaler = grad_scaler(device, cfg.precision)
         self.saver = savers.build(cfg, self.hooks.gather)  # blocking, or async_save's
+        faults.install(self)  # only where a FAULT_* variable asks for one (faults.py)
         # An epoch must fill at least one optimizer step, or training would loop forever.
         per_rank, needed = len(train_set) // self.dp_size, cfg.batch_size * cfg.grad_accum_steps
         if per_rank < needed:
@@ -203,8 +201,7 @@ class Trainer:
 
     def _save_snapshot(self) -> None:
         # model_config and data_meta go along: enough to rebuild the model and decode its output.
-        self.saver.save(self.model, self.optimizer, {**self.state_dict(), **self.snapshot_meta},
-                        before_commit=partial(inject_fault, self.step, during_save=True))
+        self.saver.save(self.model, self.optimizer, {**self.state_dict(), **self.snapshot_meta})
         if not self.cfg.async_save:  # (an asynchronous one says so once it is committed)
             print0(f"step {self.step}: snapshot saved to {self.cfg.snapshot_path}")
 
@@ -246,7 +243,6 @@ class Trainer:
                 self.epoch, self.samples_in_epoch = self.epoch + 1, 0
                 return
             self.log.timer.mark("data")
-            inject_fault(self.step)
             self._run_batch(micro_batches)
             self.step += 1
             self.samples_in_epoch += cfg.grad_accum_steps * cfg.batch_size * self.dp_size
