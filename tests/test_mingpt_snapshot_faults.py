@@ -11,6 +11,7 @@ of the collective timeout). The faults are injected on one rank only (mingpt/fau
 FAULT_WRITE_ERROR / FAULT_READ_ERROR), or are real: a shard file deleted.
 """
 import hashlib
+import json
 import re
 import shutil
 import time
@@ -275,34 +276,42 @@ def test_a_nan_loss_commits_the_good_asynchronous_save_in_flight(mingpt, tmp_pat
 
 
 def _one_rank_raises(rank: int, store: str, folder: str) -> None:
-    """Rank 1's part of a save raises what no storage raises (a bug): every rank must stop on
-    the same SaveError, not rank 1 alone while rank 0 waits in its next collective."""
+    """Rank 1 raises what no check raises (a bug), in a part of a save and in main.py's
+    build (errors.agreed): every rank must stop on the same error, not rank 1 alone while
+    rank 0 waits in its next collective."""
     dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,
                             timeout=timedelta(seconds=60))
+    said = []
     with mingpt_imported() as m:
         def part(url: str) -> None:
             if rank == 1:
                 raise RuntimeError("a bug in a save")
 
-        try:
-            m["snapshot"].agreed_part(folder, part)
-            said = "no error"
-        except m["snapshot"].SaveError as e:
-            said = str(e)
+        for call, error in ((lambda: m["snapshot"].agreed_part(folder, part),
+                             m["snapshot"].SaveError),
+                            (lambda: m["errors"].agreed(part, folder), ValueError)):
+            try:
+                call()
+                said.append("no error")
+            except error as e:
+                said.append(str(e))
         dist.barrier()  # both ranks got here: neither waits for the other
-    Path(folder, f"rank{rank}.txt").write_text(said)
+    Path(folder, f"rank{rank}.json").write_text(json.dumps(said))
     dist.destroy_process_group()
 
 
-def test_any_exception_in_a_save_is_agreed_by_every_rank(tmp_path):
-    """Only OSError and DCP's CheckpointException were agreed: any other exception left the
-    peers waiting (mp.start_processes raises if any rank fails or hangs past the timeout)."""
+def test_any_exception_in_a_save_or_a_build_is_agreed_by_every_rank(tmp_path):
+    """Only OSError and DCP's CheckpointException were agreed in a save, only ValueError in
+    main.py's build: any other exception left the peers waiting (mp.start_processes raises
+    if any rank fails or hangs past the timeout)."""
     mp.start_processes(_one_rank_raises, args=(str(tmp_path / "store"), str(tmp_path)),
                        nprocs=2, start_method="spawn")
-    said = [(tmp_path / f"rank{rank}.txt").read_text() for rank in range(2)]
+    said = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     assert said[0] == said[1]
+    save, build = said[0]
     assert re.fullmatch(rf"rank 1 on \S+: cannot save the snapshot to {tmp_path} \(a bug in a "
-                        r"save\); the previous snapshot, if any, is unchanged: .*", said[0]), said
+                        r"save\); the previous snapshot, if any, is unchanged: .*", save), save
+    assert re.fullmatch(r"rank 1 on \S+: RuntimeError: a bug in a save", build), build
 
 
 def test_async_save_of_a_one_file_snapshot_is_refused(mingpt_modules, mingpt):

@@ -16,6 +16,7 @@ import io
 import os
 import socket
 import sys
+import traceback
 from collections.abc import Callable
 from typing import NoReturn, TypeVar
 
@@ -71,12 +72,23 @@ def agreed(function: Callable[..., T], *args, **kwargs) -> T:
     message names the first of them and its host (the node whose storage to look at)."""
     try:
         result, error = function(*args, **kwargs), None
-    except ValueError as e:  # only the expected kind: anything else is a bug, with traceback
+    except ValueError as e:  # bad input: its one line
         result, error = None, str(e)
+    except Exception as e:  # a bug: this rank's traceback, then the same one line as above
+        result, error = None, unexpected(e)
     message = agree(error)
     if message is not None:
         raise ValueError(message)
     return result
+
+
+def unexpected(e: Exception, message: str | None = None) -> str:
+    """`message` (by default the exception's name and first line), after this rank printed
+    `e`'s traceback: an exception no check raises is a bug, but the other ranks must still
+    learn of it (agree) rather than wait in their next collective for a rank that left."""
+    traceback.print_exception(e, file=sys.stderr)
+    first = (str(e).strip().splitlines() or [""])[0]
+    return message or f"{type(e).__name__}: {first}"
 
 
 def agree(error: str | None) -> str | None:

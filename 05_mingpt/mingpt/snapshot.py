@@ -31,8 +31,6 @@ import io
 import os
 import random
 import shutil
-import sys
-import traceback
 import warnings
 from collections.abc import Callable
 from typing import TypeVar
@@ -447,9 +445,7 @@ def _load_agreed(function: Callable[..., T], *args) -> T:
     except SnapshotError as e:
         result, error = None, str(e)
     except Exception as e:  # not the snapshot's: a bug, whose traceback this rank shows
-        first = (str(e).strip().splitlines() or [""])[0]
-        result, error = None, unexpected(e, f"cannot load the snapshot ({type(e).__name__}: "
-                                            f"{first})")
+        result, error = None, f"cannot load the snapshot ({errors.unexpected(e)})"
     message = errors.agree(error)
     if message is not None:
         raise SnapshotError(message)
@@ -542,18 +538,10 @@ def agreed_part(url: str, part: Callable[..., None], *args) -> None:
     except (OSError, CheckpointException) as e:
         error = save_error(url, e)
     except Exception as e:  # not the storage's: a bug, whose traceback this rank shows
-        error = unexpected(e, save_error(url, e))
+        error = errors.unexpected(e, save_error(url, e))
     message = errors.agree(error)
     if message is not None:
         raise SaveError(message)
-
-
-def unexpected(e: Exception, message: str) -> str:
-    """`message`, after this rank printed `e`'s traceback: an exception that no storage or
-    snapshot raises is a bug, but the other ranks must still learn of it (errors.agree)
-    rather than wait in their next collective for a rank that left."""
-    traceback.print_exception(e, file=sys.stderr)
-    return message
 
 
 def save_error(url: str, e: BaseException) -> str:
