@@ -1,16 +1,21 @@
 """Shared pieces of the 05_mingpt trainer tests: a private copy of the folder, tiny overrides,
-and parsers for the trainer's log lines."""
+parsers for the trainer's log lines, and the warm worlds of spawned gloo ranks."""
 import contextlib
 import importlib
+import json
 import re
 import shutil
 import subprocess
 import sys
 import warnings
+from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from conftest import REPO, in_process
 
@@ -49,6 +54,28 @@ def copy_mingpt(dest: Path) -> Path:
     """05_mingpt without earlier runs: commands run as written, the repo stays clean."""
     return Path(shutil.copytree(MINGPT, dest / "05_mingpt", ignore=shutil.ignore_patterns(
         "__pycache__", "runs", "outputs")))
+
+
+def spawn_world(worker: Callable, world: int, out: Path, *args: object) -> list[dict | None]:
+    """One warm world: `worker(rank, store, out, text, *args)` in `world` spawned processes,
+    which pay torch's and hydra's imports once and then run every check of a test file
+    (join_world makes the group; `text` is 40,000 characters of the usual text: fast to read,
+    the same vocabulary). Each rank's out/rank{r}.json where it wrote one, else None. Any
+    rank's failure, an abort at exit too, raises here (mp.start_processes)."""
+    text = out / "input.txt"
+    text.write_text((REPO / "05_mingpt/data/input.txt").read_text()[:40_000])
+    mp.start_processes(worker, args=(str(out / "store"), str(out), str(text), *args),
+                       nprocs=world, start_method="spawn")
+    files = [out / f"rank{rank}.json" for rank in range(world)]
+    return [json.loads(f.read_text()) if f.is_file() else None for f in files]
+
+
+def join_world(rank: int, store: str, world: int) -> None:
+    """A spawned rank's gloo group over the file `store`; one thread, as the processes share
+    the cores."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank,
+                            world_size=world, timeout=timedelta(seconds=120))
 
 
 def retrace(run_dir: Path, text: Path, max_steps: int, *overrides: str) -> list[str]:

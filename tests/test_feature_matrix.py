@@ -11,19 +11,22 @@
   config, before any process group: one line, the grid's.
 """
 import shutil
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import yaml
 from omegaconf import OmegaConf
 
 import feature_matrix
 from conftest import REPO
-from mingpt_helpers import mingpt_imported, snapshot_weights, tiny
+from mingpt_helpers import (
+    join_world,
+    mingpt_imported,
+    snapshot_weights,
+    spawn_world,
+    tiny,
+)
 from test_mingpt_strategies import run
 
 WORLD = feature_matrix.WORLD
@@ -87,9 +90,7 @@ def step_one(whole: Path, resumed: Path) -> None:
 
 
 def _worker(rank: int, store: str, out: str, text: str, pairs: list) -> None:
-    torch.set_num_threads(1)  # four processes share the cores
-    dist.init_process_group("gloo", store=dist.FileStore(store, WORLD), rank=rank,
-                            world_size=WORLD, timeout=timedelta(seconds=120))
+    join_world(rank, store, WORLD)
     out_dir, text = Path(out), Path(text)
     with mingpt_imported("main") as m:
         for pair in map(tuple, pairs):
@@ -108,11 +109,8 @@ def _worker(rank: int, store: str, out: str, text: str, pairs: list) -> None:
 def world(tmp_path_factory, config):
     """Every runnable pair, trained in one world; out/<a+b>/{whole,resumed}/snapshot."""
     out = tmp_path_factory.mktemp("matrix")
-    text = out / "input.txt"  # 40,000 characters of the usual text: fast to read, same vocab
-    text.write_text((REPO / "05_mingpt/data/input.txt").read_text()[:40_000])
     pairs = feature_matrix.proven_pairs(config)
-    mp.start_processes(_worker, args=(str(out / "store"), str(out), str(text), pairs),
-                       nprocs=WORLD, start_method="spawn")  # any failure, an abort too, raises
+    spawn_world(_worker, WORLD, out, pairs)
     return out, pairs
 
 

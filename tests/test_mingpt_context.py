@@ -10,14 +10,12 @@ one pair (cp over 2 ranks with ddp and fsdp, resumes, activation memory). Each w
 findings for the tests to assert on.
 """
 import json
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401  imported before any group exists (test_teardown.py)
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
 from conftest import REPO, TORCHRUN, run
@@ -25,9 +23,11 @@ from mingpt_helpers import (
     U,
     assert_refused,
     copy_mingpt,
+    join_world,
     log_units,
     mingpt_imported,
     real_step,
+    spawn_world,
     tiny,
     train_losses,
     val_losses,
@@ -150,9 +150,7 @@ def weights_report(weights: dict, reference: dict) -> dict:
 
 def _four_worker(rank: int, store: str, out: str, text: str) -> None:
     """Ring attention at cp 4 and cp 2 (a (2, 2) mesh); ddp on 4 ranks against ddp x cp 2."""
-    torch.set_num_threads(1)  # four processes share the cores
-    dist.init_process_group("gloo", store=dist.FileStore(store, 4), rank=rank, world_size=4,
-                            timeout=timedelta(seconds=120))
+    join_world(rank, store, 4)
     out_dir, result = Path(out), {}
     with mingpt_imported("main") as m:
         for cp in (2, 4):
@@ -201,9 +199,7 @@ def activation_memory(m: dict) -> dict:
 
 def _pair_worker(rank: int, store: str, out: str, text: str) -> None:
     """cp over both ranks with ddp and fsdp against ddp; resumes; resume into plain ddp."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,
-                            timeout=timedelta(seconds=120))
+    join_world(rank, store, 2)
     out_dir, text, result = Path(out), Path(text), {}
     with mingpt_imported("main", "model_size", "dry_run") as m:
         result["memory"] = activation_memory(m)
@@ -231,23 +227,15 @@ def _pair_worker(rank: int, store: str, out: str, text: str) -> None:
     m["distributed"].release()
 
 
-def spawn(worker, n: int, out: Path) -> list[dict]:
-    text = out / "input.txt"  # 40,000 characters of the usual text: fast to read, same vocab
-    text.write_text((REPO / "05_mingpt/data/input.txt").read_text()[:40_000])
-    mp.start_processes(worker, args=(str(out / "store"), str(out), str(text)), nprocs=n,
-                       start_method="spawn")  # any failure, an abort at exit too, raises
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)]
-
-
 @pytest.fixture(scope="module")
 def four(tmp_path_factory):
-    return spawn(_four_worker, 4, tmp_path_factory.mktemp("cp4"))
+    return spawn_world(_four_worker, 4, tmp_path_factory.mktemp("cp4"))
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     out = tmp_path_factory.mktemp("cp2")
-    return out, spawn(_pair_worker, 2, out)
+    return out, spawn_world(_pair_worker, 2, out)
 
 
 @pytest.mark.parametrize("cp", [2, 4])

@@ -11,21 +11,20 @@ ddp over 4 ranks of 2, whose losses the trainer runs then follow). Refusals run 
 import dataclasses
 import json
 import shutil
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from conftest import REPO
 from mingpt_helpers import (
     assert_refused,
     assert_retraces,
+    join_world,
     mingpt_imported,
     retrace,
     snapshot_weights,
+    spawn_world,
     tiny,
     train_losses,
 )
@@ -118,9 +117,7 @@ def _offload_policies(model) -> dict[str, str]:
 
 
 def _worker(rank: int, store: str, out: str, text: str) -> None:
-    torch.set_num_threads(1)  # four processes share the cores
-    dist.init_process_group("gloo", store=dist.FileStore(store, WORLD), rank=rank,
-                            world_size=WORLD, timeout=timedelta(seconds=120))
+    join_world(rank, store, WORLD)
     out_dir, text, result = Path(out), Path(text), {"grads": {}}
     with mingpt_imported("main") as m:
         for method, ep in GRAD_CASES:
@@ -151,11 +148,7 @@ def _worker(rank: int, store: str, out: str, text: str) -> None:
 def spawned(tmp_path_factory):
     """Rank 0's results; each run's snapshot in out/<name>/snapshot."""
     out = tmp_path_factory.mktemp("experts")
-    text = out / "input.txt"  # 40,000 characters of the usual text: fast to read, same vocab
-    text.write_text((REPO / "05_mingpt/data/input.txt").read_text()[:40_000])
-    mp.start_processes(_worker, args=(str(out / "store"), str(out), str(text)), nprocs=WORLD,
-                       start_method="spawn")  # any failure, an abort at exit too, raises
-    return out, json.loads((out / "rank0.json").read_text())
+    return out, spawn_world(_worker, WORLD, out)[0]
 
 
 def test_model_size_predicts_every_ranks_expert_bytes(spawned):

@@ -11,21 +11,19 @@ process's on the same 8 sequences per step up to the order of the all-reduce's s
 import json
 import re
 import statistics
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from conftest import REPO
 from mingpt_helpers import (
     assert_refused,
     assert_retraces,
+    join_world,
     mingpt_imported,
     retrace,
     snapshot_weights,
+    spawn_world,
     tiny,
     train_losses,
 )
@@ -76,9 +74,7 @@ def overrides(name: str, run_dir: Path, text: Path, max_steps: int, world: int =
 
 
 def _worker(rank: int, store: str, out: str, text: str, world: int = WORLD) -> None:
-    torch.set_num_threads(1)  # four (eight) processes share the cores
-    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank,
-                            world_size=world, timeout=timedelta(seconds=120))
+    join_world(rank, store, world)
     out_dir, text, result = Path(out), Path(text), {}
     with mingpt_imported("main") as m:
         if world != WORLD:  # the 3-D layouts only
@@ -114,11 +110,7 @@ def _worker(rank: int, store: str, out: str, text: str, world: int = WORLD) -> N
 def spawn(tmp_path_factory, world: int) -> tuple[Path, dict]:
     """Rank 0's results; each run's snapshot in out/<name>/snapshot."""
     out = tmp_path_factory.mktemp(f"layouts{world}")
-    text = out / "input.txt"  # 40,000 characters of the usual text: fast to read, same vocab
-    text.write_text((REPO / "05_mingpt/data/input.txt").read_text()[:40_000])
-    mp.start_processes(_worker, args=(str(out / "store"), str(out), str(text), world),
-                       nprocs=world, start_method="spawn")  # any failure, an abort too, raises
-    return out, json.loads((out / "rank0.json").read_text())
+    return out, spawn_world(_worker, world, out, world)[0]
 
 
 @pytest.fixture(scope="module")

@@ -12,21 +12,19 @@ positions, and an untied head lives on the last stage only); a run stopped halfw
 under its own layout bit for bit and under another within the bound.
 """
 import json
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from conftest import REPO
 from mingpt_helpers import (
     assert_refused,
     assert_retraces,
+    join_world,
     mingpt_imported,
     retrace,
     snapshot_weights,
+    spawn_world,
     tiny,
 )
 from test_mingpt_layouts import BOUNDS, GLOBAL_BATCH
@@ -61,9 +59,7 @@ def overrides(name: str, run_dir: Path, text: Path, max_steps: int) -> list[str]
 
 
 def _worker(rank: int, store: str, out: str, text: str) -> None:
-    torch.set_num_threads(1)  # four processes share the cores
-    dist.init_process_group("gloo", store=dist.FileStore(store, WORLD), rank=rank,
-                            world_size=WORLD, timeout=timedelta(seconds=120))
+    join_world(rank, store, WORLD)
     out_dir, text, result = Path(out), Path(text), {}
     with mingpt_imported("main") as m:
         for name in LAYOUTS:
@@ -81,11 +77,7 @@ def _worker(rank: int, store: str, out: str, text: str) -> None:
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory):
     out = tmp_path_factory.mktemp("options")
-    text = out / "input.txt"  # 40,000 characters of the usual text: fast to read, same vocab
-    text.write_text((REPO / "05_mingpt/data/input.txt").read_text()[:40_000])
-    mp.start_processes(_worker, args=(str(out / "store"), str(out), str(text)), nprocs=WORLD,
-                       start_method="spawn")
-    return out, json.loads((out / "rank0.json").read_text())
+    return out, spawn_world(_worker, WORLD, out)[0]
 
 
 def test_every_layout_follows_ddp_with_every_option_on(spawned):

@@ -11,20 +11,18 @@ bit for bit, are the feature matrix's: tests/test_feature_matrix.py.)
 """
 import copy
 import json
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from conftest import REPO
 from mingpt_helpers import (
+    join_world,
     log_units,
     mingpt_imported,
     retrace,
     snapshot_weights,
+    spawn_world,
     train_losses,
     weights_apart,
 )
@@ -90,9 +88,7 @@ def overrides(world: int, name: str, run_dir: Path, text: Path, max_steps: int) 
 
 
 def _worker(rank: int, store: str, out: str, text: str, world: int) -> None:
-    torch.set_num_threads(1)  # the processes share the cores
-    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank,
-                            world_size=world, timeout=timedelta(seconds=120))
+    join_world(rank, store, world)
     out_dir, text, result = Path(out), Path(text), {}
     with mingpt_imported("main") as m:
         for name in LAYOUTS[world]:
@@ -106,11 +102,7 @@ def _worker(rank: int, store: str, out: str, text: str, world: int) -> None:
 
 def spawn(tmp_path_factory, world: int) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp(f"muon{world}")
-    text = out / "input.txt"  # 40,000 characters of the usual text: fast to read, same vocab
-    text.write_text((REPO / "05_mingpt/data/input.txt").read_text()[:40_000])
-    mp.start_processes(_worker, args=(str(out / "store"), str(out), str(text), world),
-                       nprocs=world, start_method="spawn")
-    return out, json.loads((out / "rank0.json").read_text())
+    return out, spawn_world(_worker, world, out, world)[0]
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ test_mingpt_layouts.py's).
 import contextlib
 import io
 import json
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -21,8 +20,16 @@ import torch.distributed.nn  # noqa: F401  imported before any group exists (tes
 import torch.multiprocessing as mp
 
 import pipeline_mesh_worker
-from conftest import REPO
-from mingpt_helpers import U, assert_refused, log_units, mingpt_imported, tiny, train_losses
+from mingpt_helpers import (
+    U,
+    assert_refused,
+    join_world,
+    log_units,
+    mingpt_imported,
+    spawn_world,
+    tiny,
+    train_losses,
+)
 from test_mingpt_strategies import configure, fit, run
 
 CPU = torch.device("cpu")
@@ -86,9 +93,7 @@ def clip_norm(m: dict) -> float:
 
 
 def _worker(rank: int, store: str, out: str, text: str) -> None:
-    torch.set_num_threads(1)  # two processes share the cores
-    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,
-                            timeout=timedelta(seconds=120))
+    join_world(rank, store, 2)
     out_dir, result = Path(out), {}
     with mingpt_imported("main") as m:
         for schedule in SCHEDULES:
@@ -138,11 +143,7 @@ def _worker(rank: int, store: str, out: str, text: str) -> None:
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory):
     out = tmp_path_factory.mktemp("pipeline")
-    text = out / "input.txt"
-    text.write_text((REPO / "05_mingpt/data/input.txt").read_text()[:40_000])
-    mp.start_processes(_worker, args=(str(out / "store"), str(out), str(text)), nprocs=2,
-                       start_method="spawn")
-    return out, text, [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return out, out / "input.txt", spawn_world(_worker, 2, out)
 
 
 @pytest.fixture(scope="module")

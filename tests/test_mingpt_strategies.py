@@ -10,7 +10,6 @@ import contextlib
 import gc
 import io
 import json
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -24,16 +23,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 import mesh_2x2_worker
-from conftest import REPO
 from mingpt_helpers import (
     U,
     assert_close_ulps,
     assert_refused,
+    join_world,
     log_units,
     mingpt_imported,
     other_cpu_kernels,
     real_step,
     retrace,
+    spawn_world,
     tiny,
     train_losses,
     val_losses,
@@ -168,9 +168,7 @@ def full_weights(m: dict, model: torch.nn.Module) -> dict:
 
 
 def _worker(rank: int, store: str, out: str, text: str) -> None:
-    torch.set_num_threads(1)  # two processes share the cores
-    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,
-                            timeout=timedelta(seconds=120))
+    join_world(rank, store, 2)
     out_dir, result = Path(out), {}
     with mingpt_imported("main", "dry_run") as m:
         # One step of plain ddp and of each hook, its collectives counted (the dry run's
@@ -228,11 +226,7 @@ def mesh_errors(m: dict) -> dict[str, str]:
 def spawned(tmp_path_factory):
     """Both ranks' results; the weights are in out/<method>.pt, snapshots in out/<method>_*."""
     out = tmp_path_factory.mktemp("strategies")
-    text = out / "input.txt"  # 40,000 characters of the usual text: fast to read, same vocab
-    text.write_text((REPO / "05_mingpt/data/input.txt").read_text()[:40_000])
-    mp.start_processes(_worker, args=(str(out / "store"), str(out), str(text)), nprocs=2,
-                       start_method="spawn")  # any failure, an abort at exit too, raises
-    return out, [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return out, spawn_world(_worker, 2, out)
 
 
 def test_every_strategy_follows_ddps_loss_trajectory(spawned):
@@ -329,9 +323,7 @@ OTHER_KERNELS_METHODS = ("ddp", "fsdp", "tp")  # fsdp_tp on (1, 2) computes what
 def _other_kernels_worker(rank: int, store: str, out: str, text: str) -> None:
     """One of two ranks of test_parity_holds_on_other_cpu_kernels: ddp, fsdp and tp as _worker
     trains them, with the kernels other_cpu_kernels() chose as this process loaded torch."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,
-                            timeout=timedelta(seconds=120))
+    join_world(rank, store, 2)
     result = {"capability": torch.backends.cpu.get_cpu_capability()}
     with mingpt_imported("main") as m:
         for method in OTHER_KERNELS_METHODS:
@@ -350,11 +342,7 @@ def test_parity_holds_on_other_cpu_kernels(tmp_path, monkeypatch):
     kernels = other_cpu_kernels()
     for name, value in kernels.items():
         monkeypatch.setenv(name, value)
-    text = tmp_path / "input.txt"  # as `spawned` trains
-    text.write_text((REPO / "05_mingpt/data/input.txt").read_text()[:40_000])
-    mp.start_processes(_other_kernels_worker, args=(str(tmp_path / "store"), str(tmp_path),
-                                                    str(text)), nprocs=2, start_method="spawn")
-    result = json.loads((tmp_path / "rank0.json").read_text())
+    result = spawn_world(_other_kernels_worker, 2, tmp_path)[0]
     # The variable was read: the kernels differed from this process's.
     assert result["capability"] == kernels["ATEN_CPU_CAPABILITY"].upper(), result["capability"]
     ddp, ddp_weights = train_losses(result["ddp"]), torch.load(tmp_path / "ddp.pt")

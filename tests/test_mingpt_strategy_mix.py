@@ -8,17 +8,20 @@ The multi-rank checks run in ONE pair of spawned gloo processes, through main.lo
 and the Trainer as main.py runs them (test_mingpt_strategies.run)."""
 import json
 import threading
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
-from conftest import REPO
-from mingpt_helpers import assert_refused, mingpt_imported, train_losses
+from mingpt_helpers import (
+    assert_refused,
+    join_world,
+    mingpt_imported,
+    spawn_world,
+    train_losses,
+)
 from test_mingpt_strategies import overrides, run
 
 CPU = torch.device("cpu")
@@ -35,9 +38,7 @@ def settings(optimizer: torch.optim.Optimizer) -> dict:
 
 
 def _worker(rank: int, store: str, out: str, text: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,
-                            timeout=timedelta(seconds=120))
+    join_world(rank, store, 2)
     out_dir, result = Path(out), {}
     with mingpt_imported("main") as m:
         # (first, then): HALF steps under `first`, then the same run_dir resumed under `then`.
@@ -68,11 +69,7 @@ def _worker(rank: int, store: str, out: str, text: str) -> None:
 @pytest.fixture(scope="module")
 def mixed(tmp_path_factory):
     out = tmp_path_factory.mktemp("strategy_mix")
-    text = out / "input.txt"
-    text.write_text((REPO / "05_mingpt/data/input.txt").read_text()[:40_000])
-    mp.start_processes(_worker, args=(str(out / "store"), str(out), str(text)), nprocs=2,
-                       start_method="spawn")
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return spawn_world(_worker, 2, out)
 
 
 def test_an_fsdp_snapshot_resumes_under_tp_with_tps_optimizer(mixed):
