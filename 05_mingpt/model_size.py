@@ -251,8 +251,7 @@ def step_rate(cfg: DictConfig, args: argparse.Namespace, plan: dict, profile: di
     from mingpt import step_time  # noqa: PLC0415
     from mingpt.parallel import layout  # noqa: PLC0415
     t = cfg.trainer_config
-    lay = layout.resolve(t.distributed_method, args.world_size, t.tp_size, t.pp_size,
-                         t.cp_size, t.ep_size)
+    lay = layout.resolve(t.distributed_method, args.world_size, **layout.degrees(t))
     step = step_time.predict(args.world_size, lay.pp, {0: plan}, profile, t.microbatches)
     return step["step"], args.batch_size * lay.dp * args.block_size / step["step"]
 

@@ -198,8 +198,8 @@ def bitwise(config, a: str, b: str) -> bool:
         key, value = override.split("=", 1)
         OmegaConf.update(t, key, yaml.safe_load(value))
     t = t.trainer_config
-    return config.layout.snapshot_of(t.distributed_method, t.tp_size, t.pp_size,
-                                     t.ep_size) == "fsdp"
+    return config.layout.snapshot_of(t.distributed_method,
+                                     **config.layout.degrees(t)) == "fsdp"
 
 
 def proven_pairs(config) -> list[tuple[str, str]]:

@@ -208,8 +208,8 @@ def validate(cfg: DictConfig) -> None:
             "shards)", t.cpu_offload)
     _check_debugging(t)
     # DCP's asynchronous save writes shards; the one-file layout has one writer (SNAPSHOTS.md).
-    require(not t.async_save or layout.snapshot_of(t.distributed_method, t.tp_size, t.pp_size,
-                                                   t.ep_size) == "fsdp",
+    require(not t.async_save or layout.snapshot_of(t.distributed_method,
+                                                   **layout.degrees(t)) == "fsdp",
             "trainer_config.async_save", "False for a one-file snapshot (distributed_method=ddp, "
             "zero or dp without tp_size, pp_size or ep_size: rank 0 writes it alone; "
             "SNAPSHOTS.md)", t.async_save)
@@ -265,7 +265,7 @@ def _check_layout(t: DictConfig) -> None:
     for key in ("tp_size", "pp_size", "ep_size"):
         require(t[key] >= 0, f"trainer_config.{key}", "an integer >= 0 (0: every rank)", t[key])
     method = t.distributed_method
-    layout.check_axes(method, t.tp_size, t.pp_size, t.cp_size, t.ep_size)
+    layout.check_axes(method, **layout.degrees(t))
     flavour, on = layout.SHORTHANDS.get(method, (method, ()))
     if flavour == "dp":  # CUDA GPUs, one process
         dataparallel.check_config(t)
@@ -281,7 +281,7 @@ def _check_layout(t: DictConfig) -> None:
     # A dry run's world is dry_run ranks; a real one's torchrun's WORLD_SIZE.
     world = t.dry_run or int(os.environ.get("WORLD_SIZE", 0))
     if world and t.cp_size >= 0:
-        layout.resolve(method, world, t.tp_size, t.pp_size, t.cp_size, t.ep_size)
+        layout.resolve(method, world, **layout.degrees(t))
 
 
 def _check_debugging(t: DictConfig) -> None:

@@ -298,8 +298,7 @@ def _real_shards(cfg: DictConfig, gpt_config: GPTConfig, settings: dict) -> torc
     (random weights), and the step computes: the same counts, at a real step's cost for this
     rank's share."""
     t = cfg.trainer_config
-    lay = layout.resolve(t.distributed_method, dist.get_world_size(), t.tp_size, t.pp_size,
-                         t.cp_size, t.ep_size)
+    lay = layout.resolve(t.distributed_method, dist.get_world_size(), **layout.degrees(t))
     with torch.device("meta"):
         model = GPT(gpt_config)  # shapes only
     if lay.snapshot == "ddp":
@@ -350,8 +349,7 @@ def plan(cfg: DictConfig, gpt_config: GPTConfig | None = None,
     ValueError (one line) where the data, the model or the layout does not fit."""
     t = cfg.trainer_config
     gpt_config = gpt_config or model_config(cfg)
-    lay = layout.resolve(t.distributed_method, t.dry_run, t.tp_size, t.pp_size, t.cp_size,
-                         t.ep_size)
+    lay = layout.resolve(t.distributed_method, t.dry_run, **layout.degrees(t))
     ranks = representative_ranks(lay) if ranks is None else ranks
     plans = plan_ranks([(cfg, gpt_config, t.dry_run, r) for r in ranks])
     return lay, dict(zip(ranks, plans, strict=True))

@@ -68,7 +68,7 @@ def parallelize(model: nn.Module, device: torch.device, method: str = "ddp",
 
     ValueError (one line) where the world size or the model does not fit the layout."""
     s = Settings(**settings)
-    lay = resolve(method, dist.get_world_size(), s.tp_size, s.pp_size, s.cp_size, s.ep_size)
+    lay = resolve(method, dist.get_world_size(), **layout.degrees(s))
     axes = lay.sizes()  # the axes that are on: a degree > 1, or named by a shorthand
     mesh = layout.build_mesh(lay, device)
     parts = pipeline.split(model, mesh, s) if "pp" in axes else [model]

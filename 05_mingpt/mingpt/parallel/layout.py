@@ -69,6 +69,15 @@ SHORTHANDS = {
 }
 METHODS = (*FLAVOURS, *SHORTHANDS)
 AXES = ("pp", "dp", "cp", "tp")  # mesh order, outermost first
+# The keys of trainer_config (and of Settings) that give a degree: resolve, check_axes and
+# snapshot_of take them by name, and every caller passes degrees(config), so an axis added
+# here reaches every check without a change at any call site.
+DEGREES = ("tp_size", "pp_size", "cp_size", "ep_size")
+
+
+def degrees(source: object) -> dict[str, int]:
+    """The degrees of a trainer_config or a Settings, by name (DEGREES)."""
+    return {key: getattr(source, key) for key in DEGREES}
 
 
 @dataclass(frozen=True)
@@ -95,7 +104,7 @@ class Layout:
     @property
     def snapshot(self) -> str:
         """The snapshot layout: "ddp" (one file) or "fsdp" (DCP shards): snapshot_of."""
-        return snapshot_of(self.method, self.tp, self.pp, self.ep)
+        return snapshot_of(self.method, self.tp, self.pp, self.cp, self.ep)
 
     def sizes(self) -> dict[str, int]:
         """The mesh's dimensions, outermost first: dp always (edp x ep with experts split),
@@ -115,10 +124,12 @@ class Layout:
             f"{axis} {size}" for axis, size in self.sizes().items())
 
 
-def snapshot_of(method: str, tp_size: int = 0, pp_size: int = 0, ep_size: int = 0) -> str:
+def snapshot_of(method: str, tp_size: int = 0, pp_size: int = 0, cp_size: int = 0,
+                ep_size: int = 0) -> str:
     """"ddp" (one file, global rank 0 writes it) where every rank holds the whole model: a
-    ddp, zero or dp flavour with no tp, pp or ep degree; else "fsdp" (DCP shards, every rank
-    writes its own). Needs no world size: config.py asks it before any group exists."""
+    ddp, zero or dp flavour with no tp, pp or ep degree (cp splits the sequences, not the
+    weights); else "fsdp" (DCP shards, every rank writes its own). Needs no world size:
+    config.py asks it before any group exists."""
     flavour, on = SHORTHANDS.get(method, (method, ()))
     whole = flavour in ("ddp", "zero", "dp") and not on and max(tp_size, pp_size, ep_size) <= 1
     return "ddp" if whole else "fsdp"
