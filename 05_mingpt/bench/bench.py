@@ -213,6 +213,7 @@ def worker(args: argparse.Namespace) -> None:
     from mingpt import config, distributed, errors, snapshot
     from mingpt.memory import peak_memory_mb
     from mingpt.mfu import device_name, peak_flops
+    from mingpt.parallel.wrappers import unwrap
     from mingpt.trainer import Trainer
 
     strategy = args.worker
@@ -285,7 +286,7 @@ def worker(args: argparse.Namespace) -> None:
                 "setup_peak_mb": setup_peak, "training_peak_mb": training_peak,
                 "model_state_mb": [sum(s.values()) / 2**20 for s in states],
                 "save_s": statistics.median(save_s), "load_s": load_s,
-                "num_params": main.unwrap(model).num_params(),
+                "num_params": unwrap(model).num_params(),
             }
             if unsynced is not None:
                 result["unsynced_tokens_per_s"] = unsynced

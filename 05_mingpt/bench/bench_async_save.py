@@ -44,6 +44,7 @@ def worker(args: argparse.Namespace) -> None:
 
     import main  # noqa: PLC0415
     from mingpt import config, distributed  # noqa: PLC0415
+    from mingpt.parallel.wrappers import unwrap  # noqa: PLC0415
     from mingpt.trainer import Trainer, rank_indices  # noqa: PLC0415
 
     cfg = config.load(overrides(args, args.worker == "async"))
@@ -74,7 +75,7 @@ def worker(args: argparse.Namespace) -> None:
         dist.all_gather_object(timings, {"steps": steps, "saves": saves, "finish": finish})
         if dist.get_rank() == 0:
             print(RESULT + json.dumps({
-                "async_save": t.async_save, "num_params": main.unwrap(model).num_params(),
+                "async_save": t.async_save, "num_params": unwrap(model).num_params(),
                 # The slower rank's time: the loop goes on when both have.
                 "every": args.every,
                 "step_s": [max(r["steps"][i] for r in timings) for i in range(len(steps))],

@@ -77,6 +77,7 @@ def worker(args: argparse.Namespace, strategy: str) -> None:
     import main
     from mingpt import config, distributed, errors
     from mingpt.memory import model_state_bytes, peak_memory_mb, reset_peak_memory
+    from mingpt.parallel.wrappers import unwrap
     from mingpt.trainer import Trainer, rank_indices
 
     try:
@@ -120,7 +121,7 @@ def worker(args: argparse.Namespace, strategy: str) -> None:
                 **{f"{key}_bytes": [s[key] for s in states]
                    for key in ("parameters", "gradients", "optimizer")},
                 "tokens_per_s": tokens * len(timed) / sum(timed),
-                "num_params": main.unwrap(model).num_params(),
+                "num_params": unwrap(model).num_params(),
             }), flush=True)
         # Drop everything that holds the process group before release_group destroys it.
         del trainer, model, optimizer
