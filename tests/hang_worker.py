@@ -1,6 +1,8 @@
 """A two-rank program under torchrun in which rank 1 leaves out step 3's all-reduce and goes on
 (test_mingpt_hang.py): the off-by-one pairing that the trainer cannot show on gloo. With
-`shapes`, rank 1 all-reduces 5 numbers at step 3 where rank 0 all-reduces 4.
+`shapes`, rank 1 all-reduces 5 numbers at step 3 where rank 0 all-reduces 4; with `late`, rank
+1 never comes to its first all-reduce (under TORCH_DISTRIBUTED_DEBUG=DETAIL, the barrier that
+checks each collective times out on rank 0).
 
 In the trainer the collectives after a skip soon differ in size, and gloo then aborts the rank
 that receives the wrong size (SIGABRT: no dump). Here every step's all-reduce has the same
@@ -8,7 +10,7 @@ size, so rank 1's step 4 silently pairs with rank 0's step 3, as NCCL would pair
 rank 1 then finishes its steps and waits elsewhere, rank 0's last all-reduce times out, and
 both leave their traces through mingpt.forensics, as main.py's ranks do.
 
-    torchrun --nproc_per_node=2 tests/hang_worker.py RUN_DIR TIMEOUT_S [skip|shapes]
+    torchrun --nproc_per_node=2 tests/hang_worker.py RUN_DIR TIMEOUT_S [skip|shapes|late]
 """
 import sys
 import time
@@ -22,7 +24,7 @@ STEPS, SKIP = 6, 3
 
 
 def steps(mode: str) -> None:
-    for step in range(STEPS):
+    for step in range(STEPS if mode != "late" or dist.get_rank() == 0 else 0):
         forensics.mark_step(step)
         odd = dist.get_rank() == 1 and step == SKIP
         if mode == "shapes":

@@ -3,7 +3,8 @@
 Two gloo processes under torchrun: a rank that stalls before step 3 (FAULT_STALL_AT_STEP), a
 rank that leaves out step 3's all-reduce and goes on (tests/hang_worker.py; in the trainer,
 FAULT_SKIP_AT_STEP), and shapes that differ across ranks (TORCH_DISTRIBUTED_DEBUG=DETAIL).
-A rank that stalls on one axis of a DeviceMesh (tests/axis_hang_worker.py): pp's sends and
+A rank that never comes to a collective under DETAIL (its barrier before each collective times
+out). A rank that stalls on one axis of a DeviceMesh (tests/axis_hang_worker.py): pp's sends and
 receives, tp's all-reduce, cp's all-to-all, and all of them in a 3-D layout (pp 2 x dp 2 x tp 2,
 8 processes): analyze_hang.py names the rank, the axis, the operation and the step.
 Also the step-time breakdown and the profile (trainer_config.profile_steps), and the config of
@@ -30,6 +31,8 @@ TIMEOUT_S = 15
 # The bound: the job ends within the timeout plus a minute (torchrun noticing the
 # failed rank, SIGTERM to the others, their dumps and teardown: about 1-3 s measured).
 MARGIN_S = 60
+# The shapes test's timeout: never waited out when the test passes (see there).
+SHAPES_TIMEOUT_S = 300
 
 
 @pytest.fixture(scope="module")
@@ -125,9 +128,12 @@ def test_a_rank_that_skips_an_all_reduce_and_goes_on_pairs_off_by_one(tmp_path):
 def test_shapes_that_differ_are_named_on_both_ranks_with_detail(tmp_path):
     """Without DETAIL, gloo aborts the rank that receives the wrong size (SIGABRT, an enforce
     message and no dump); with it, both ranks raise before the collective, naming both shapes."""
+    # The mismatch is found as soon as both ranks reach step 3, so no wait depends on the
+    # timeout; a short one only turns a rank that is late under load into another failure
+    # (DETAIL's barrier times out first: the next test), so this one is long.
     proc = run([TORCHRUN, "--standalone", "--nproc_per_node=2", str(REPO / "tests/hang_worker.py"),
-                str(tmp_path), str(TIMEOUT_S), "shapes"], cwd=tmp_path, check=False,
-               timeout=240 + TIMEOUT_S, TORCH_DISTRIBUTED_DEBUG="DETAIL")
+                str(tmp_path), str(SHAPES_TIMEOUT_S), "shapes"], cwd=tmp_path, check=False,
+               timeout=240 + SHAPES_TIMEOUT_S, TORCH_DISTRIBUTED_DEBUG="DETAIL")
     assert proc.returncode != 0
     errors = sorted(line for line in proc.stderr.splitlines() if line.startswith("error:"))
     assert len(errors) == 2, proc.stderr[-3000:]
@@ -140,6 +146,22 @@ def test_shapes_that_differ_are_named_on_both_ranks_with_detail(tmp_path):
         assert f"Tensor shapes: {mine}vs {other}" in errors[rank]
     out = analyze(tmp_path)
     assert "rank 0 (pid" in out and ": collectives differ: Tensor Tensor shapes: 4vs 5)" in out
+
+
+def test_a_rank_that_never_comes_is_named_by_details_barrier(tmp_path):
+    """Under DETAIL, a barrier before each collective times out when a peer never comes: that is
+    a collective failure too (one error: line naming the missing rank, dumps), not a crash."""
+    proc = run([TORCHRUN, "--standalone", "--nproc_per_node=2", str(REPO / "tests/hang_worker.py"),
+                str(tmp_path), str(TIMEOUT_S), "late"], cwd=tmp_path, check=False,
+               timeout=240 + TIMEOUT_S + MARGIN_S, TORCH_DISTRIBUTED_DEBUG="DETAIL")
+    folder = tmp_path / "flight_recorder"
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: rank 0: a collective failed (Ranks 1 failed to pass "
+                      f"monitoredBarrier in {TIMEOUT_S * 1000} ms); every rank's trace is in "
+                      f"{folder}: python analyze_hang.py {folder}"], proc.stderr[-3000:]
+    assert "exitcode  : 2" in proc.stderr  # rank 0 left through the error line, not a traceback
+    assert sorted(p.name for p in folder.iterdir()) == ["rank0", "rank1", "where0.json",
+                                                        "where1.json"]
 
 
 def test_analyze_hang_refuses_a_folder_without_dumps(tmp_path):

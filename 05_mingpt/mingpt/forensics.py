@@ -51,11 +51,13 @@ PREFIX = "rank"  # dump files rank0, rank1, ...: torch's analyzer infers the pre
 # Recorder's entries (a step issues at least one collective).
 STEP_MARKS = 4096
 # Errors that say a collective failed, not the program: gloo's timeout and a lost peer, a
-# mismatch that TORCH_DISTRIBUTED_DEBUG=DETAIL detected, NCCL's watchdog. torch 2.14 raises
+# mismatch that TORCH_DISTRIBUTED_DEBUG=DETAIL detected (or DETAIL's barrier before each
+# collective, timed out by a peer that never came), NCCL's watchdog. torch 2.14 raises
 # most of them as plain RuntimeErrors, so the message decides (DistError where torch uses it).
 COLLECTIVE_FAILURE = re.compile(
     r"Timed out waiting|Connection (reset|closed) by peer|mismatch between collectives|"
-    r"Watchdog caught collective operation timeout|NCCL communicator was aborted")
+    r"failed to pass monitoredBarrier|Watchdog caught collective operation timeout|"
+    r"NCCL communicator was aborted")
 
 # The recorder's names of dtypes (c10's ScalarType), for the entries recorded here.
 SCALAR_TYPES = {torch.float32: "Float", torch.float16: "Half", torch.bfloat16: "BFloat16",
@@ -271,7 +273,8 @@ def watch(function: Callable[..., T], run_dir: str, *args) -> T:
         if not is_collective_failure(e):
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             raise
-    first = re.sub(r"^\[[^\]]*\] ", "", first)  # gloo's "[.../unbound_buffer.cc:78] " prefix
+    # gloo's "[.../unbound_buffer.cc:78] " prefix, DETAIL's "[Rank 0]: "
+    first = re.sub(r"^\[[^\]]*\]:? ", "", first)
     # DETAIL's fingerprints spell out every TensorOptions field: the shapes are what differ.
     first = re.sub(r", TensorDeviceTypes=TensorOptions\(.*?\(nullopt\)\)", "", first)
     # Every rank whose collective failed says so at once: one write per line (errors.report),
