@@ -1,6 +1,6 @@
 """Export a snapshot as a Hugging Face GPT-2: a `save_pretrained` directory of GPT2LMHeadModel.
 
-    python export_hf.py runs/<run_name>/snapshot hf/my-gpt    # either layout, any strategy
+    python export_hf.py runs/<run_name>/snapshot hf/my-gpt    # either format, any strategy
     python export_hf.py s3://bucket/run1/snapshot hf/my-gpt   # AWS_* variables as for training
     python main.py gpt_config.init_from=hf/my-gpt gpt_config.model_type=null ...  # train on
 

@@ -62,7 +62,7 @@ def load_train_objs(cfg: DictConfig, device: torch.device) -> tuple:
     """Data, model (wrapped for DDP/FSDP) and optimizer; ValueError for bad data or config."""
     # Each node reads its own files: every rank hears of any rank's failure before the first
     # collective (DDP's broadcast, FSDP's sharding), instead of waiting in it (errors.py).
-    data, train_set, val_set, meta, model, init = errors.agreed(build_local, cfg, device)
+    data, train_set, val_set, meta, model, init = errors.together(build_local, cfg, device)
     t = cfg.trainer_config
     print0(f"model: {model.describe()}")
     # What a resume must match: the model, the data, and the optimizer (its state's kind).
@@ -134,8 +134,8 @@ def run(cfg: DictConfig) -> None:
     except (dist.DistNetworkError, dist.DistStoreError) as e:  # no traceback for a busy port
         fail(distributed.group_error(e))
     try:
-        try:  # each node's own disk: every rank hears of it, before any work (errors.agreed)
-            errors.agreed(storage.check_writable, cfg.trainer_config.snapshot_path)
+        try:  # each node's own disk: every rank hears of it, before any work (errors.together)
+            errors.together(storage.check_writable, cfg.trainer_config.snapshot_path)
         except ValueError as e:
             error = str(e)
         else:

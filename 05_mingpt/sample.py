@@ -1,7 +1,7 @@
-"""Generate text from a trained snapshot (either layout: a ddp file or an fsdp directory).
+"""Generate text from a trained snapshot (either format: a ddp file or an fsdp directory).
 
-Any strategy's snapshot loads into one plain model: the ddp layout (ddp, zero, dp) is one file;
-the fsdp layout (fsdp, tp, fsdp_tp, pp, fsdp_pp, fsdp_tp_pp) is a DCP directory, whose tensors
+Any strategy's snapshot loads into one plain model: the ddp format (ddp, zero, dp) is one file;
+the fsdp format (fsdp, tp, fsdp_tp, pp, fsdp_pp, fsdp_tp_pp) is a DCP directory, whose tensors
 are global (unsharded) in GPT-2's layout.
 
     python sample.py --prompt "ROMEO:" --num_tokens 300 --temperature 0.8 --top_k 20

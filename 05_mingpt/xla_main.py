@@ -8,7 +8,7 @@ One process drives every XLA device (SPMD: torch_xla's recommended way to scale,
 one that works on CPU devices, where multi-process all-reduce times out), with the parameters
 sharded over all of them (mingpt/xla.py). Training is main.py's Trainer (loop, evaluation, logs,
 snapshots) with XLA's hooks; the config is gpt2_train_cfg.yaml with main.py's overrides; the
-snapshot is the ddp layout's one file, so sample.py reads it. Environment: XLA.md.
+snapshot is the ddp format's one file, so sample.py reads it. Environment: XLA.md.
 """
 import platform
 import sys
@@ -64,7 +64,7 @@ def load_config(overrides: list[str]) -> DictConfig:
 
 
 def load_snapshot(url: str, model: GPT, meta: dict, match_keys: tuple) -> dict | None:
-    """A ddp-layout snapshot file of xla_main.py into the CPU model; the rest of it, or None."""
+    """A ddp-format snapshot file of xla_main.py into the CPU model; the rest of it, or None."""
     kind = snapshot.snapshot_kind(url)
     if kind is None:
         return None

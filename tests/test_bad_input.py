@@ -387,7 +387,7 @@ def test_mingpt_disk_full_while_saving_keeps_the_snapshot(mingpt, main_py, good_
 
 
 def test_mingpt_disk_full_while_saving_shards(mingpt, main_py, tmpfs):
-    # The sharded layout: DCP's CheckpointException holds the OSError of each rank.
+    # The sharded format: DCP's CheckpointException holds the OSError of each rank.
     disk = tmpfs("size=64k")
     with nothing_lost(mingpt):
         proc = main_py(*tiny("run_name=full_fsdp", f"trainer_config.snapshot_path={disk}/snap",

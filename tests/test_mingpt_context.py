@@ -219,7 +219,7 @@ def _pair_worker(rank: int, store: str, out: str, text: str) -> None:
             resumed_log, resumed = fit(m, overrides(half, text, method, 2, 8, STEPS))
             result[name] |= {"resumed_log": resumed_log,
                              "resumed_equal": weights_report(resumed, weights)["equal"]}
-        # The ddp layout's file from a cp run resumed by plain ddp (4 + 4 sequences).
+        # The ddp format's file from a cp run resumed by plain ddp (4 + 4 sequences).
         fit(m, overrides(out_dir / "into_ddp", text, "ddp", 2, 8, HALF))
         log, weights = fit(m, overrides(out_dir / "into_ddp", text, "ddp", 0, 4, STEPS))
         result["cp->ddp"] = {"log": log, **weights_report(weights, ddp)}
@@ -429,4 +429,4 @@ def test_the_readmes_cp_command_trains(tmp_path):
     assert "block 256" in proc.stdout and "sample:" in proc.stdout
     losses = val_losses(proc.stdout)
     assert losses[max(losses)] < losses[0] - 0.3, losses
-    assert (mingpt / "runs/cp/snapshot").is_file()  # the ddp layout: one file
+    assert (mingpt / "runs/cp/snapshot").is_file()  # the ddp format: one file

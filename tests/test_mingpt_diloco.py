@@ -157,7 +157,7 @@ def test_a_diloco_group_killed_mid_interval_resumes_its_snapshot_bit_for_bit(tmp
     outer step, its momentum and the fragments' turns are all there), H = 4 in two fragments,
     a snapshot every 3 steps (inside an interval), killed before step 5, restarted by
     torchrun: it resumes step 3's snapshot and ends as the run never killed, bit for bit. The
-    ddp layout keeps the meetings' state in its one file, fsdp in DCP's shards, written in
+    ddp format keeps the meetings' state in its one file, fsdp in DCP's shards, written in
     the background too (async_save). (Not local_sgd: one group's average is its own weights,
     so a one-group run cannot tell where its interval stood.)"""
     mingpt = copy_mingpt(tmp_path)

@@ -306,9 +306,9 @@ def test_the_configs_figures_are_the_readmes():
         assert round(float(final), len(loss) - 2) == float(loss), (loss, final)
 
 
-# Lists of the strategies of one snapshot layout: "the fsdp layout (fsdp, tp, ...)" or, where
+# Lists of the strategies of one snapshot format: "the fsdp format (fsdp, tp, ...)" or, where
 # the layout's own strategy heads the line, "fsdp (also tp, ...)".
-LAYOUT_LIST = re.compile(r"\b(ddp|fsdp)(?:[ -]layout\b[^()\n]{0,30}?\(|\s+\(also\s+)"
+LAYOUT_LIST = re.compile(r"\b(ddp|fsdp)(?:[ -]format\b[^()\n]{0,30}?\(|\s+\(also\s+)"
                          r"([a-z_]+(?:,\s+(?:and\s+)?[a-z_]+)+)\)")
 
 
@@ -327,7 +327,7 @@ def test_layout_lists_are_the_registrys(m):
             layout, listed = found_list.groups()
             named = set(re.split(r",\s+(?:and\s+)?", listed)) | (
                 {layout} if "(also" in found_list.group(0) else set())
-            expected = {name for name, s in strategies.items() if s.layout == layout}
+            expected = {name for name, s in strategies.items() if s.snapshot == layout}
             found += 1
             if named != expected:
                 wrong.append(f"{path.relative_to(REPO)}: the {layout} layout is "

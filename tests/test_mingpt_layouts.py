@@ -91,7 +91,7 @@ def _worker(rank: int, store: str, out: str, text: str, world: int = WORLD) -> N
         # Stopped halfway and resumed under the same layout: bit for bit.
         run(m, overrides("ddp_pp2", out_dir / "half", text, HALF))
         run(m, overrides("ddp_pp2", out_dir / "half", text, STEPS))
-        # Stopped halfway and resumed under other degrees and the other snapshot layout: ddp's
+        # Stopped halfway and resumed under other degrees and the other snapshot format: ddp's
         # one file (dp 4) into fsdp's shards over pp 2 x dp 2.
         run(m, overrides("ddp", out_dir / "moved", text, HALF))
         result["moved"] = {"log": run(m, overrides("moved", out_dir / "moved", text, STEPS))[0]}

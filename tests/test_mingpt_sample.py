@@ -1,4 +1,4 @@
-"""sample.py on both snapshot layouts, and what it says about trusting them.
+"""sample.py on both snapshot formats, and what it says about trusting them.
 
 A ddp snapshot is one file that torch.load reads with weights_only=True. An fsdp snapshot is a
 DCP directory whose `.metadata` torch reads with plain pickle, which can run code: sample.py

@@ -277,7 +277,7 @@ def test_a_nan_loss_commits_the_good_asynchronous_save_in_flight(mingpt, tmp_pat
 
 def _one_rank_raises(rank: int, store: str, folder: str) -> None:
     """Rank 1 raises what no check raises (a bug), in a part of a save and in main.py's
-    build (errors.agreed): every rank must stop on the same error, not rank 1 alone while
+    build (errors.together): every rank must stop on the same error, not rank 1 alone while
     rank 0 waits in its next collective."""
     dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,
                             timeout=timedelta(seconds=60))
@@ -287,9 +287,9 @@ def _one_rank_raises(rank: int, store: str, folder: str) -> None:
             if rank == 1:
                 raise RuntimeError("a bug in a save")
 
-        for call, error in ((lambda: m["snapshot"].agreed_part(folder, part),
+        for call, error in ((lambda: m["snapshot"].save_part(folder, part),
                              m["snapshot"].SaveError),
-                            (lambda: m["errors"].agreed(part, folder), ValueError)):
+                            (lambda: m["errors"].together(part, folder), ValueError)):
             try:
                 call()
                 said.append("no error")

@@ -207,7 +207,7 @@ def validate(cfg: DictConfig) -> None:
             "False unless distributed_method=fsdp without tp_size or pp_size (it offloads FSDP "
             "shards)", t.cpu_offload)
     _check_debugging(t)
-    # DCP's asynchronous save writes shards; the one-file layout has one writer (SNAPSHOTS.md).
+    # DCP's asynchronous save writes shards; the one-file format has one writer (SNAPSHOTS.md).
     require(not t.async_save or layout.snapshot_of(t.distributed_method,
                                                    **layout.degrees(t)) == "fsdp",
             "trainer_config.async_save", "False for a one-file snapshot (distributed_method=ddp, "

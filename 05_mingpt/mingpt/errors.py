@@ -1,9 +1,9 @@
 """Bad input ends a run with one `error:` line, on every node, and every rank learns of it.
 
-    data = errors.agreed(build_datasets, cfg)   # a ValueError on one rank: on all of them
-    errors.fail(e)                              # print `error: ...` once per node, exit 2
-    errors.report(message)                      # the one place an `error:` line is written
-    message = errors.agree(error)               # every rank's outcome (str or None) on all
+    data = errors.together(build_datasets, cfg)  # a ValueError on one rank: on all of them
+    errors.fail(e)                               # print `error: ...` once per node, exit 2
+    errors.report(message)                       # the one place an `error:` line is written
+    message = errors.any_failure(error)          # every rank's outcome (str or None) on all
 
 A config mistake is the same on every rank. A node's own storage is not: a BPE directory, a
 CIFAR-10 download or a writable snapshot folder can be there on one node and missing on
@@ -65,7 +65,7 @@ def require(ok: bool, key: str, allowed: str, value: object) -> None:
         raise ValueError(f"{key} must be {allowed}, got {value!r}")
 
 
-def agreed(function: Callable[..., T], *args, **kwargs) -> T:
+def together(function: Callable[..., T], *args, **kwargs) -> T:
     """`function(*args, **kwargs)` on every rank; a ValueError on any rank is raised on all.
 
     A collective: every rank calls it at the same point. Where only some ranks failed, the
@@ -76,7 +76,7 @@ def agreed(function: Callable[..., T], *args, **kwargs) -> T:
         result, error = None, str(e)
     except Exception as e:  # a bug: this rank's traceback, then the same one line as above
         result, error = None, unexpected(e)
-    message = agree(error)
+    message = any_failure(error)
     if message is not None:
         raise ValueError(message)
     return result
@@ -85,15 +85,15 @@ def agreed(function: Callable[..., T], *args, **kwargs) -> T:
 def unexpected(e: Exception, message: str | None = None) -> str:
     """`message` (by default the exception's name and first line), after this rank printed
     `e`'s traceback: an exception no check raises is a bug, but the other ranks must still
-    learn of it (agree) rather than wait in their next collective for a rank that left."""
+    learn of it (any_failure) rather than wait in their next collective for a rank that left."""
     traceback.print_exception(e, file=sys.stderr)
     first = (str(e).strip().splitlines() or [""])[0]
     return message or f"{type(e).__name__}: {first}"
 
 
-def agree(error: str | None) -> str | None:
+def any_failure(error: str | None) -> str | None:
     """Every rank's outcome on every rank: None where all succeeded, else the one message each
-    of them raises (agreed's; snapshot.py raises its own SnapshotError or SaveError with it).
+    of them raises (together's; snapshot.py raises its own SnapshotError or SaveError with it).
 
     A collective: `error` is this rank's failure, None where it succeeded."""
     # One process (or none in a group yet: a notebook, a unit test): nothing to agree on.

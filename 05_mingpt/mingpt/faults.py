@@ -108,7 +108,7 @@ def skip_gradient_sync(model: torch.nn.Module, current_step: Callable[[], int]) 
 
 # What FAULT_WRITE_ERROR and FAULT_READ_ERROR can make fail: this rank's DCP shard files, the
 # one file a rank writes or reads whole (the ddp snapshot, or train_state.pt beside the shards),
-# and `latest`, the sharded layout's commit.
+# and `latest`, the sharded format's commit.
 IO_TARGETS = {"write": ("shard", "file", "latest"), "read": ("shard", "file")}
 
 
@@ -204,7 +204,7 @@ class _DuringSave:
 
 
 def _target(url: str) -> str:
-    """IO_TARGETS' name of a whole-file write or read: the sharded layout's commit, or a file."""
+    """IO_TARGETS' name of a whole-file write or read: the sharded format's commit, or a file."""
     return "latest" if url.endswith("/latest") else "file"
 
 

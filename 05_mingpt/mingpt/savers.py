@@ -5,7 +5,7 @@
     saver.finish()                                      # before the run ends
 
 snapshot.py owns the formats and their commit; this module only when the writing happens.
-An asynchronous save (SNAPSHOTS.md) writes the sharded layout with DCP's `async_save` from a
+An asynchronous save (SNAPSHOTS.md) writes the sharded format with DCP's `async_save` from a
 staging process (AsyncCheckpointerType.PROCESS) while training goes on. What still blocks the
 loop: the state dicts and the copy of this rank's shards into host memory (the staging, so
 that the next optimizer step cannot change what is being written), and waiting for the save
@@ -42,7 +42,7 @@ class Saver:
 
 
 class AsyncSaver(Saver):
-    """The sharded layout through DCP's async_save; at most one save in flight."""
+    """The sharded format through DCP's async_save; at most one save in flight."""
 
     def __init__(self, url: str, method: str, keep_last: int, gather: Callable | None) -> None:
         super().__init__(url, method, keep_last, gather)
@@ -53,8 +53,8 @@ class AsyncSaver(Saver):
              before_commit: Callable[[], None] | None = None) -> None:
         self.finish()  # the one before: written, agreed and committed first
         name = f"step_{state['step']:08d}"
-        snapshot.agreed_part(self.url, snapshot.move_other_layout_on_rank_0, "fsdp")
-        snapshot.agreed_part(self.url, snapshot.clear_step, name)
+        snapshot.save_part(self.url, snapshot.move_other_format_on_rank_0, "fsdp")
+        snapshot.save_part(self.url, snapshot.clear_step, name)
         state, extra = snapshot.with_meetings(optimizer, state)  # snapshot.save's
         # Returns once this rank's shards are copied to host memory (DCP's staging); the
         # staging process writes them, its own gloo group planning with the other ranks'.
@@ -80,10 +80,10 @@ class AsyncSaver(Saver):
         # every rank; a dead staging process is a RuntimeError on its own rank only.
         except (Exception, CheckpointException) as e:
             error = snapshot.save_error(self.url, e)
-        message = errors.agree(error)
+        message = errors.any_failure(error)
         if message is not None:
             raise snapshot.SaveError(message)
-        snapshot.agreed_part(self.url, snapshot.commit_sharded, name, state, None,
+        snapshot.save_part(self.url, snapshot.commit_sharded, name, state, None,
                              self.keep_last)
         print0(f"step {state['step']}: snapshot saved to {self.url}")
 

@@ -4,7 +4,7 @@
     state = snapshot.load(path, "fsdp", model, optimizer, meta, match_keys)  # None: none yet
 
 This module owns every layout; the trainer only gives and takes its own state dict. Two
-layouts, chosen by whether a rank holds the whole model (parallel.snapshot_layout):
+layouts, chosen by whether a rank holds the whole model (parallel.snapshot_format):
 - ddp (also zero, dp), with no tp_size or pp_size: every rank holds the whole model, so
   global rank 0 writes ONE file at `snapshot_path` (model, optimizer, schedule, scaler, step,
   data position, every rank's RNG, configs). ZeRO's optimizer state is spread over the
@@ -55,7 +55,7 @@ from mingpt.optim import (
     own_settings,
     restore_settings,
 )
-from mingpt.parallel import snapshot_layout
+from mingpt.parallel import snapshot_format
 from mingpt.parallel.strided import checkpointable
 from mingpt.parallel.wrappers import unwrap
 
@@ -248,15 +248,15 @@ def save_sharded(url: str, step: int, model: torch.nn.Module, optimizer: torch.o
                  keep_last: int = 1, extra: dict | None = None) -> None:
     """FSDP: all ranks write their shards; rank 0 then commits by rewriting `latest`, and
     removes all but the newest `keep_last` step directories. Each part's outcome is agreed
-    (_agreed): SaveError on every rank where any rank failed."""
+    (save_part): SaveError on every rank where any rank failed."""
     name = f"step_{step:08d}"
-    agreed_part(url, clear_step, name)  # ... and removed before any rank writes into it again
+    save_part(url, clear_step, name)  # ... and removed before any rank writes into it again
     # Sharded state dicts: each rank only holds (and writes) its own shards, no gather; TP's
     # strided q/k/v shards too, as row runs DCP records (strided.checkpointable).
-    agreed_part(url, write_shards, name, model, optimizer, extra)
+    save_part(url, write_shards, name, model, optimizer, extra)
     # dcp.save is collective: it returns only once every rank's shards are written and rank 0
     # (its coordinator) has written .metadata, so the step directory is complete here.
-    agreed_part(url, commit_sharded, name, train_state, before_commit, keep_last)
+    save_part(url, commit_sharded, name, train_state, before_commit, keep_last)
 
 
 def clear_step(url: str, name: str) -> None:
@@ -411,7 +411,7 @@ def load_sharded_weights(url: str, model: torch.nn.Module) -> None:
     model.load_state_dict(state["model"])
 
 
-def agreed_kind(url: str) -> str | None:
+def shared_kind(url: str) -> str | None:
     """The layout found at `url` as every rank sees it; SnapshotError unless all ranks agree.
 
     Each node looks at `url` on its own storage. Without storage that all nodes share, some
@@ -437,16 +437,16 @@ def agreed_kind(url: str) -> str | None:
     return kinds[0]
 
 
-def _load_agreed(function: Callable[..., T], *args) -> T:
+def _load_part(function: Callable[..., T], *args) -> T:
     """`function(*args)` on every rank; its SnapshotError on any rank is one on all of them
-    (errors.agree: naming the rank where only some failed). A collective."""
+    (errors.any_failure: naming the rank where only some failed). A collective."""
     try:
         result, error = function(*args), None
     except SnapshotError as e:
         result, error = None, str(e)
     except Exception as e:  # not the snapshot's: a bug, whose traceback this rank shows
         result, error = None, f"cannot load the snapshot ({errors.unexpected(e)})"
-    message = errors.agree(error)
+    message = errors.any_failure(error)
     if message is not None:
         raise SnapshotError(message)
     return result
@@ -493,8 +493,8 @@ def save(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.O
     state, extra = with_meetings(optimizer, state)
     optimizer = inner(optimizer)  # not a wrapper's step, which all-reduces across groups
     # gather (XLA's hook): the weights come to the CPU, one file whatever the model holds.
-    kind = "ddp" if gather is not None else snapshot_layout(model, method)
-    agreed_part(url, move_other_layout_on_rank_0, kind)
+    kind = "ddp" if gather is not None else snapshot_format(model, method)
+    save_part(url, move_other_format_on_rank_0, kind)
     if kind == "fsdp":
         save_sharded(url, state["step"], model, optimizer, state, before_commit, keep_last,
                      extra)
@@ -505,7 +505,7 @@ def save(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.O
     # Every rank holds the same weights: one writer is enough. The others wait for its
     # outcome: without it they went on while a failed rank 0 left, and met its absence in
     # their next collective (gloo: "connection closed"; NCCL: the collective timeout).
-    agreed_part(url, _write_file, model, optimizer,
+    save_part(url, _write_file, model, optimizer,
                 {**state, **({"replicas": extra} if extra else {})}, before_commit, keep_last,
                 gather)
 
@@ -522,24 +522,24 @@ def _write_file(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimiz
     save_file(url, {**state, "model": weights, "optimizer": optimized}, before_commit)
 
 
-def move_other_layout_on_rank_0(url: str, kind: str) -> None:
+def move_other_format_on_rank_0(url: str, kind: str) -> None:
     if dist.get_rank() == 0:
-        move_other_layout(url, kind)
+        move_other_format(url, kind)
 
 
-def agreed_part(url: str, part: Callable[..., None], *args) -> None:
+def save_part(url: str, part: Callable[..., None], *args) -> None:
     """`part(url, *args)`, a part of a save, then its outcome agreed by every rank: SaveError,
-    the same one line on all of them, where it failed on any (errors.agree names the rank).
+    the same one line on all of them, where it failed on any (errors.any_failure names the rank).
     Every rank calls this, also where only rank 0 does the work."""
     try:
         storage.storage_errors(OSError)(part)(url, *args)  # an object store's: one OSError
         error = None
-    # DCP (the sharded layout) raises CheckpointException, a BaseException with each rank's.
+    # DCP (the sharded format) raises CheckpointException, a BaseException with each rank's.
     except (OSError, CheckpointException) as e:
         error = save_error(url, e)
     except Exception as e:  # not the storage's: a bug, whose traceback this rank shows
         error = errors.unexpected(e, save_error(url, e))
-    message = errors.agree(error)
+    message = errors.any_failure(error)
     if message is not None:
         raise SaveError(message)
 
@@ -566,8 +566,8 @@ def save_error(url: str, e: BaseException) -> str:
             "resume")
 
 
-def move_other_layout(url: str, kind: str) -> None:
-    """Before the first save after a resume from the other layout (one file where shards go, or
+def move_other_format(url: str, kind: str) -> None:
+    """Before the first save after a resume from the other format (one file where shards go, or
     the reverse): the snapshot resumed from moves to URL.ddp or URL.fsdp, kept whole.
 
     Both cannot live at one path, and overwriting the one that was resumed would lose it if
@@ -588,22 +588,22 @@ def load(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.O
          meta: dict, match_keys: tuple[str, ...]) -> dict | None:
     """Load the snapshot at `url` into model and optimizer and return the rest of its state;
     None when there is none. Every rank calls this. SnapshotError when the ranks disagree, for
-    the other layout, another model (`meta["model_config"]`) or other data (`match_keys` of
+    the other format, another model (`meta["model_config"]`) or other data (`match_keys` of
     `meta["data_meta"]`): checked before any weight is touched."""
-    kind = agreed_kind(url)
+    kind = shared_kind(url)
     if kind is None:
         return None
     wrapper, optimizer = optimizer, inner(optimizer)  # not a wrapper's step (cross-group)
-    mine = snapshot_layout(model, method)
+    mine = snapshot_format(model, method)
     # On the CPU; a rank that cannot read it (its node's own copy is missing or corrupt) stops
     # every rank here, before the all_gather below would wait for it.
-    state = _load_agreed(load_train_state, url, kind)
+    state = _load_part(load_train_state, url, kind)
     steps: list = [None] * dist.get_world_size()
     dist.all_gather_object(steps, state["step"])
     if len(set(steps)) > 1:  # each node has its own, different copy
         raise SnapshotError(f"ranks read {url} at different steps {steps}: put "
                             "trainer_config.snapshot_path on storage all nodes share")
-    _load_agreed(check_compatible, state, meta["model_config"], meta["data_meta"], url,
+    _load_part(check_compatible, state, meta["model_config"], meta["data_meta"], url,
                  match_keys, meta.get("optimizer_name", "adamw"))
     # A local file is mapped (storage.load_torch): the memory of every tensor read from it. (From
     # an object store they are the process's own: nothing to copy.)
@@ -626,7 +626,7 @@ def load(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.O
     else:  # shards into shards, or into a whole model (DCP reads any layout into any other)
         # The meetings' state where the saver had it and this run keeps it: read in place.
         extra = extra_state(wrapper) if state.get("replica_state") else {}
-        _load_agreed(load_sharded, url, model, optimizer, None, extra)
+        _load_part(load_sharded, url, model, optimizer, None, extra)
         load_extra_state(wrapper, extra)
     # The saved param groups came back with the saving run's kernel choice (fused or not) and
     # ZeRO put AdamW's step counts on the CPU: this run's own choices and devices again.

@@ -95,7 +95,7 @@ def to_cpu(tree: object, seen: dict) -> object:
 
 class XlaHooks(DeviceHooks):
     """One process feeds every device one global batch; ops are traced, and run at a sync;
-    a snapshot gathers the shards to the CPU (the ddp layout's one file, as sample.py reads)."""
+    a snapshot gathers the shards to the CPU (the ddp format's one file, as sample.py reads)."""
 
     # Device d gets the rows main.py's rank d would: a step trains on the same sequences.
     feeds_every_rank = True

@@ -246,9 +246,9 @@ def build_datasets(data_cfg: DictConfig | dict, block_size: int, seed: int
     root, size = opts["root"], opts["palette_size"]
     # Nodes need not share a filesystem: each node's first process makes sure the images are
     # on its own storage (downloading them where asked) while the others wait, and every rank
-    # hears of a node that failed (errors.agreed).
+    # hears of a node that failed (errors.together).
     node_first = os.environ.get("LOCAL_RANK", "0") == "0"
-    train_images = errors.agreed(
+    train_images = errors.together(
         lambda: load_images(root, True, opts["download"], opts["check_md5"]) if node_first
         else None)
     palette = error = None

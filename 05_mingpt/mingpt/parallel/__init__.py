@@ -37,7 +37,7 @@ from mingpt.parallel.wrappers import unwrap, wrap_blocks
 class Strategy:
     """A name of distributed_method: a flavour, or a shorthand for degrees (layout.py)."""
 
-    layout: str  # the snapshot layout with no other axis on: "ddp" (one file) or "fsdp"
+    snapshot: str  # the snapshot format with no other axis on: "ddp" (one file) or "fsdp"
     summary: str  # one line for the docs and --help
     tp: bool = False  # tp_size is this name's own (0: every rank)
     pipeline: bool = False  # pp_size is this name's own (0: every rank)
@@ -129,12 +129,12 @@ def describe(model: nn.Module) -> str:
                       if axis not in ("dp", "edp")) or "none"
 
 
-def snapshot_layout(model: nn.Module, method: str) -> str:
+def snapshot_format(model: nn.Module, method: str) -> str:
     """"ddp" (one file) or "fsdp" (DCP shards) for a model that parallelize() laid out; for
     any other model (a test's own), what `method` alone would give."""
     lay = getattr(unwrap(model), "layout", None)
-    return lay.snapshot if isinstance(lay, Layout) else STRATEGIES[method].layout
+    return lay.snapshot if isinstance(lay, Layout) else STRATEGIES[method].snapshot
 
 
 __all__ = ["FLAVOURS", "METHODS", "SHORTHANDS", "STRATEGIES", "Layout", "Runner", "describe",
-           "parallelize", "resolve", "runner", "snapshot_layout"]
+           "parallelize", "resolve", "runner", "snapshot_format"]

@@ -103,7 +103,7 @@ class Layout:
 
     @property
     def snapshot(self) -> str:
-        """The snapshot layout: "ddp" (one file) or "fsdp" (DCP shards): snapshot_of."""
+        """The snapshot format: "ddp" (one file) or "fsdp" (DCP shards): snapshot_of."""
         return snapshot_of(self.method, self.tp, self.pp, self.cp, self.ep)
 
     def sizes(self) -> dict[str, int]:

@@ -17,7 +17,7 @@ What each rank holds. Each rank keeps the GPT that model.py builds, with every p
 another rank replaced by an nn.Identity (no parameters): its own blocks, the embeddings where
 it runs the first stage, the final LayerNorm and the head where it runs the last. The names
 of what it keeps are unchanged (`blocks.3.attn.c_attn.weight`), so the DCP snapshot of a
-pipeline is the fsdp layout: fsdp, tp, fsdp_tp and any other pp split resume it, and it
+pipeline is the fsdp format: fsdp, tp, fsdp_tp and any other pp split resume it, and it
 resumes theirs (DCP reshards by name). The forward of a stage is `Stage.forward` below, the
 GPT's own forward cut into pieces (model.py stays free of any of this).
 
