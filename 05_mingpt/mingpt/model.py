@@ -481,10 +481,7 @@ class GPT(nn.Module):
                              f"{self.config.block_size}")
         pos = positions if positions is not None else \
             torch.arange(past, past + T, dtype=torch.long, device=idx.device)  # (T,)
-        x = self.drop(self.embed(idx, pos))  # (B, T, C)
-        for block, cache in zip(self.blocks, caches or [None] * len(self.blocks), strict=True):
-            x = block(x, cache, pos)  # (B, T, C)
-        logits = self.lm_head(self.ln_f(x))  # (B, T, vocab_size)
+        logits = self.head(self.layers(idx, pos, caches))  # (B, T, vocab_size)
         loss = None
         if targets is not None:
             # Flatten batch and time: cross_entropy wants (N, vocab) scores and (N,) labels.
@@ -498,6 +495,21 @@ class GPT(nn.Module):
                 aux = torch.stack([m.aux_loss for m in moe]).mean()
                 loss = AuxLossGrad.apply(loss, aux, self.config.aux_loss_coef)
         return logits, loss
+
+    def layers(self, x: torch.Tensor, pos: torch.Tensor, caches: list[KVCache] | None = None,
+               first: bool = True) -> torch.Tensor:
+        """The residual stream (B, T, C) after every block of `self.blocks`; with `first`, x is
+        token ids (B, T), embedded first. A pipeline stage (parallel/pipeline.py) runs this and
+        `head` on its own blocks and ends: the one forward of the GPT."""
+        if first:
+            x = self.drop(self.embed(x, pos))  # (B, T, C)
+        for block, cache in zip(self.blocks, caches or [None] * len(self.blocks), strict=True):
+            x = block(x, cache, pos)  # (B, T, C)
+        return x
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits (B, T, vocab_size) of the residual stream (B, T, C)."""
+        return self.lm_head(self.ln_f(x))
 
     def embed(self, idx: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Token embeddings (B, T, C), plus the positions' (T, C) where the model learns them

@@ -120,6 +120,8 @@ class Stage(nn.Module):
     # all of them. context.apply sets it where cp splits each sequence over ranks.
     positions: Callable[[int, torch.device], torch.Tensor] | None = None
     cp = 1  # ranks each sequence is split over: a later stage's T is the sequence's / cp
+    # The GPT's own forward, run on the modules this stage registers (one forward, not two).
+    layers, embed, head = GPT.layers, GPT.embed, GPT.head
 
     def __init__(self, gpt: nn.Module, blocks: range, first: bool, last: bool) -> None:
         super().__init__()
@@ -150,12 +152,9 @@ class Stage(nn.Module):
             pos = torch.arange(seq_len, dtype=torch.long, device=x.device)  # (T,)
         else:  # this cp rank's tokens only, at their places in the sequence
             pos = self.positions(seq_len, x.device)  # (T / cp,)
-        if self.first:  # as GPT.forward, without a KV cache: the GPT's own embed
-            if self.positions is not None:
-                x = x[:, pos]  # (B, T / cp)
-            x = self.drop(GPT.embed(self, x, pos))  # (B, T, C)
-        for block in self.blocks:
-            x = block(x, None, pos)  # (B, T, C)
+        if self.first and self.positions is not None:
+            x = x[:, pos]  # (B, T / cp)
+        x = self.layers(x, pos, None, self.first)  # (B, T, C): GPT.forward's, on this stage
         moe = [m for m in self.blocks.modules() if isinstance(m, MoE)]
         if moe and self.training and self.config.aux_loss_coef:
             # The experts' balancing loss never reaches the last stage's loss: its gradient
@@ -164,9 +163,7 @@ class Stage(nn.Module):
             aux = torch.stack([m.aux_loss for m in moe]).sum()
             x = AuxLossGrad.apply(x, aux, self.config.aux_loss_coef / self.config.n_layer
                                   * self.aux_scale)
-        if self.last:
-            x = self.lm_head(self.ln_f(x))  # (B, T, vocab_size)
-        return x
+        return self.head(x) if self.last else x  # (B, T, vocab_size) or (B, T, C)
 
 
 def _holds(config, first: bool, last: bool) -> set[str]:
