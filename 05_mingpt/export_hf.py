@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from mingpt import snapshot
+from mingpt import shards, snapshot
 from mingpt.errors import one_line_errors
 from mingpt.model import GPT, OPTIONS, GPTConfig
 from mingpt.pretrained import CONV1D, _quiet
@@ -101,7 +101,7 @@ def read_weights(url: str, kind: str, state: dict, config: GPTConfig) -> dict[st
         print(f"warning: {url} is a sharded (DCP) snapshot: its .metadata is read with pickle, "
               "which can run code; export only snapshots you trust", file=sys.stderr)
         try:
-            snapshot.load_sharded_weights(url, model)
+            shards.load_sharded_weights(url, model)
         except snapshot.SnapshotError as e:
             raise ValueError(str(e)) from None
         weights = model.state_dict()

@@ -114,7 +114,7 @@ def train(cfg: DictConfig, device: torch.device) -> str | None:
         if replicas is not None:
             replicas.shutdown()
     # A nan loss stops before a snapshot keeps it; a save fails (a full disk, say) in one line.
-    except (NonFiniteLoss, snapshot.SaveError) as e:
+    except (NonFiniteLoss, errors.SaveError) as e:
         return str(e)
     print0(f"final val loss {val_loss:.4f} (run dir {cfg.run_dir})")
     if data.TEXT and cfg.trainer_config.sample_tokens:  # a few tokens, printed by rank 0

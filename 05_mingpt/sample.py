@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from mingpt import snapshot
+from mingpt import shards, snapshot
 from mingpt.data import data_module
 from mingpt.devices import pick_device
 from mingpt.errors import one_line_errors
@@ -66,7 +66,7 @@ def after_training(cfg: DictConfig, model: torch.nn.Module, meta: dict,
         if dist.get_rank() != 0:
             return
         plain = GPT(plain.config).to(device)
-        snapshot.load_sharded_weights(cfg.trainer_config.snapshot_path, plain)
+        shards.load_sharded_weights(cfg.trainer_config.snapshot_path, plain)
     # A newline: any BPE encodes it, a char vocabulary may lack it.
     prompt = "\n" if "\n" in meta.get("itos", "\n") else meta["itos"][0]
     text = generate_text(plain, meta, prompt, cfg.trainer_config.sample_tokens,
@@ -94,7 +94,7 @@ def load_model(path: str, device: torch.device) -> tuple[GPT, dict]:
         # with plain pickle (torch's FileSystemReader.read_metadata): unpickling can run code.
         print(f"warning: {path} is a sharded (DCP) snapshot: its .metadata is read with pickle, "
               "which can run code; load only snapshots you trust", file=sys.stderr)
-        snapshot.load_sharded_weights(path, model)
+        shards.load_sharded_weights(path, model)
     print(f"loaded {path} ({kind}, step {state['step']}, {model.num_params():,} parameters)",
           file=sys.stderr)
     return model, meta

@@ -17,7 +17,7 @@ from dataclasses import asdict
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from mingpt import config, distributed, snapshot, storage
+from mingpt import config, distributed, errors, snapshot, storage
 from mingpt.data import data_module
 from mingpt.errors import fail, require
 from mingpt.model import GPT
@@ -147,7 +147,7 @@ def main(argv: list[str]) -> None:
             return
         train(cfg)
     # The config, the data, a snapshot, a non-finite loss (NonFiniteLoss), a failed save.
-    except (ValueError, snapshot.SaveError) as e:
+    except (ValueError, errors.SaveError) as e:
         fail(e)
 
 

@@ -20,7 +20,7 @@ CONFIG = dict(model_type=None, n_layer=1, n_head=2, n_embd=8, vocab_size=5, bloc
 def main(rank: int, out: str) -> None:
     torch.set_num_threads(1)
     sys.path.insert(0, str(MINGPT))  # a fresh process: nothing of the steps' modules loaded
-    from mingpt import distributed, optim, parallel, snapshot  # noqa: PLC0415  (path set)
+    from mingpt import distributed, optim, parallel, shards, snapshot  # noqa: PLC0415
     from mingpt.model import GPT, GPTConfig  # noqa: PLC0415
     dist.init_process_group("gloo", store=dist.FileStore(f"{out}/store", 4), rank=rank,
                             world_size=4, timeout=timedelta(seconds=120))
@@ -46,7 +46,7 @@ def main(rank: int, out: str) -> None:
     saved = local(model, optimizer)
     snapshot.save_sharded(f"{out}/snap", 1, model, optimizer, {"step": 1})
     fresh, fresh_optimizer = trained(2, "fsdp_tp")  # other weights and moments
-    snapshot.load_sharded(f"{out}/snap", fresh, fresh_optimizer)
+    shards.load_sharded(f"{out}/snap", fresh, fresh_optimizer)
     loaded = local(fresh, fresh_optimizer)
     result = {key: all(torch.equal(a, b) for a, b in zip(x, y, strict=True))
               for key, x, y in (("shards_equal", saved[0], loaded[0]),

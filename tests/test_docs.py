@@ -30,9 +30,9 @@ COPIED_HELPERS = {
 # Helpers of the same name that differ from the steps' copy on purpose, and why.
 FORKED_HELPERS = {
     "05_mingpt/mingpt/snapshot.py": "snapshots on any fsspec URL (S3) and sharded DCP "
-                                    "snapshots; rng_state/set_rng_state take the device (the "
-                                    "CUDA RNG of this rank's GPU); layouts per strategy, "
-                                    "keep_last, storage errors as one line",
+                                    "snapshots (shards.py, onefile.py); the RNG states are the "
+                                    "trainer's (trainer.rng_state takes the device); a format "
+                                    "per strategy, keep_last, storage errors as one line",
     "05_mingpt/mingpt/faults.py": "counts optimizer steps rather than epochs, and can also "
                                   "crash in the middle of a snapshot save (FAULT_AT_SAVE), "
                                   "make one rank stall or skip a collective, fail one rank's "

@@ -161,7 +161,7 @@ def test_corrupt_and_incompatible_snapshots_are_refused_and_kept(mingpt, main_py
     one_error_line(proc, "holds a different model", "n_embd=32 there, 64 here")
     assert ddp.read_bytes() == good
     # A sharded snapshot where zero writes one file: ZeRO reads it too (by parameter name,
-    # snapshot.dcp_state), and with no step left to train it leaves the shards as they were.
+    # shards.dcp_state), and with no step left to train it leaves the shards as they were.
     before = sorted(p.name for p in fsdp.rglob("*"))
     proc = main_py(*args, "run_name=e2", "trainer_config.distributed_method=zero",
                    "trainer_config.snapshot_path=fsdp_snap")

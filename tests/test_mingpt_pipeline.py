@@ -173,7 +173,7 @@ def snapshot_weights(path: Path) -> dict:
     with mingpt_imported() as m:
         state = m["snapshot"].load_train_state(str(path), "fsdp")
         model = m["model"].GPT(m["model"].GPTConfig(**state["model_config"]))
-        m["snapshot"].load_sharded_weights(str(path), model)
+        m["shards"].load_sharded_weights(str(path), model)
         return model.state_dict()
 
 

@@ -268,7 +268,7 @@ def test_failed_sharded_save_leaves_latest_at_the_previous_step(mingpt_modules, 
         saved = {k: v.clone() for k, v in model.state_dict().items()}
         optimizer.step()  # step 4's weights differ
         fail["key"] = "step_00000004"
-        with pytest.raises(snapshot.SaveError) as error:
+        with pytest.raises(mingpt_modules["errors"].SaveError) as error:
             snapshot.save(url, "fsdp", model, optimizer, {"step": 4, **meta})
         assert str(error.value) == (
             f"cannot save the snapshot to {url} (ConnectionResetError: [Errno 104] connection "

@@ -287,8 +287,8 @@ def _one_rank_raises(rank: int, store: str, folder: str) -> None:
             if rank == 1:
                 raise RuntimeError("a bug in a save")
 
-        for call, error in ((lambda: m["snapshot"].save_part(folder, part),
-                             m["snapshot"].SaveError),
+        for call, error in ((lambda: m["errors"].save_part(folder, part),
+                             m["errors"].SaveError),
                             (lambda: m["errors"].together(part, folder), ValueError)):
             try:
                 call()

@@ -75,7 +75,7 @@ def _qkv_worker(rank: int, out: str) -> None:
     x = torch.randint(0, 11, (2, 8), generator=torch.Generator().manual_seed(1))
     result = {}
     with mingpt_imported() as m:
-        snapshot, tp = m["snapshot"], m["strided"]
+        snapshot, sharded, tp = m["snapshot"], m["shards"], m["strided"]
         from torch.distributed.checkpoint import FileSystemWriter, save  # noqa: PLC0415
         from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: PLC0415
 
@@ -114,17 +114,17 @@ def _qkv_worker(rank: int, out: str) -> None:
                 snapshot.save_sharded(f"{out}/{method}", 1, model, optimizer, {"step": 1})
             fresh, fresh_optimizer = trained(2, method)  # other weights and moments
             with WholeQKVWatch() as load_watch:
-                snapshot.load_sharded(f"{out}/{method}", fresh, fresh_optimizer)
+                sharded.load_sharded(f"{out}/{method}", fresh, fresh_optimizer)
             # A snapshot that the earlier code wrote (q/k/v gathered and saved whole) loads.
             model_sd, optim_sd = get_state_dict(model, optimizer)
             old = f"{out}/{method}_saved_whole"
             save(tp.whole_strided({"model": model_sd, "optim": optim_sd}),
                  storage_writer=FileSystemWriter(f"{old}/step_00000001"))
             if rank == 0:
-                m["storage"].write_bytes_atomic(f"{old}/{snapshot.LATEST}", b"step_00000001")
+                m["storage"].write_bytes_atomic(f"{old}/{sharded.LATEST}", b"step_00000001")
             dist.barrier()
             again, again_optimizer = trained(3, method)
-            snapshot.load_sharded(old, again, again_optimizer)
+            sharded.load_sharded(old, again, again_optimizer)
             # The global weights (collective), for the parent's single-process load.
             weights = {}
             for key, value in m["wrappers"].unwrap(model).state_dict().items():
@@ -178,7 +178,7 @@ def test_tp_snapshots_hold_the_global_weights_for_one_process(qkv_runs):
         for method in ("tp", "fsdp_tp"):
             weights = torch.load(out / f"{method}.pt")
             model = m["model"].GPT(m["model"].GPTConfig(**CONFIG))
-            m["snapshot"].load_sharded_weights(str(out / method), model)
+            m["shards"].load_sharded_weights(str(out / method), model)
             loaded = model.state_dict()
             assert all(torch.equal(loaded[k], weights[k]) for k in weights), method
 
@@ -214,7 +214,7 @@ MEASURE = textwrap.dedent("""
     import sys
     sys.path.insert(0, sys.argv[1])
     import torch
-    from mingpt import snapshot
+    from mingpt import onefile
 
     def peak() -> int:  # the kernel's high-water mark of this process's resident set
         with open("/proc/self/status") as f:
@@ -223,10 +223,10 @@ MEASURE = textwrap.dedent("""
     if sys.argv[2] == "save":
         state = {"step": 1, "w": torch.randn(int(sys.argv[4]) // 4)}
         before = peak()
-        snapshot.save_file(sys.argv[3], state)
+        onefile.save_file(sys.argv[3], state)
     else:
         before = peak()
-        state = snapshot.load_file(sys.argv[3])
+        state = onefile.load_file(sys.argv[3])
     print(peak() - before)
 """)
 SIZE = 96 * 2**20  # bytes of weights: far above what the interpreter allocates meanwhile
@@ -276,7 +276,7 @@ def test_a_resumed_run_keeps_no_view_of_the_snapshot_file(group, tmp_path, metho
     load_state_dict kept as it was (AdamW's moments on the CPU) and returns copies of the
     RNG states: once it returns the file is no longer mapped, and every value came back."""
     with mingpt_imported() as m:
-        snapshot, optim = m["snapshot"], m["optim"]
+        snapshot, optim, trainer = m["snapshot"], m["optim"], m["trainer"]
         x = torch.randint(0, 11, (2, 8), generator=torch.Generator().manual_seed(1))
 
         def trained(seed: int) -> tuple:
@@ -294,7 +294,7 @@ def test_a_resumed_run_keeps_no_view_of_the_snapshot_file(group, tmp_path, metho
         model, optimizer = trained(1)
         meta = {"model_config": CONFIG, "data_meta": {"kind": "char"}}
         url = str(tmp_path / "snap.pt")
-        rng = snapshot.rng_state(CPU)
+        rng = trainer.rng_state(CPU)
         snapshot.save(url, method, model, optimizer, {"step": 3, "rng": [rng], **meta})
         probe = snapshot.load_file(url)
         assert _mapped(url)  # load_file maps the file: its tensors are views of it
@@ -326,7 +326,7 @@ def test_an_unreadable_snapshot_file_is_one_line_as_before(tmp_path, cut, reason
     the same error as before (measured with the earlier snapshot.py: these four, verbatim)."""
     with mingpt_imported() as m:
         url = str(tmp_path / "snap.pt")
-        m["snapshot"].save_file(url, {"step": 1, "w": torch.ones(1000)})
+        m["onefile"].save_file(url, {"step": 1, "w": torch.ones(1000)})
         content = Path(url).read_bytes()
         # Cut off (a truncated copy, a full disk), or not a torch file at all.
         Path(url).write_bytes(content[:cut] if cut is not None else b"not a snapshot\n" * 4)

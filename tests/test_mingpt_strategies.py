@@ -471,7 +471,7 @@ def test_fsdp_tp_on_a_2x2_mesh_saves_the_global_weights_and_loads_its_shards(tmp
     with mingpt_imported() as m:
         plain = torch.load(tmp_path / "plain.pt")
         model = m["model"].GPT(m["model"].GPTConfig(**mesh_2x2_worker.CONFIG))
-        m["snapshot"].load_sharded_weights(str(tmp_path / "snap"), model)
+        m["shards"].load_sharded_weights(str(tmp_path / "snap"), model)
     # The snapshot holds the global weights a plain model reaches with the same step. AdamW's
     # first step moves each weight by lr * g / (|g| + eps), about +-lr = 1e-2 (the worker's lr)
     # whatever the gradient's size: a q/k/v slice in the wrong place is ~1e-2 off. The sharded

@@ -87,29 +87,29 @@ def test_snapshot_directory_without_latest(m, tmp_path):
 
 
 def test_snapshots_load_to_the_cpu_and_restore_the_rng_exactly(m, tmp_path):
-    snapshot = m["snapshot"]
+    onefile = m["onefile"]
     torch.manual_seed(3)
     np.random.seed(3)
     url = str(tmp_path / "snap.pt")
-    snapshot.save_file(url, {"step": 1, "rng": [snapshot.rng_state(torch.device("cpu"))],
-                             "w": torch.ones(2)})
+    onefile.save_file(url, {"step": 1, "rng": [m["trainer"].rng_state(torch.device("cpu"))],
+                            "w": torch.ones(2)})
     expected = torch.rand(3), np.random.rand(3)
-    state = snapshot.load_file(url)  # no device: a GPU run copies weights over itself
+    state = onefile.load_file(url)  # no device: a GPU run copies weights over itself
     tensors = [state["w"], state["rng"][0]["torch"], state["rng"][0]["numpy"][1]]
     assert all(t.device.type == "cpu" for t in tensors)
-    snapshot.set_rng_state(state["rng"][0], torch.device("cpu"))
+    m["trainer"].set_rng_state(state["rng"][0], torch.device("cpu"))
     assert torch.equal(torch.rand(3), expected[0])
     assert np.array_equal(np.random.rand(3), expected[1])
 
 
 def test_a_crash_before_the_commit_keeps_the_old_snapshot(m, tmp_path):
-    snapshot = m["snapshot"]
+    onefile = m["onefile"]
     url = str(tmp_path / "snap.pt")
-    snapshot.save_file(url, {"step": 4})
+    onefile.save_file(url, {"step": 4})
 
     def crash() -> None:
         raise KeyboardInterrupt  # stands in for a SIGKILL at this point
 
     with pytest.raises(KeyboardInterrupt):
-        snapshot.save_file(url, {"step": 8}, before_commit=crash)
-    assert snapshot.load_file(url)["step"] == 4
+        onefile.save_file(url, {"step": 8}, before_commit=crash)
+    assert onefile.load_file(url)["step"] == 4

@@ -63,7 +63,7 @@ def phase(args: argparse.Namespace) -> dict:
     import torch  # noqa: PLC0415  (after the path: the chosen folder's modules)
     import torch.distributed as dist  # noqa: PLC0415
 
-    from mingpt import optim, snapshot  # noqa: PLC0415
+    from mingpt import optim, snapshot, trainer  # noqa: PLC0415
     from mingpt.model import GPT, GPTConfig  # noqa: PLC0415
 
     torch.manual_seed(0)
@@ -78,7 +78,7 @@ def phase(args: argparse.Namespace) -> dict:
             optimizer.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.randn_like(p),
                                   "exp_avg_sq": torch.rand_like(p)}
         run = lambda: snapshot.save(path, "ddp", model, optimizer,  # noqa: E731
-                                    {"step": 1, "rng": [snapshot.rng_state(torch.device("cpu"))],
+                                    {"step": 1, "rng": [trainer.rng_state(torch.device("cpu"))],
                                      **meta})
     else:
         run = lambda: snapshot.load(path, "ddp", model, optimizer, meta, ())  # noqa: E731

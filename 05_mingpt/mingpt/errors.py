@@ -3,7 +3,7 @@
     data = errors.together(build_datasets, cfg)  # a ValueError on one rank: on all of them
     errors.fail(e)                               # print `error: ...` once per node, exit 2
     errors.report(message)                       # the one place an `error:` line is written
-    message = errors.any_failure(error)          # every rank's outcome (str or None) on all
+    message = any_failure(error)          # every rank's outcome (str or None) on all
 
 A config mistake is the same on every rank. A node's own storage is not: a BPE directory, a
 CIFAR-10 download or a writable snapshot folder can be there on one node and missing on
@@ -21,6 +21,9 @@ from collections.abc import Callable
 from typing import NoReturn, TypeVar
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+
+from mingpt import storage
 
 T = TypeVar("T")
 
@@ -57,6 +60,20 @@ def fail(error: Exception | str) -> NoReturn:
     if os.environ.get("LOCAL_RANK", "0") == "0":
         report(error)
     sys.exit(2)
+
+
+# What a training run can do about a snapshot it cannot use, at the end of those messages (a
+# command that only reads snapshots, export_hf.py, cuts it off: it has no snapshot_path).
+MOVE_IT_AWAY = "move it away or set trainer_config.snapshot_path"
+
+
+class SnapshotError(ValueError):
+    """A snapshot exists but cannot be used; the message says which one and why."""
+
+
+class SaveError(Exception):
+    """A snapshot could not be written (a full disk, a read-only folder, an object store's
+    error); the message says so in one line, and that the previous snapshot is intact."""
 
 
 def require(ok: bool, key: str, allowed: str, value: object) -> None:
@@ -121,3 +138,60 @@ def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         sys.exit(2)
     parser.error = error
     return parser
+
+
+# --- snapshots: each part of a save or a load, its outcome agreed by every rank -----------------
+
+
+def save_part(url: str, part: Callable[..., None], *args) -> None:
+    """`part(url, *args)`, a part of a save, then its outcome agreed by every rank: SaveError,
+    the same one line on all of them, where it failed on any (any_failure names the rank).
+    Every rank calls this, also where only rank 0 does the work."""
+    try:
+        storage.storage_errors(OSError)(part)(url, *args)  # an object store's: one OSError
+        error = None
+    # DCP (the sharded format) raises CheckpointException, a BaseException with each rank's.
+    except (OSError, CheckpointException) as e:
+        error = save_error(url, e)
+    except Exception as e:  # not the storage's: a bug, whose traceback this rank shows
+        error = unexpected(e, save_error(url, e))
+    message = any_failure(error)
+    if message is not None:
+        raise SaveError(message)
+
+
+def save_error(url: str, e: BaseException) -> str:
+    """A failed save in one line: the storage's words, the file, which rank (DCP's), the fix."""
+    failed, error = "", e
+    if isinstance(e, CheckpointException):  # every rank has it: name the one(s) that failed
+        ranks = sorted(e.failures)
+        error = e.failures[ranks[0]][0]
+        if dist.get_world_size() > 1:
+            others = f" (and {len(ranks) - 1} more)" if len(ranks) > 1 else ""
+            failed = f"rank {ranks[0]}{others}: "
+    reason = error.strerror if isinstance(error, OSError) and error.strerror else \
+        (str(error).strip().splitlines() or [type(error).__name__])[0]
+    if isinstance(error, OSError) and error.strerror and error.filename:
+        reason += f": {error.filename}"
+    # A local disk fills up; an object store's own line already says what to check.
+    fix = "free some space" if "://" not in url else "fix what it says"
+    # Both layouts commit by a rename (file) or by rewriting `latest` (directory) only once
+    # everything is written, so the snapshot from before, if any, is intact.
+    return (f"{failed}cannot save the snapshot to {url} ({reason}); the previous snapshot, if "
+            f"any, is unchanged: {fix} or set trainer_config.snapshot_path, then run again to "
+            "resume")
+
+
+def load_part(function: Callable[..., T], *args) -> T:
+    """`function(*args)` on every rank; its SnapshotError on any rank is one on all of them
+    (any_failure: naming the rank where only some failed). A collective."""
+    try:
+        result, error = function(*args), None
+    except SnapshotError as e:
+        result, error = None, str(e)
+    except Exception as e:  # not the snapshot's: a bug, whose traceback this rank shows
+        result, error = None, f"cannot load the snapshot ({unexpected(e)})"
+    message = any_failure(error)
+    if message is not None:
+        raise SnapshotError(message)
+    return result

@@ -4,13 +4,14 @@
     saver.save(model, optimizer, state, before_commit)  # at every save_every step
     saver.finish()                                      # before the run ends
 
-snapshot.py owns the formats and their commit; this module only when the writing happens.
-An asynchronous save (SNAPSHOTS.md) writes the sharded format with DCP's `async_save` from a
-staging process (AsyncCheckpointerType.PROCESS) while training goes on. What still blocks the
-loop: the state dicts and the copy of this rank's shards into host memory (the staging, so
-that the next optimizer step cannot change what is being written), and waiting for the save
-before it. The commit (train_state.pt, then `latest`) follows only once the write completed
-on every rank and every rank agreed it did: at the next save, or at finish().
+snapshot.py owns the protocol (shards.py the sharded format); this module only when the
+writing happens. An asynchronous save (SNAPSHOTS.md) writes the sharded format with DCP's
+`async_save` from a staging process (AsyncCheckpointerType.PROCESS) while training goes on.
+What still blocks the loop: the state dicts and the copy of this rank's shards into host
+memory (the staging, so that the next optimizer step cannot change what is being written),
+and waiting for the save before it. The commit (train_state.pt, then `latest`) follows only
+once the write completed on every rank and every rank agreed it did: at the next save, or at
+finish().
 """
 from collections.abc import Callable
 
@@ -20,7 +21,7 @@ from omegaconf import DictConfig
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from mingpt import errors, snapshot, storage
+from mingpt import errors, shards, snapshot, storage
 from mingpt.log import print0
 from mingpt.optim import inner
 from mingpt.parallel.strided import checkpointable
@@ -53,15 +54,15 @@ class AsyncSaver(Saver):
              before_commit: Callable[[], None] | None = None) -> None:
         self.finish()  # the one before: written, agreed and committed first
         name = f"step_{state['step']:08d}"
-        snapshot.save_part(self.url, snapshot.move_other_format_on_rank_0, "fsdp")
-        snapshot.save_part(self.url, snapshot.clear_step, name)
-        state, extra = snapshot.with_meetings(optimizer, state)  # snapshot.save's
+        errors.save_part(self.url, snapshot.move_other_format_on_rank_0, "fsdp")
+        errors.save_part(self.url, shards.clear_step, name)
+        state, extra = shards.with_meetings(optimizer, state)  # snapshot.save's
         # Returns once this rank's shards are copied to host memory (DCP's staging); the
         # staging process writes them, its own gloo group planning with the other ranks'.
         # (The first call starts that process: it imports __main__ again, hence main.py's
         # `if __name__ == "__main__":` guard.)
         future = dcp.async_save(
-            checkpointable(snapshot.dcp_state(model, inner(optimizer), extra)),  # save's
+            checkpointable(shards.dcp_state(model, inner(optimizer), extra)),  # save's
             storage_writer=storage.writer(f"{self.url}/{name}"),
             async_checkpointer_type=AsyncCheckpointerType.PROCESS)
         self.pending = (future, name, state)
@@ -79,12 +80,11 @@ class AsyncSaver(Saver):
         # The staging process's DCP raises CheckpointException (naming the failed rank) on
         # every rank; a dead staging process is a RuntimeError on its own rank only.
         except (Exception, CheckpointException) as e:
-            error = snapshot.save_error(self.url, e)
+            error = errors.save_error(self.url, e)
         message = errors.any_failure(error)
         if message is not None:
-            raise snapshot.SaveError(message)
-        snapshot.save_part(self.url, snapshot.commit_sharded, name, state, None,
-                             self.keep_last)
+            raise errors.SaveError(message)
+        errors.save_part(self.url, shards.commit_sharded, name, state, None, self.keep_last)
         print0(f"step {state['step']}: snapshot saved to {self.url}")
 
 

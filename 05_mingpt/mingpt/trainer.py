@@ -9,10 +9,12 @@ runtime works otherwise (XLA: one process drives every device, and runs what it 
 a sync), `DeviceHooks` are the few places it differs: the loop, evaluation, logging and
 saving stay these, for every device.
 """
+import random
 import time
 from collections.abc import Callable, Iterable
 from itertools import islice
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
@@ -20,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
-from mingpt import faults, forensics, savers, snapshot
+from mingpt import faults, forensics, savers
 from mingpt.log import TrainLog, print0
 from mingpt.optim import SCHEDULE_KEYS, build_scheduler, resume_scheduler
 from mingpt.parallel import Layout, describe, runner
@@ -141,7 +143,7 @@ class Trainer:
         """The trainer's position, to resume exactly: a collective (it gathers every rank's RNG
         states, so each rank resumes its own streams)."""
         rngs: list = [None] * self.world_size
-        dist.all_gather_object(rngs, snapshot.rng_state(self.device))
+        dist.all_gather_object(rngs, rng_state(self.device))
         return {
             "step": self.step,  # the next step to run
             "epoch": self.epoch,
@@ -173,7 +175,7 @@ class Trainer:
         same = state["rng_layout"] == self.rng_layout if "rng_layout" in state else \
             saved == (self.world_size, self.dp_size)
         if same:
-            snapshot.set_rng_state(state["rng"][self.rank], self.device)  # our own streams
+            set_rng_state(state["rng"][self.rank], self.device)  # our own streams
         else:  # another layout: new (but reproducible) dropout streams, one per stream index,
             # so each TP group's ranks still draw alike
             torch.manual_seed(self.cfg.seed + 1000 * self.step + self.stream)
@@ -297,7 +299,7 @@ class Trainer:
         # Evaluating must leave every RNG stream where it was, or a resumed run (which
         # evaluates where the saved one may not have) would draw other dropout masks: XLA's
         # seed moves on with every program it runs, evaluation's too.
-        rng = snapshot.rng_state(self.device)
+        rng = rng_state(self.device)
         loader = self._loader(self.val_subset, lambda r: list(DistributedSampler(
             self.val_subset, self.dp_size, r, shuffle=False)), drop_last=False, workers=0,
             seed=self.cfg.seed)
@@ -310,7 +312,7 @@ class Trainer:
         dist.all_reduce(totals)  # sums over ranks: the mean over every evaluated token
         self.model.train()
         loss = (totals[0] / totals[1]).item()
-        snapshot.set_rng_state(rng, self.device)
+        set_rng_state(rng, self.device)
         return loss
 
     def _log_eval(self) -> float:
@@ -358,3 +360,31 @@ class Trainer:
         self.bar.close()
         self.log.summary(time.perf_counter() - started, self.step)
         return self.last_val[1]
+
+
+def rng_state(device: torch.device) -> dict:
+    """This process's RNG states as tensors and plain types (so weights_only can load them)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached),
+        "python": random.getstate(),
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    if device.type == "xla":  # the devices' dropout stream (xla_main.py); imported only there
+        import torch_xla.core.xla_model as xm
+        state["xla"] = xm.get_rng_state(device)  # a seed: a plain int
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"].cpu())
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.cpu().numpy().astype(np.uint32), pos, has_gauss, cached))
+    random.setstate(state["python"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
+    if device.type == "xla" and "xla" in state:
+        import torch_xla.core.xla_model as xm
+        xm.set_rng_state(state["xla"], device)

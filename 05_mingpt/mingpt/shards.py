@@ -1,0 +1,173 @@
+"""The sharded snapshot (DCP, `torch.distributed.checkpoint`): every rank writes its own shards
+into `step_XXXXXXXX/`, rank 0 adds `train_state.pt` and then rewrites `latest`, the commit;
+any layout reads them back, each rank what it holds. snapshot.py runs these parts and agrees
+on each one's outcome; savers.py runs the same parts around DCP's async_save.
+"""
+import os
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from mingpt import storage
+from mingpt.errors import MOVE_IT_AWAY, SnapshotError
+from mingpt.onefile import save_file
+from mingpt.optim import build_optimizer, extra_state, local_optimizer
+from mingpt.parallel.strided import checkpointable
+
+TRAIN_STATE = "train_state.pt"
+LATEST = "latest"
+
+
+def is_step_dir(path: str) -> bool:
+    """A step directory of a sharded snapshot (`step_XXXXXXXX`), by its name."""
+    return os.path.basename(path.rstrip("/")).startswith("step_")
+
+
+def clear_step(url: str, name: str) -> None:
+    """Rank 0: remove step directory `name`, left by a save of this step that was cut off."""
+    fs, path = storage.filesystem(url)
+    if dist.get_rank() == 0 and fs.exists(f"{path}/{name}"):
+        fs.rm(f"{path}/{name}", recursive=True)
+
+
+def write_shards(url: str, name: str, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer, extra: dict | None = None) -> None:
+    """Every rank's shards into step directory `name` (dcp.save: collective; a failure on any
+    rank is a CheckpointException, naming it, on every rank)."""
+    dcp.save(checkpointable(dcp_state(model, optimizer, extra)),
+             storage_writer=storage.writer(f"{url}/{name}"))
+
+
+def with_meetings(optimizer: torch.optim.Optimizer, state: dict) -> tuple[dict, dict]:
+    """The replica groups' meetings' state (diloco.py; {} for any other optimizer), and
+    `state` marked where there is one: train_state.pt says so, a load then reads it in place."""
+    extra = extra_state(optimizer)
+    return ({**state, "replica_state": True} if extra else state), extra
+
+
+def dcp_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+              extra: dict | None) -> dict:
+    """What DCP writes: the model's and the optimizer's sharded state dicts, and the replica
+    groups' meetings where they have any (optim.extra_state: DTensors like the weights).
+    ZeRO's optimizer is its local AdamW: each owner's state under its parameters' names, so a
+    rank reads back the state of whatever it owns then, under any layout."""
+    model_sd, optim_sd = get_state_dict(model, local_optimizer(optimizer))
+    return {"model": model_sd, "optim": optim_sd, **({"replicas": extra} if extra else {})}
+
+
+def commit_sharded(url: str, name: str, train_state: dict,
+                   before_commit: Callable[[], None] | None, keep_last: int) -> None:
+    """Rank 0: train_state.pt, then `latest` names step directory `name` (the commit), then
+    the older step directories go. One writer commits: `latest` never sees two ranks' writes."""
+    fs, path = storage.filesystem(url)
+    if dist.get_rank() == 0:
+        save_file(f"{url}/{name}/{TRAIN_STATE}", train_state)
+        if before_commit:
+            before_commit()
+        storage.write_bytes_atomic(f"{url}/{LATEST}", name.encode())  # the commit point
+        # Keep the newest keep_last - 1 complete snapshots of earlier steps (names sort by
+        # step: zero-padded). A save that was cut off left a directory without train_state.pt,
+        # or one of a later step than this: neither is a snapshot to roll back to.
+        others = [p.rstrip("/") for p in fs.ls(path, detail=False)
+                  if is_step_dir(p) and os.path.basename(p.rstrip("/")) != name]
+        earlier = sorted((p for p in others if os.path.basename(p) < name
+                          and fs.exists(f"{p}/{TRAIN_STATE}")), reverse=True)
+        for old in set(others) - set(earlier[:keep_last - 1]):
+            fs.rm(old, recursive=True)
+
+
+def latest_sharded(url: str) -> str:
+    """The newest complete DCP checkpoint directory inside an fsdp snapshot."""
+    try:
+        fs, path = storage.filesystem(url)
+        name = fs.cat_file(f"{path}/{LATEST}").decode().strip()
+    except Exception as e:
+        if not (isinstance(e, OSError) or storage.storage_error(url, e)):
+            raise
+        raise SnapshotError(f"cannot read {url}/{LATEST}: {storage.storage_error(url, e) or e}"
+                            ) from None
+    if not name.startswith("step_"):
+        raise SnapshotError(f"{url}/{LATEST} names {name!r}, not a step directory; the snapshot "
+                            f"is corrupt: {MOVE_IT_AWAY}")
+    return f"{url}/{name}"
+
+
+def load_sharded(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 checkpoint: str | None = None, extra: dict | None = None) -> None:
+    """FSDP: each rank reads the pieces of every saved shard that its own shards need (from
+    `checkpoint`, a DCP directory, where given; else the snapshot's newest)."""
+    checkpoint = checkpoint or latest_sharded(url)
+    # Every rank must call this: DCP plans the reads collectively (the ranks exchange what
+    # they need), so a rank that stayed away would leave the others waiting.
+    # `extra`: the replica groups' meetings, read in place where the saver had them.
+    state = dcp_state(model, optimizer, extra)
+    optim_sd = state["optim"]
+    # Each param group names its parameters, a plain list that DCP saves once under one key
+    # (optim.param_groups.N.params), from one rank. Where ranks hold different parameters (a
+    # pipeline's stages), the list loaded is another rank's; this rank's own names go back
+    # after the load, beside the saved hyper-parameters (lr, betas, eps, weight_decay).
+    own_names = [list(group["params"]) for group in optim_sd["param_groups"]]
+    try:
+        # Into each rank's own rows of TP's q/k/v too: views of the DTensors in `state`.
+        dcp.load(checkpointable(state),
+                 storage_reader=storage.reader(checkpoint))
+    # DCP raises CheckpointException, a BaseException, on every rank when any rank fails to
+    # read (reason() names the first that did): no rank waits for another.
+    except (Exception, CheckpointException) as e:  # missing or truncated shards, bad metadata
+        raise SnapshotError(f"cannot load sharded snapshot {checkpoint} ({storage.reason(e)}): "
+                            f"it is corrupt; {MOVE_IT_AWAY}"
+                            ) from None
+    for group, names in zip(state["optim"]["param_groups"], own_names, strict=True):
+        group["params"] = names
+    # The optimizer state is keyed by parameter name; set_state_dict puts it back under this
+    # optimizer's own parameters.
+    set_state_dict(model, local_optimizer(optimizer), model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+
+
+def load_file_into_shards(state: dict, model: torch.nn.Module,
+                          optimizer: torch.optim.Optimizer, extra: dict | None = None) -> None:
+    """A one-file (ddp) snapshot into a layout where no rank holds the whole model.
+
+    The file keeps AdamW's state by parameter number, in the order the whole model's
+    optim_groups gives; the sharded path names parameters. So the file goes into a whole
+    model and AdamW on the CPU as it was saved (its model_config), becomes a DCP checkpoint
+    of their named state in a private folder of this rank, and is read from there exactly as
+    a sharded snapshot is (load_sharded: each rank its own shards, TP's q/k/v rows, a
+    pipeline's stages). One whole copy per rank while it lasts: what the saving run held.
+    `extra`: the replica groups' meetings (optim.extra_state), read in place from the file's."""
+    import tempfile  # noqa: PLC0415  (only this rare path needs them)
+
+    from mingpt.model import GPT, GPTConfig  # noqa: PLC0415
+    whole = GPT(GPTConfig(**state["model_config"]))
+    whole.load_state_dict(state["model"])
+    # The saver's kind of optimizer (its groups and state), as build_optimizer builds it.
+    adamw = build_optimizer(whole, "ddp", 1e-3, name=state.get("optimizer_name", "adamw"))
+    adamw.load_state_dict(state["optimizer"])  # the saved groups, decay and lrs included
+    model_sd, optim_sd = get_state_dict(whole, adamw)
+    with tempfile.TemporaryDirectory(prefix="snapshot-") as folder:
+        with warnings.catch_warnings():  # one process's own copy: no group is the point
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            meetings = {"replicas": state["replicas"]} if extra else {}
+            dcp.save({"model": model_sd, "optim": optim_sd, **meetings}, checkpoint_id=folder,
+                     no_dist=True)
+        del whole, adamw, model_sd, optim_sd
+        load_sharded(folder, model, optimizer, checkpoint=folder, extra=extra)
+
+
+def load_sharded_weights(url: str, model: torch.nn.Module) -> None:
+    """Only the weights of an fsdp snapshot, into a plain model on one process (for sampling)."""
+    state = {"model": model.state_dict()}
+    try:
+        with warnings.catch_warnings():  # no process group is the point here, not a mistake
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            # Without a process group, DCP reads every shard into this one process.
+            dcp.load(state, storage_reader=storage.reader(latest_sharded(url)), no_dist=True)
+    except (Exception, CheckpointException) as e:
+        raise SnapshotError(f"cannot load sharded snapshot {url} ({storage.reason(e)})") from None
+    model.load_state_dict(state["model"])
