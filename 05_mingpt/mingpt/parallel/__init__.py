@@ -74,8 +74,7 @@ def parallelize(model: nn.Module, device: torch.device, method: str = "ddp",
     parts = pipeline.split(model, mesh, s) if "pp" in axes else [model]
     wrapped = [_apply_axes(part, device, s, lay, mesh) for part in parts]
     if "pp" in axes:
-        # zero's stages are plain modules: the pipeline averages their gradients itself.
-        average = layout.grad_mesh(mesh).get_group() if lay.flavour == "zero" else None
+        average = layout.grad_mesh(mesh).get_group() if lay.pipeline_averages else None
         model.pipeline = pipeline.schedule(model, wrapped, mesh, s, device, average)
     else:
         model = wrapped[0]

@@ -106,6 +106,12 @@ class Layout:
         """The snapshot format: "ddp" (one file) or "fsdp" (DCP shards): snapshot_of."""
         return snapshot_of(self.method, self.tp, self.pp, self.cp, self.ep)
 
+    @property
+    def pipeline_averages(self) -> bool:
+        """The pipeline all-reduces its stages' gradients itself: zero's stages stay plain
+        modules (zero.py), with no data-parallel wrapper to average them."""
+        return self.flavour == "zero" and self.pp > 1
+
     def sizes(self) -> dict[str, int]:
         """The mesh's dimensions, outermost first: dp always (edp x ep with experts split),
         the other axes where on."""
