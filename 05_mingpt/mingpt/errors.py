@@ -3,7 +3,7 @@
     data = errors.together(build_datasets, cfg)  # a ValueError on one rank: on all of them
     errors.fail(e)                               # print `error: ...` once per node, exit 2
     errors.report(message)                       # the one place an `error:` line is written
-    message = any_failure(error)          # every rank's outcome (str or None) on all
+    message = errors.any_failure(error)          # every rank's outcome (str or None) on all
 
 A config mistake is the same on every rank. A node's own storage is not: a BPE directory, a
 CIFAR-10 download or a writable snapshot folder can be there on one node and missing on
@@ -175,7 +175,7 @@ def save_error(url: str, e: BaseException) -> str:
         reason += f": {error.filename}"
     # A local disk fills up; an object store's own line already says what to check.
     fix = "free some space" if "://" not in url else "fix what it says"
-    # Both layouts commit by a rename (file) or by rewriting `latest` (directory) only once
+    # Both formats commit by a rename (file) or by rewriting `latest` (directory) only once
     # everything is written, so the snapshot from before, if any, is intact.
     return (f"{failed}cannot save the snapshot to {url} ({reason}); the previous snapshot, if "
             f"any, is unchanged: {fix} or set trainer_config.snapshot_path, then run again to "

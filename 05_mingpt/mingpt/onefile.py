@@ -130,8 +130,8 @@ def keep_previous(url: str, keep_last: int) -> None:
 
 
 def write_file(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                state: dict, before_commit: Callable[[], None] | None, keep_last: int,
-                gather: Callable | None) -> None:
+               state: dict, before_commit: Callable[[], None] | None, keep_last: int,
+               gather: Callable | None) -> None:
     """Rank 0: the one-file snapshot, renamed over the old one once written."""
     if dist.get_rank() != 0:
         return

@@ -53,7 +53,7 @@ class AsyncSaver(Saver):
     def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict,
              before_commit: Callable[[], None] | None = None) -> None:
         self.finish()  # the one before: written, agreed and committed first
-        name = f"step_{state['step']:08d}"
+        name = shards.step_dir(state["step"])
         errors.save_part(self.url, snapshot.move_other_format_on_rank_0, "fsdp")
         errors.save_part(self.url, shards.clear_step, name)
         state, extra = shards.with_meetings(optimizer, state)  # snapshot.save's

@@ -23,6 +23,11 @@ TRAIN_STATE = "train_state.pt"
 LATEST = "latest"
 
 
+def step_dir(step: int) -> str:
+    """The name of step `step`'s directory: zero-padded, so names sort by step."""
+    return f"step_{step:08d}"
+
+
 def is_step_dir(path: str) -> bool:
     """A step directory of a sharded snapshot (`step_XXXXXXXX`), by its name."""
     return os.path.basename(path.rstrip("/")).startswith("step_")

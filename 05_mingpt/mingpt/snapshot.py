@@ -108,7 +108,7 @@ def save_sharded(url: str, step: int, model: torch.nn.Module, optimizer: torch.o
     """FSDP: all ranks write their shards; rank 0 then commits by rewriting `latest`, and
     removes all but the newest `keep_last` step directories. Each part's outcome is agreed
     (errors.save_part): SaveError on every rank where any rank failed."""
-    name = f"step_{step:08d}"
+    name = shards.step_dir(step)
     # A directory of this step left by a save that was cut off: removed first.
     errors.save_part(url, shards.clear_step, name)
     # Sharded state dicts: each rank only holds (and writes) its own shards, no gather; TP's
