@@ -164,15 +164,17 @@ def model_overrides(model: GPT) -> list[str]:
 def layout_config(model: GPT, overrides: list[str], world_size: int, batch_size: int,
                   microbatches: int | None = None) -> DictConfig:
     """main.py's checked config for `model` under `overrides` on world_size ranks, one
-    micro-step of batch_size sequences per data-parallel rank; ValueError (one line) where
-    a real run of it would be refused."""
+    micro-step of batch_size sequences per data-parallel rank, AdamW unless the overrides name
+    another optimizer (the tables here count AdamW's state); ValueError (one line) where a
+    real run of it would be refused."""
     from mingpt import config  # noqa: PLC0415
     # Micro-batches for a pipeline: 4 where they divide the batch (1f1b), fewer otherwise.
     microbatches = microbatches or next(m for m in (4, 2, 1) if batch_size % m == 0)
     return config.load([*model_overrides(model), f"trainer_config.dry_run={world_size}",
                         f"trainer_config.batch_size={batch_size}",
                         "trainer_config.grad_accum_steps=1",
-                        f"trainer_config.microbatches={microbatches}", *overrides])
+                        f"trainer_config.microbatches={microbatches}",
+                        "optimizer_config.name=adamw", *overrides])
 
 
 def predict(model: GPT, layouts: dict[str, list[str]], world_size: int, batch_size: int,

@@ -35,10 +35,12 @@ METHOD = "fsdp"  # the only layout here: SPMD FSDP over every device
 
 
 def load_config(overrides: list[str]) -> DictConfig:
-    """main.py's config, with distributed_method=fsdp unless given; ValueError (one line) for
-    settings only main.py's torch.distributed layouts have."""
-    if not any(o.startswith("trainer_config.distributed_method=") for o in overrides):
-        overrides = [*overrides, f"trainer_config.distributed_method={METHOD}"]
+    """main.py's config, with distributed_method=fsdp and AdamW unless given; ValueError (one
+    line) for settings only main.py's torch.distributed layouts have."""
+    for key, value in (("trainer_config.distributed_method", METHOD),
+                       ("optimizer_config.name", "adamw")):
+        if not any(o.startswith(f"{key}=") for o in overrides):
+            overrides = [*overrides, f"{key}={value}"]
     cfg = config.load(overrides)
     t = cfg.trainer_config
     require(t.distributed_method == METHOD, "trainer_config.distributed_method",

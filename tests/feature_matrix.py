@@ -62,7 +62,7 @@ NEEDS = {
     "diloco": ["trainer_config.ft_replicas=2"],
 }
 # Every verdict is a CPU machine's (CI's): dp and memory_snapshot need CUDA GPUs.
-BASE = ["trainer_config.device=cpu"]
+BASE = ["trainer_config.device=cpu", "optimizer_config.name=adamw"]  # muon: a feature
 # Keys that are no feature to combine, and why.
 SETTINGS = {
     "max_steps": "how long", "batch_size": "how much per step", "warmup_steps": "the schedule",

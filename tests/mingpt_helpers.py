@@ -39,6 +39,7 @@ TINY = {
     # The recipe the golden curves were recorded with (main.py's defaults before the faster
     # one of bench/README.md, Speed), so a change of defaults does not move what tests compare.
     "gpt_config.dropout": "0.1",
+    "optimizer_config.name": "adamw",
     "optimizer_config.lr": "3e-3",
     "optimizer_config.betas": "[0.9,0.95]",
 }

@@ -168,10 +168,10 @@ def test_records_runs_each_row_per_seed_and_summarises_the_seeds(mingpt):
     and seed in its command, the best val the lowest it printed, the table the seeds' median
     and range; a row it does not have is one error line."""
     overrides = tiny("trainer_config.eval_every=5", "trainer_config.max_steps=10")
-    proc = run([PYTHON, "bench/records.py", "--rows", "default", "options", "--seeds", "1", "2",
+    proc = run([PYTHON, "bench/records.py", "--rows", "adamw", "options", "--seeds", "1", "2",
                 "--out", "bench/rec", "--", *overrides], cwd=mingpt)
     runs = json.loads((mingpt / "bench/rec.json").read_text())["runs"]
-    assert [(r["row"], r["seed"]) for r in runs] == [("default", 1), ("default", 2),
+    assert [(r["row"], r["seed"]) for r in runs] == [("adamw", 1), ("adamw", 2),
                                                       ("options", 1), ("options", 2)]
     for r in runs:
         assert f"trainer_config.seed={r['seed']}" in r["command"].split()
@@ -181,14 +181,15 @@ def test_records_runs_each_row_per_seed_and_summarises_the_seeds(mingpt):
         assert r["best_val"] == min(v for _, _, v in r["curve"])
         assert r["tokens_per_step"] == 8 * 32  # TINY's batch 8 x block 32
     finals = [r["final_val"] for r in runs[:2]]  # never at 1.88: each ran to its end
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("| `default` |"))
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("| `adamw` |"))
     cells = [c.strip() for c in line.split("|")[1:-1]]
     assert cells[2] == "2" and cells[3] == "never" and \
         cells[6] == f"{statistics.median(finals):.4f} ({min(finals):.4f}–{max(finals):.4f})"
     refused = run([PYTHON, "bench/records.py", "--rows", "nope"], cwd=mingpt, check=False)
     assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
-        "error: no row nope for target 1.88; rows: nanogpt, default, options, muon, short, "
-        "two_layers, without_rotary, without_qk_norm, without_relu2, without_untied_head, lean"]
+        "error: no row nope for target 1.88; rows: nanogpt, adamw, options, muon, short, "
+        "two_layers, without_rotary, without_qk_norm, without_relu2, without_untied_head, lean, "
+        "default"]
 
 
 def test_a_timed_run_stops_at_its_target(mingpt):

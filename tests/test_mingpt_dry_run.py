@@ -38,7 +38,8 @@ from mingpt_helpers import MINGPT, mingpt_imported
 BASE = ["gpt_config.model_type=null", "gpt_config.n_layer=2", "gpt_config.n_head=2",
         "gpt_config.n_embd=32", "gpt_config.block_size=32", "gpt_config.dropout=0.0",
         "trainer_config.batch_size=4", "trainer_config.microbatches=2",
-        "trainer_config.grad_accum_steps=2"]
+        "trainer_config.grad_accum_steps=2",
+        "optimizer_config.name=adamw"]  # AdamW unless a layout names muon (below)
 # world size -> layouts (their overrides): ddp, zero, fsdp, tp, pp, cp and pp in bf16 at 2;
 # FSDP and TP with Muon, DDP with its fp16 hook at 2; FSDP x TP, FSDP x PP, DDP x PP in bf16,
 # DDP x PP x CP and ZeRO x PP at 4;

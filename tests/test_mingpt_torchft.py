@@ -4,9 +4,10 @@ two groups, each its own torchrun job, joined by torchft's lighthouse.
 - Without a fault they train as DDP over two processes does, bit for bit: the same rows, and
   the mean of two gradients ((a + b) / 2 here, a / 2 + b / 2 in DDP: halving is exact).
 - One group killed mid-run (SIGKILL, FAULT_AT_STEP): the other goes on stepping, with no
-  restart; the killed one, started again, joins, receives the weights, AdamW's state and the
-  trainer's position from its peer, and both end with the same weights and AdamW state, bit
-  for bit (every step after the join applies the same averaged gradient to the same state).
+  restart; the killed one, started again, joins, receives the weights, the optimizer's state
+  (AdamW's, and Muon's: main.py's default) and the trainer's position from its peer, and both
+  end with the same weights and optimizer state, bit for bit (every step after the join
+  applies the same averaged gradient to the same state).
   Gates order the groups (FAULT_HOLD_QUORUM), not delays.
 - One group of two fsdp processes restarted by torchrun resumes its own snapshot and ends as
   the run never killed, bit for bit.
@@ -93,7 +94,7 @@ def snapshot(mingpt: Path, run_name: str) -> dict:
 
 
 def same(a: dict, b: dict) -> list[str]:
-    """The weights and AdamW tensors that differ between two ddp-layout snapshots."""
+    """The weights and optimizer tensors that differ between two ddp-layout snapshots."""
     diff = [k for k in a["model"] if not torch.equal(a["model"][k], b["model"][k])]
     for i, state in a["optimizer"]["state"].items():
         diff += [f"optimizer {i} {k}" for k, v in state.items()
@@ -131,8 +132,9 @@ def wait_for(line: str, *procs: subprocess.Popen, timeout: float = 300) -> None:
         time.sleep(0.2)  # polling the logs: what ends the wait is their line, not the time
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_a_killed_group_rejoins_without_a_restart_and_all_end_with_the_same_weights(
-        tmp_path):
+        tmp_path, optimizer):
     """Gates, not delays (faults.hold_quorum): both groups' first quorum waits until both
     wait there, so they start together at step 0 (without it, under load the second group to
     start found the first training alone and copied its state). The killed group dies before
@@ -140,7 +142,7 @@ def test_a_killed_group_rejoins_without_a_restart_and_all_end_with_the_same_weig
     started again has asked the lighthouse for its first: they meet there, and it joins at
     step 30."""
     mingpt = copy_mingpt(tmp_path)
-    args = ("trainer_config.max_steps=40",)
+    args = ("trainer_config.max_steps=40", f"optimizer_config.name={optimizer}")
     start, meet = tmp_path / "start", tmp_path / "meet"
     with Lighthouse(tmp_path, min_replicas=1) as lighthouse:
         survivor = group(mingpt, lighthouse, 0, *args,
@@ -175,7 +177,7 @@ def test_a_killed_group_rejoins_without_a_restart_and_all_end_with_the_same_weig
     # end; the group started again took the survivor's at step 30, past the kill.
     assert re.findall(r"joined at step (\d+)", kept) == [], kept[-3000:]
     assert "step 40/40" in kept, kept[-3000:]
-    assert re.findall(r"joined at step (\d+): weights, AdamW and position from a peer",
+    assert re.findall(r"joined at step (\d+): weights, optimizer state and position from a peer",
                       second) == ["30"], second[-4000:]
     ft0, ft1 = snapshot(mingpt, "ft0"), snapshot(mingpt, "ft1")
     assert (ft0["step"], ft1["step"]) == (40, 40)

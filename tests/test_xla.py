@@ -317,7 +317,8 @@ def test_xla_refuses_what_only_main_py_has(xla_python, tmp_path, override, messa
 
 def test_xla_refuses_the_axes_and_jobs_only_main_py_has(xla_python, tmp_path):
     """xla_main.py once ignored these silently (trained dense SPMD FSDP, one job, for real).
-    One process checks them all: the exit and the one line are the case above's."""
+    One process checks them all: the exit and the one line are the case above's. Where no
+    optimizer is named, xla_main.py takes AdamW (main.py's default, Muon, it refuses)."""
     folder = copy_mingpt(tmp_path)
     cases = {
         "trainer_config.ep_size must be 0 or 1 with xla_main.py, got 2":
@@ -337,8 +338,8 @@ def test_xla_refuses_the_axes_and_jobs_only_main_py_has(xla_python, tmp_path):
               "        said.append(None)\n"
               "    except ValueError as e:\n"
               "        said.append(str(e))\n"
-              "print(json.dumps(said))\n")
+              "print(json.dumps([said, xla_main.load_config([]).optimizer_config.name]))\n")
     proc = run([xla_python, "-c", script, json.dumps(list(cases.values()))], cwd=folder,
                **XLA_ENV)
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == list(cases)
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [list(cases), "adamw"]
 

@@ -81,6 +81,9 @@ def overrides(args: argparse.Namespace, strategy: str, ranks: int) -> list[str]:
     # unless the overrides after -- set it (hydra takes a key once).
     tp = [] if any(o.startswith("trainer_config.tp_size=") for o in args.overrides) else \
         [f"trainer_config.tp_size={ranks if strategy in ('tp', 'fsdp_tp') else 0}"]
+    # AdamW, which every strategy's figure in bench/README.md was measured with, unless given.
+    adamw = [] if any(o.startswith("optimizer_config.name=") for o in args.overrides) else \
+        ["optimizer_config.name=adamw"]
     return [f"gpt_config.model_type={args.preset}", f"gpt_config.block_size={args.block_size}",
             "gpt_config.dropout=0.0", f"trainer_config.distributed_method={strategy}", *tp,
             f"trainer_config.batch_size={args.batch_size}",
@@ -89,7 +92,7 @@ def overrides(args: argparse.Namespace, strategy: str, ranks: int) -> list[str]:
             "trainer_config.eval_every=0", "trainer_config.save_every=0",
             "trainer_config.eval_batches=2", "trainer_config.sample_tokens=0",
             "trainer_config.keep_last=1", "run_name=bench", f"run_dir={args.run_dir}",
-            *args.overrides]
+            *adamw, *args.overrides]
 
 
 def step_times(stamps: list[float], warmup: int) -> list[float]:

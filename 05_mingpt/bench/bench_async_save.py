@@ -33,7 +33,8 @@ def overrides(args: argparse.Namespace, async_save: bool) -> list[str]:
             "trainer_config.distributed_method=fsdp", f"trainer_config.async_save={async_save}",
             "trainer_config.keep_last=1", "trainer_config.sample_tokens=0",
             f"trainer_config.snapshot_path={args.dir}/{'async' if async_save else 'sync'}",
-            f"run_name=bench_async_save_{async_save}".lower()]
+            f"run_name=bench_async_save_{async_save}".lower(),
+            "optimizer_config.name=adamw"]  # AdamW's state, as bench/README.md's figures
 
 
 def worker(args: argparse.Namespace) -> None:

@@ -58,7 +58,8 @@ def overrides(args: argparse.Namespace, strategy: str) -> list[str]:
             # pp: one pipeline over all ranks, each sequence its own micro-batch (they must
             # divide batch_size); the other strategies ignore the key.
             f"trainer_config.microbatches={args.batch_size}",
-            "trainer_config.sample_tokens=0", "run_name=bench_memory"]
+            "trainer_config.sample_tokens=0", "run_name=bench_memory",
+            "optimizer_config.name=adamw"]  # AdamW's state, as bench/README.md's tables
 
 
 def rss_mb() -> float:

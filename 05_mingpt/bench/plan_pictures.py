@@ -15,10 +15,12 @@ sys.path.insert(0, str(HERE.parent))
 
 from mingpt import config, dry_run  # noqa: E402  (after the path: run from anywhere)
 
-# gpt-mini's depth with heads and width that split 8 ways; the char data's vocabulary.
+# gpt-mini's depth with heads and width that split 8 ways; the char data's vocabulary. AdamW,
+# as plan.json was drawn with (Muon's gathers of whole matrices: DRY_RUN.md).
 MODEL = ["gpt_config.model_type=null", "gpt_config.n_layer=8", "gpt_config.n_head=8",
          "gpt_config.n_embd=256", "gpt_config.block_size=128", "gpt_config.dropout=0.0",
-         "trainer_config.batch_size=8", "trainer_config.microbatches=4"]
+         "trainer_config.batch_size=8", "trainer_config.microbatches=4",
+         "optimizer_config.name=adamw"]
 LAYOUTS = {
     "ddp": ["trainer_config.distributed_method=ddp"],
     "fsdp": ["trainer_config.distributed_method=fsdp"],

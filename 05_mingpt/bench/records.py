@@ -2,10 +2,10 @@
 start on tiny Shakespeare characters, seed by seed (RECORDS.md shows the tables).
 
     python bench/records.py                           # every row of target 1.88, 3 seeds each
-    python bench/records.py --rows default rotary --seeds 1337
+    python bench/records.py --rows adamw muon --seeds 1337
     python bench/records.py --target 10min            # the lowest val loss within 10 minutes
     python bench/records.py --table bench/records.json   # the markdown tables of a saved run
-    python bench/records.py --rows default -- trainer_config.max_steps=500   # main.py's, last
+    python bench/records.py --rows adamw -- trainer_config.max_steps=500   # main.py's, last
 
 Two targets. "1.88": the seconds until a validation loss at or below 1.88 (where nanoGPT's CPU
 recipe ends; bench.py's QUALITY), evaluating every 100 steps (each evaluation's time counts).
@@ -33,6 +33,9 @@ SHORT = ["trainer_config.max_steps=300", "trainer_config.warmup_steps=50",
 TWO_LAYERS = ["gpt_config.model_type=null", "gpt_config.n_layer=2", "gpt_config.n_head=4",
               "gpt_config.n_embd=128"]
 RECORD = [*OPTIONS, *MUON, *SHORT, *TWO_LAYERS]
+# The recipe every row starts from: main.py's defaults before Muon became one (AdamW, 1500
+# steps), so the rows measured then stay the same commands now.
+BEFORE_MUON = ["optimizer_config.name=adamw", "trainer_config.max_steps=1500"]
 # name -> (the change, main.py's overrides). Each record row adds one change to the row above;
 # the without_* rows take one option out of the record. Rows that did not help stay.
 ROWS = {
@@ -42,7 +45,7 @@ ROWS = {
         "nanogpt": ("nanoGPT's CPU recipe through main.py", [
             "trainer_config.batch_size=12", "optimizer_config.lr=1e-3",
             "optimizer_config.betas=[0.9,0.99]", "trainer_config.max_steps=2000"]),
-        "default": ("`python main.py` as it ships (batch 16, lr 1e-2, 1500 steps)", []),
+        "adamw": ("`python main.py` before Muon (AdamW, batch 16, lr 1e-2, 1500 steps)", []),
         "options": ("+ rotary, qk_norm, relu2, untied_head", OPTIONS),
         "muon": ("+ Muon on the blocks' matrices", [*OPTIONS, *MUON]),
         "short": ("+ 300 steps, warmup 50, AdamW lr 2e-2", [*OPTIONS, *MUON, *SHORT]),
@@ -52,6 +55,10 @@ ROWS = {
         # The two whose removal cost nothing above, both out.
         "lean": ("the record without qk_norm and relu2",
                  [x for x in RECORD if "qk_norm" not in x and "relu2" not in x]),
+        # What main.py took from the rows above: Muon, on half of adamw's steps (its cosine
+        # ends sooner). No model option: GPT-2's weights cannot hold them (init_from, export).
+        "default": ("`python main.py` as it ships: `adamw` + Muon, 750 steps",
+                    [*MUON, "trainer_config.max_steps=750"]),
     },
     "10min": {
         # The record's changes on gpt-micro at twice the context, as many steps as fit (about
@@ -78,7 +85,7 @@ def run_row(target: str, name: str, seed: int, scratch: Path, extra: list[str]) 
     """One row, one seed: timed_main with the row's overrides, its seed and run directory;
     `extra` (main.py's, after `--`) win over both, key by key (hydra takes a key once)."""
     change, overrides = ROWS[target][name]
-    given = dict(arg.split("=", 1) for arg in [*EVERY, *overrides,
+    given = dict(arg.split("=", 1) for arg in [*EVERY, *BEFORE_MUON, *overrides,
                                                f"trainer_config.seed={seed}", *extra])
     args = [*(f"{key}={value}" for key, value in given.items()),
             f"run_dir={scratch / f'{target}_{name}_{seed}'}"]

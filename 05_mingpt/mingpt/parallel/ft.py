@@ -231,7 +231,7 @@ class Replicas:
         tr.scheduler.load_state_dict(state["scheduler"])
         tr.last_val = state["last_val"]
         print(f"[replica group {self.hooks.group}, rank {dist.get_rank()}] joined at step "
-              f"{tr.step}: weights, AdamW and position from a peer", flush=True)
+              f"{tr.step}: weights, optimizer state and position from a peer", flush=True)
 
     def start(self, trainer) -> None:
         """The first step's quorum, once the trainer exists and resumed its own snapshot (a
