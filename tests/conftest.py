@@ -71,7 +71,7 @@ BUDGETS = {
     "test_mingpt_dry_run.py": 270,
     "test_mingpt_diloco.py": 260,
     "test_mingpt_hang.py": 240,
-    "test_mingpt_torchft.py": 120,
+    "test_mingpt_torchft.py": 160,  # the rejoin with Muon too: about 40 s more
     "test_feature_matrix.py": 400,  # 95 pairs with zero x pp: 341 s idle (EPYC)
     "test_notebooks.py": 230,  # comm_lab.ipynb: about 30 s more
     "test_mingpt_train.py": 190,
@@ -81,9 +81,9 @@ BUDGETS = {
     "test_mingpt_export.py": 130,
     "test_mingpt_experts.py": 120,
     "test_restarts.py": 110,
-    "test_mingpt_pipeline.py": 110,
+    "test_mingpt_pipeline.py": 90,  # fsdp_pp: test_mingpt_layouts.py's world
     "test_steps.py": 100,
-    "test_mingpt_layouts.py": 100,
+    "test_mingpt_layouts.py": 110,
     "test_crash_storm.py": 85,
     "test_mingpt_strategies.py": 85,
     "test_cluster.py": 80,  # 85 with pip's cache cold, 1 once its venv exists

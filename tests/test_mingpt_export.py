@@ -2,7 +2,8 @@
 model computes, and gpt_config.init_from starts training again from it.
 
 One tiny run per layout (ddp on one process, in this process; fsdp, fsdp with tp and a
-pipeline on two, under torchrun) serves every check of its snapshot: the exported weights are
+pipeline on two, in one warm world of two spawned ranks that trains, exports and trains again
+from the export) serves every check of its snapshot: the exported weights are
 the snapshot's bit for bit, transformers' logits are ours within a derived fp32 bound, its
 greedy `generate` writes sample.py's greedy text, and a run started from the export evaluates
 to the trained run's last validation loss. Bad input is one `error:` line, nothing written.
@@ -13,32 +14,36 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 
 from bpe_fixture import write_tokenizer
-from conftest import TORCHRUN, run
+from conftest import in_process
 from mingpt_helpers import (
     MINGPT,
     assert_close_ulps,
     copy_mingpt,
+    join_world,
     mingpt_imported,
     script_in_process,
+    spawn_world,
     tiny,
     val_losses,
 )
 
 transformers = pytest.importorskip("transformers")
 CPU = torch.device("cpu")
-# layout -> (processes, overrides). ddp's one file is the same from any number of ranks: one
-# process, in this process (no interpreter to start). The others on two ranks, so that their
-# snapshots hold pieces only the export puts together: fsdp shards every tensor by rows, tp
-# splits each matmul (q, k and v each by rows), the pipeline puts one block on each rank.
+# layout -> overrides. ddp's one file is the same from any number of ranks: one process, in
+# this process. The others on two ranks (WORLD_LAYOUTS), so that their snapshots hold pieces
+# only the export puts together: fsdp shards every tensor by rows, tp splits each matmul (q, k
+# and v each by rows), the pipeline puts one block on each rank.
 LAYOUTS = {
-    "ddp": (1, ("trainer_config.distributed_method=ddp",)),
-    "fsdp": (2, ("trainer_config.distributed_method=fsdp",)),
-    "fsdp_tp": (2, ("trainer_config.distributed_method=fsdp_tp", "trainer_config.tp_size=2")),
-    "pp": (2, ("trainer_config.distributed_method=pp",)),
+    "ddp": ("trainer_config.distributed_method=ddp",),
+    "fsdp": ("trainer_config.distributed_method=fsdp",),
+    "fsdp_tp": ("trainer_config.distributed_method=fsdp_tp", "trainer_config.tp_size=2"),
+    "pp": ("trainer_config.distributed_method=pp",),
 }
+WORLD_LAYOUTS = ("fsdp", "fsdp_tp", "pp")
 HF_FILES = ["config.json", "generation_config.json", "model.safetensors"]
 
 
@@ -53,17 +58,52 @@ def mingpt(tmp_path_factory):
     return copy_mingpt(tmp_path_factory.mktemp("mingpt_export"))
 
 
-def train(mods, mingpt: Path, layout: str, run_name: str, *extra: str):
-    """main.py on `layout`'s ranks: the stdout; its snapshot is runs/<run_name>/snapshot."""
-    nproc, overrides = LAYOUTS[layout]
+def layout_args(layout: str, run_name: str, *extra: str) -> list[str]:
+    """main.py's overrides for a run of `layout`; its snapshot is runs/<run_name>/snapshot."""
     # No sample at the end: a pipeline reads its snapshot back for it, time this file can save.
-    args = tiny(f"run_name={run_name}", "trainer_config.sample_tokens=0", *overrides, *extra)
-    if nproc == 1:
-        proc = script_in_process(mods["main"], mingpt, *args)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return proc.stdout
-    return run([TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", "main.py", *args],
-               cwd=mingpt).stdout
+    return tiny(f"run_name={run_name}", "trainer_config.sample_tokens=0", *LAYOUTS[layout],
+                *extra)
+
+
+def train(mods, mingpt: Path, layout: str, run_name: str, *extra: str):
+    """`python main.py` of a one-process layout, in this process: the stdout."""
+    proc = script_in_process(mods["main"], mingpt, *layout_args(layout, run_name, *extra))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def _world(rank: int, store: str, out: str, text: str, mingpt: str) -> None:
+    """One of two ranks: for each of WORLD_LAYOUTS, main.py's training on this warm group
+    (main.train, what torchrun's workers run after joining theirs), rank 0's export of its
+    snapshot, then one step from that export; rank 0 writes what it saw (spawn_world reads it)."""
+    join_world(rank, store, 2)
+    folder, result = Path(mingpt), {}
+    with mingpt_imported("main", "export_hf") as m:
+        def main_py(*args: str) -> str:
+            def train() -> None:
+                error = m["main"].train(m["config"].load(list(args)), CPU)
+                if error is not None:
+                    raise SystemExit(f"error: {error}")
+            proc = in_process(train, ["main.py", *args], folder)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            return proc.stdout
+
+        for layout in WORLD_LAYOUTS:
+            result[layout] = {"log": main_py(*layout_args(layout, layout))}
+            exported = Path(out) / layout
+            if rank == 0:
+                proc = script_in_process(m["export_hf"], folder,
+                                         str(folder / "runs" / layout / "snapshot"),
+                                         str(exported))
+                result[layout]["export"] = [str(exported), proc.returncode, proc.stdout,
+                                            proc.stderr]
+            dist.barrier()  # the export is written
+            result[layout]["again"] = main_py(*layout_args(
+                layout, f"{layout}_again", f"gpt_config.init_from={exported}",
+                "trainer_config.max_steps=1"))
+        if rank == 0:
+            (Path(out) / "rank0.json").write_text(json.dumps(result))
+        m["distributed"].release()
 
 
 def export(mods, mingpt: Path, *args: str):
@@ -72,19 +112,30 @@ def export(mods, mingpt: Path, *args: str):
 
 
 @pytest.fixture(scope="module")
-def trained(mods, mingpt, tmp_path_factory):
+def world(mingpt, tmp_path_factory) -> dict:
+    """WORLD_LAYOUTS' runs: layout -> rank 0's log, export and log of the run from it."""
+    out = tmp_path_factory.mktemp("world")
+    return spawn_world(_world, 2, out, str(mingpt))[0]
+
+
+@pytest.fixture(scope="module")
+def trained(mods, mingpt, world, tmp_path_factory):
     """layout -> (snapshot, the run's stdout, its export): one run of 10 steps each."""
     out = tmp_path_factory.mktemp("exports")
     runs = {}
     for layout in LAYOUTS:
-        stdout = train(mods, mingpt, layout, layout)
         snapshot = mingpt / "runs" / layout / "snapshot"
-        if layout == "ddp":
-            (out / layout).mkdir()  # an empty OUT_DIR is taken (replaced once complete)
-        proc = export(mods, mingpt, snapshot, out / layout)
-        assert proc.returncode == 0, proc.stderr
-        assert proc.stdout == f"wrote {out / layout}: GPT2LMHeadModel ({', '.join(HF_FILES)})\n"
-        runs[layout] = (snapshot, stdout, out / layout)
+        if layout in WORLD_LAYOUTS:
+            stdout, (exported, code, said, err) = world[layout]["log"], world[layout]["export"]
+            exported = Path(exported)
+        else:
+            stdout, exported = train(mods, mingpt, layout, layout), out / layout
+            exported.mkdir()  # an empty OUT_DIR is taken (replaced once complete)
+            proc = export(mods, mingpt, snapshot, exported)
+            code, said, err = proc.returncode, proc.stdout, proc.stderr
+        assert code == 0, err
+        assert said == f"wrote {exported}: GPT2LMHeadModel ({', '.join(HF_FILES)})\n"
+        runs[layout] = (snapshot, stdout, exported)
     return runs
 
 
@@ -175,15 +226,16 @@ def test_transformers_computes_our_logits_and_greedy_text(mods, mingpt, trained,
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_init_from_the_export_starts_where_the_run_ended(mods, mingpt, trained, layout):
+def test_init_from_the_export_starts_where_the_run_ended(mods, mingpt, trained, world, layout):
     """A run of the same layout started from the export evaluates, at step 0, to the trained
     run's last validation loss: the same weights bit for bit, the same validation windows and
     the same arithmetic on the same ranks, so the same logged loss, not merely a close one."""
     _, stdout, exported = trained[layout]
     last = val_losses(stdout)
     assert max(last) == 10
-    again = train(mods, mingpt, layout, f"{layout}_again", f"gpt_config.init_from={exported}",
-                  "trainer_config.max_steps=1")
+    again = world[layout]["again"] if layout in WORLD_LAYOUTS else train(
+        mods, mingpt, layout, f"{layout}_again", f"gpt_config.init_from={exported}",
+        "trainer_config.max_steps=1")
     assert f"weights from {exported}" in again
     assert val_losses(again)[0] == last[10], (val_losses(again), last)
 

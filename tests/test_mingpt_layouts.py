@@ -38,6 +38,7 @@ LAYOUTS = {
     "ddp_tp2": ("ddp", 2, 0, 0),       # replicas of TP groups: dp 2 x tp 2
     "ddp_pp2": ("ddp", 0, 2, 0),       # replicas of pipelines: pp 2 x dp 2
     "zero_pp2": ("zero", 0, 2, 0),     # the same, each stage's AdamW state over its dp 2
+    "fsdp_pp2": ("fsdp", 0, 2, 0),     # pipelines, FSDP across them: pp 2 x dp 2
     "fsdp_tp2_cp2": ("fsdp", 2, 0, 2),  # dp 1 x cp 2 x tp 2
     "fsdp_pp2_cp2": ("fsdp", 0, 2, 2),  # pp 2 x dp 1 x cp 2: stages pass T / cp tokens
 }

@@ -5,8 +5,8 @@ not fit in one line.
 
 Two spawned gloo processes train every schedule in-process through main.load_train_objs and
 the Trainer, as main.py does; the one-process reference trains in this process (a one-rank
-gloo group). The 2-D mesh: tests/pipeline_mesh_worker.py (the 3-D one is
-test_mingpt_layouts.py's).
+gloo group). fsdp_pp (a 2-D mesh) and fsdp_tp_pp (3-D) follow DDP in test_mingpt_layouts.py's
+warm worlds of 4 and 8 ranks.
 """
 import contextlib
 import io
@@ -17,9 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401  imported before any group exists (test_teardown.py)
-import torch.multiprocessing as mp
 
-import pipeline_mesh_worker
 from mingpt_helpers import (
     U,
     assert_refused,
@@ -339,37 +337,3 @@ def test_split_and_mesh_layout():
         layout = m["layout"].resolve("fsdp_tp_pp", 8, tp_size=2, pp_size=2)
         assert layout.sizes() == {"pp": 2, "dp": 2, "tp": 2}
         assert m["parallel"].STRATEGIES["fsdp_tp_pp"].pipeline
-
-
-# --- 2-D and 3-D: pipelines with FSDP across them, and TP inside each stage -----------------
-
-# fsdp_tp_pp on (pp 2, dp 2, tp 2) is test_mingpt_layouts.py's 8-rank world's (fsdp_pp2_tp2,
-# against ddp over the 8): one 8-process launch, not two.
-@pytest.mark.parametrize("method, world", [("fsdp_pp", 4)])
-def test_meshes_follow_ddps_trajectory(tmp_path, method, world):
-    """fsdp_pp on a (pp 2, dp 2) mesh takes the steps one process takes on the whole batches
-    (what DDP computes), up to the order of their sums:
-    FSDP's reduce-scatter over dp, TP's sharded matmuls, the tied embedding's two halves, the
-    clip norm summed over the stages. The bounds are test_mingpt_strategies.py's: a logged
-    loss within one unit of its 4th decimal, every weight within 1% of the most AdamW can
-    move it in these steps (constant lr: STEPS x lr) but for up to OUTLIERS."""
-    mp.start_processes(pipeline_mesh_worker.main, args=(str(tmp_path), world, method),
-                       nprocs=world, start_method="spawn")
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
-    # pp outermost, tp innermost: rank = (pp * dp + dp_rank) * tp + tp_rank.
-    tp = 2 if method == "fsdp_tp_pp" else 1
-    assert [r["coordinate"] for r in results] == [
-        [r // (2 * tp), r // tp % 2, r % tp] if tp == 2 else [r // 2, r % 2, 0]
-        for r in range(world)]
-    with mingpt_imported():
-        expected = pipeline_mesh_worker.reference(str(tmp_path))
-    for step, loss in enumerate(expected):
-        got = sum(sum(r["losses"][step]) for r in results) / sum(
-            len(r["losses"][step]) for r in results)
-        assert log_units(round(got, 4), round(loss, 4)) <= 1, (step, got, loss)
-    reference = torch.load(tmp_path / "reference.pt")
-    weights = torch.load(tmp_path / "stage0.pt") | torch.load(tmp_path / "stage1.pt")
-    assert set(weights) == set(reference)
-    budget = pipeline_mesh_worker.STEPS * pipeline_mesh_worker.LR
-    diffs = torch.cat([(weights[k] - v).abs().flatten() for k, v in reference.items()])
-    assert int((diffs > 1e-2 * budget).sum()) <= OUTLIERS, diffs.max()
