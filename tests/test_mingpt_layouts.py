@@ -43,7 +43,7 @@ LAYOUTS = {
     "fsdp_pp2_cp2": ("fsdp", 0, 2, 2),  # pp 2 x dp 1 x cp 2: stages pass T / cp tokens
 }
 # Resumed into, from ddp's one-file snapshot: pp 2 x dp 2, FSDP over each stage's dp ranks.
-MOVED = ("fsdp", 0, 2, 0)
+MOVED = LAYOUTS["fsdp_pp2"]
 # On 8 ranks: the 3-D layouts, against ddp over the 8 (dp 8, one sequence per rank).
 LAYOUTS_8 = {
     "ddp": ("ddp", 0, 0, 0),

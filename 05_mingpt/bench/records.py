@@ -33,6 +33,9 @@ SHORT = ["trainer_config.max_steps=300", "trainer_config.warmup_steps=50",
 TWO_LAYERS = ["gpt_config.model_type=null", "gpt_config.n_layer=2", "gpt_config.n_head=4",
               "gpt_config.n_embd=128"]
 RECORD = [*OPTIONS, *MUON, *SHORT, *TWO_LAYERS]
+# The 10-minute rows' recipe (ROWS["10min"] says why).
+MICRO_128 = [*OPTIONS, *MUON, "gpt_config.block_size=128", "trainer_config.max_steps=3400",
+             "trainer_config.eval_every=400"]
 # The recipe every row starts from: main.py's defaults before Muon became one (AdamW, 1500
 # steps), so the rows measured then stay the same commands now.
 BEFORE_MUON = ["optimizer_config.name=adamw", "trainer_config.max_steps=1500"]
@@ -64,14 +67,11 @@ ROWS = {
         # The record's changes on gpt-micro at twice the context, as many steps as fit (about
         # 152 ms a step and 1.8 s an evaluation on EPYC: 540 s, with room for a slower run),
         # evaluating every 400 steps. 3000 steps ended at 1.4996 after 489 s (seed 1337).
-        "micro_128": ("gpt-micro, block 128, options and Muon, 3400 steps", [
-            *OPTIONS, *MUON, "gpt_config.block_size=128", "trainer_config.max_steps=3400",
-            "trainer_config.eval_every=400"]),
+        "micro_128": ("gpt-micro, block 128, options and Muon, 3400 steps", MICRO_128),
         # Both lrs annealed to 0 rather than to a tenth: the last steps settle further (seed
         # 1339 went on past 1.50 where a tenth left it at 1.5058).
-        "micro_128_to_zero": ("+ the cosine down to 0 (min_lr_ratio=0)", [
-            *OPTIONS, *MUON, "gpt_config.block_size=128", "trainer_config.max_steps=3400",
-            "trainer_config.eval_every=400", "trainer_config.min_lr_ratio=0.0"]),
+        "micro_128_to_zero": ("+ the cosine down to 0 (min_lr_ratio=0)",
+                              [*MICRO_128, "trainer_config.min_lr_ratio=0.0"]),
     },
 }
 # How long a run of each target may go on (None: to its own end).
