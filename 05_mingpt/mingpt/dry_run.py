@@ -355,6 +355,10 @@ def plan(cfg: DictConfig, gpt_config: GPTConfig | None = None,
     return lay, dict(zip(ranks, plans, strict=True))
 
 
+GUARD_NEEDED = ("a script that calls the dry run needs multiprocessing's "
+                "`if __name__ == \"__main__\":` guard")
+
+
 def plan_ranks(jobs: list[tuple[DictConfig, GPTConfig, int, int]],
                keep_refusals: bool = False) -> list[dict | ValueError]:
     """plan_rank(*job) for each job, two at a time, each in a process of its own; with
@@ -375,6 +379,11 @@ def plan_ranks(jobs: list[tuple[DictConfig, GPTConfig, int, int]],
     # FakeTensorMode imports it (with triton and more: about 1.2 s), which every rank's
     # process paid anew before (the dry-run tests' plans took twice as long). Importing it
     # starts no thread, so the server stays safe to fork.
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        # This process is a child re-running an unguarded script's top level (the flag is the
+        # one multiprocessing's own check reads). Stop before making a pool: its locks would be
+        # left to the resource tracker, whose warning would come after the caller's error.
+        raise RuntimeError(GUARD_NEEDED)
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["mingpt.dry_run", "torch._dynamo"])
     try:
@@ -383,9 +392,7 @@ def plan_ranks(jobs: list[tuple[DictConfig, GPTConfig, int, int]],
             futures = [pool.submit(plan_rank, *job) for job in jobs]
             return [_outcome(future, keep_refusals) for future in futures]
     except BrokenProcessPool:
-        raise RuntimeError("a dry-run process died before it finished; a script that calls "
-                           "the dry run needs multiprocessing's `if __name__ == "
-                           "\"__main__\":` guard") from None
+        raise RuntimeError(f"a dry-run process died before it finished; {GUARD_NEEDED}") from None
 
 
 def _outcome(future: Future, keep_refusals: bool) -> dict | ValueError:
