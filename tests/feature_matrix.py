@@ -92,12 +92,16 @@ SETTINGS = {
 }
 WORLD = 4  # torchrun's WORLD_SIZE for the checks that need one
 # The features a warm world of WORLD gloo ranks trains in this process's tests: each accepted
-# pair of them runs there, stops, resumes and ends bit for bit (test_feature_matrix.py). The
-# others are proven alone by their own files (ft_replicas, async_save, s3, init_from, ...)
-# or need what a CPU lacks (dp, memory_snapshot; fp16 and compile: slow on a CPU).
+# pair of them runs there (in one of runs()), stops, resumes and ends bit for bit
+# (test_feature_matrix.py). The others are proven alone by their own files (ft_replicas,
+# async_save, s3, init_from, ...) or need what a CPU lacks (dp, memory_snapshot; compile:
+# minutes of inductor on a CPU). fp16_hook resumes within no bound that tells it from a wrong
+# state: the reordered sums of DDP's first step after a start (bitwise's docstring) round in
+# fp16, 2^-11 of a gradient, and AdamW or Muon turn a gradient near zero into a whole step
+# of lr (measured: 3.4e-3 apart after one step); test_mingpt_strategies.py proves the hook.
 RUNNABLE = ("grad_accum", "zero", "fsdp", "bf16", "activation_checkpointing", "tp_size",
             "cp_size", "ep_size", "pp_size", "dropout", "experts", "cpu_offload", "muon",
-            "rotary")
+            "rotary", "qk_norm", "relu2", "untied_head", "fp16", "profile")
 
 
 def schema_keys(config) -> dict[str, tuple[str, object]]:
@@ -162,39 +166,50 @@ def verdict(config, overrides: list[str]) -> str | None:
             os.environ["WORLD_SIZE"] = old
 
 
-def overrides(on: dict[str, list[str]], a: str, b: str) -> list[str]:
-    """The overrides of features a and b together: BASE, their needs, then their own (a
+def overrides(on: dict[str, list[str]], *names: str) -> list[str]:
+    """The overrides of the features `names` together: BASE, their needs, then their own (a
     later value of a key wins: the features' own over the needs)."""
     given: dict[str, str] = {}
-    for override in [*BASE, *NEEDS.get(a, []), *NEEDS.get(b, []), *on[a], *on[b]]:
+    needs = [arg for name in names for arg in NEEDS.get(name, [])]
+    for override in [*BASE, *needs, *(arg for name in names for arg in on[name])]:
         key, _, value = override.partition("=")
         given[key] = value
     return [f"{key}={value}" for key, value in given.items()]
 
 
-def grid(config) -> tuple[list[str], dict[tuple[str, str], str | None]]:
-    """The features, and every pair's verdict (the pair with itself: the feature alone)."""
-    on = features(config)
-    names = list(on)
-    cells = {(a, b): verdict(config, overrides(on, a, b))
-             for i, a in enumerate(names) for b in names[i:] if not same_key(a, b)}
-    return names, cells
+def grid(config, cache: dict = {}) -> tuple[list[str], dict[tuple[str, str], str | None]]:  # noqa: B006
+    """The features, and every pair's verdict (the pair with itself: the feature alone);
+    computed once per config module (`cache`)."""
+    if id(config) not in cache:
+        on = features(config)
+        names = list(on)
+        cache[id(config)] = names, {(a, b): verdict(config, overrides(on, a, b))
+                                    for i, a in enumerate(names) for b in names[i:]
+                                    if not same_key(a, b)}
+    return cache[id(config)]
 
 
-def bitwise(config, a: str, b: str) -> bool:
-    """Whether features a and b resume bit for bit on WORLD ranks. Not where DDP averages the
-    gradients (the ddp and zero flavours with no tp, pp or ep degree: the one-file snapshot):
-    DDP's first step after any start all-reduces one bucket in the parameters' order, and
-    rebuilds its buckets in backward's order for the later steps, so a resumed run's first
+def method(config, *names: str) -> str:
+    """trainer_config.distributed_method with the features `names` on."""
+    given = dict(arg.split("=", 1) for arg in overrides(features(config), *names))
+    return given.get("trainer_config.distributed_method",
+                     base_config(config).trainer_config.distributed_method)
+
+
+def bitwise(config, *names: str) -> bool:
+    """Whether the features `names` together resume bit for bit on WORLD ranks. Not where DDP
+    averages the gradients (the ddp and zero flavours with no tp, pp or ep degree: the one-file
+    snapshot): DDP's first step after any start all-reduces one bucket in the parameters' order,
+    and rebuilds its buckets in backward's order for the later steps, so a resumed run's first
     step adds the ranks' gradients in another order than the uninterrupted run's same step
-    (gloo's ring: an element's order follows its place in the bucket; on 2 ranks a + b is
-    b + a, so only more ranks show it). Measured: the same weights and batch give a fresh
-    DDP's first backward other all-reduced gradients than a DDP's second on 4 gloo ranks (every
-    tensor, up to 1.5e-8), the same on 2. Open: DDP offers no public way to start with the
-    rebuilt buckets (its private reducer._push_all_rebuilt_params makes them the parameters'
-    order from the start: bit for bit, but no overlap of the all-reduce with backward)."""
+    (gloo's ring: an element's order follows its place in the bucket; on 2 ranks a + b is b + a,
+    so only more ranks show it). Measured: the same weights and batch give a fresh DDP's first
+    backward other all-reduced gradients than a DDP's second on 4 gloo ranks (every tensor, up
+    to 1.5e-8), the same on 2. Open: DDP offers no public way to start with the rebuilt buckets
+    (its private reducer._push_all_rebuilt_params makes them the parameters' order from the
+    start: bit for bit, but no overlap of the all-reduce with backward)."""
     t = base_config(config).copy()
-    for override in overrides(features(config), a, b):
+    for override in overrides(features(config), *names):
         key, value = override.split("=", 1)
         OmegaConf.update(t, key, yaml.safe_load(value))
     t = t.trainer_config
@@ -207,6 +222,48 @@ def proven_pairs(config) -> list[tuple[str, str]]:
     names, cells = grid(config)
     return [(a, b) for (a, b), line in cells.items()
             if line is None and a in RUNNABLE and b in RUNNABLE]
+
+
+def runs(config) -> list[tuple[str, ...]]:
+    """Runs that together train every proven pair (and so every feature of them), each run
+    turning several features on at once: all-pairs testing's covering runs, built greedily.
+    Seeded by the first pair no run holds yet, a run takes, one at a time, the feature that
+    brings it the most pairs no run holds yet, while one brings any and the config still
+    takes the whole run on WORLD ranks under the seed's flavour and kind of resume (bitwise,
+    or within rounding): every pair lies in a run that proves what its cell claims, under the
+    flavour it has alone, and a feature leaves the runs once its pairs are held (so AdamW,
+    the default, trains in the later runs, muon in the first)."""
+    names, cells = grid(config)
+    on = features(config)
+    pairs = set(proven_pairs(config))
+    # What a run must share with a pair to prove its cell: the kind of resume, the flavour.
+    claim = {pair: (bitwise(config, *pair), method(config, *pair)) for pair in pairs}
+    left = [pair for pair in cells if pair in pairs]  # the grid's order
+
+    def pair(a: str, b: str) -> tuple[str, str]:
+        return tuple(sorted((a, b), key=names.index))
+
+    chosen: list[tuple[str, ...]] = []
+    while left:
+        seed = left[0]
+        run, kind = sorted(set(seed), key=names.index), claim[seed]
+        held = {p for p in left if claim[p] == kind}
+        while True:
+            gains = {n: sum(pair(n, r) in held for r in run) for n in RUNNABLE if n not in run
+                     and all(pair(n, r) in pairs and not same_key(n, r) for r in run)}
+            for name in sorted(gains, key=lambda n: -gains[n]):
+                trial = [*run, name]
+                if gains[name] and (bitwise(config, *trial), method(config, *trial)) == kind \
+                        and verdict(config, overrides(on, *trial)) is None:
+                    run = trial
+                    break
+            else:
+                break
+        run = sorted(run, key=names.index)
+        chosen.append(tuple(run))
+        covered = {(a, b) for i, a in enumerate(run) for b in run[i:]}
+        left = [p for p in left if not (p in covered and claim[p] == kind)]
+    return chosen
 
 
 def markdown(config) -> str:

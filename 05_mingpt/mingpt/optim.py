@@ -156,6 +156,16 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: DictConfig, steps_tak
     return LambdaLR(optimizer, factor, last_epoch=steps_taken - 1)
 
 
+def lr_key(group: dict) -> str:
+    """The optimizer_config key a param group's base lr comes from."""
+    return "muon_lr" if group.get("muon") else "lr"
+
+
+def base_lrs(optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    """The base lr of each kind of param group (lr_key), as a snapshot keeps them."""
+    return {lr_key(group): optimizer.defaults[lr_key(group)] for group in optimizer.param_groups}
+
+
 def resume_scheduler(optimizer: torch.optim.Optimizer, cfg: DictConfig, state: dict
                      ) -> tuple[LambdaLR, list[str]]:
     """The schedule at a snapshot's step, with THIS run's settings; and what changed.
@@ -167,10 +177,15 @@ def resume_scheduler(optimizer: torch.optim.Optimizer, cfg: DictConfig, state: d
     changes = [f"trainer_config.{key} {saved[key]} -> {cfg[key]}"
                for key in SCHEDULE_KEYS if saved[key] != cfg[key]]
     # The lrs this run was given (Muon's groups have their own): the schedule scales them.
-    for group, saved_lr in zip(optimizer.param_groups, state["scheduler"]["base_lrs"],
-                               strict=True):
-        key = "muon_lr" if group.get("muon") else "lr"
-        base = optimizer.defaults[key]
+    # The saved ones by key: rank 0's groups, which another pipeline stage's may not match
+    # (an untied output layer's group is only on the last stage). A snapshot from before
+    # base_lrs was saved: its scheduler's list, group by group, as then.
+    saved_lrs = state.get("base_lrs") or {
+        lr_key(group): lr for group, lr in zip(optimizer.param_groups,
+                                               state["scheduler"]["base_lrs"], strict=True)}
+    for group in optimizer.param_groups:
+        key = lr_key(group)
+        base, saved_lr = optimizer.defaults[key], saved_lrs[key]
         change = f"optimizer_config.{key} {saved_lr:g} -> {base:g}"
         if saved_lr != base and change not in changes:
             changes.append(change)

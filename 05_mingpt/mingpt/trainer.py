@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from mingpt import faults, forensics, savers
 from mingpt.log import TrainLog, print0
-from mingpt.optim import SCHEDULE_KEYS, build_scheduler, resume_scheduler
+from mingpt.optim import SCHEDULE_KEYS, base_lrs, build_scheduler, resume_scheduler
 from mingpt.parallel import Layout, describe, runner
 from mingpt.parallel.wrappers import data_parallel, local_devices, pipeline_stage, unwrap
 from mingpt.precision import grad_scaler
@@ -153,6 +153,7 @@ class Trainer:
             "dp_size": self.dp_size,
             "rng_layout": self.rng_layout,
             "scheduler": self.scheduler.state_dict(),
+            "base_lrs": base_lrs(self.optimizer),  # by kind: stages' groups differ
             "schedule": {key: self.cfg[key] for key in SCHEDULE_KEYS},
             "last_val": self.last_val,  # a resume at this step need not evaluate it again
             "scaler": self.scaler.state_dict(),
