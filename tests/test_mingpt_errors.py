@@ -53,6 +53,8 @@ def one_error_line(proc, *fragments: str) -> str:
     (["gpt_config.vocab_size=3"], ["unknown key gpt_config.vocab_size"]),
     (["trainer_config.max_steps=many"], ["trainer_config.max_steps", "Integer"]),
     (["trainer_config.cpu_offload=true"], ["cpu_offload", "distributed_method=fsdp"]),
+    (["trainer_config.distributed_method=fsdp", "trainer_config.tp_size=2",
+      "trainer_config.async_save=true"], ["async_save must be False with tp_size > 1"]),
     (["trainer_config.comm_hook=powersgd"], ["one of none, fp16, bf16 (powersgd's "
                                              "per-bucket state cannot resume exactly"]),
     (["optimizer_config.betas=[0.9]"], ["optimizer_config.betas must be two numbers"]),

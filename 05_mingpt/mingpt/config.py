@@ -213,6 +213,12 @@ def validate(cfg: DictConfig) -> None:
             "trainer_config.async_save", "False for a one-file snapshot (distributed_method=ddp, "
             "zero or dp without tp_size, pp_size or ep_size: rank 0 writes it alone; "
             "SNAPSHOTS.md)", t.async_save)
+    # TP's q/k/v shards reach DCP as pieces of the global tensor (parallel/strided.py), a
+    # description the staging copy of an asynchronous save does not keep: it wrote each
+    # rank's rows as the whole tensor, a snapshot no run could load (feature matrix, found).
+    require(not t.async_save or t.tp_size <= 1, "trainer_config.async_save",
+            "False with tp_size > 1 (its staging copy loses how TP's q/k/v shards lie in the "
+            "global tensor: SNAPSHOTS.md)", t.async_save)
     ft.check_config(t, o)  # replica groups (parallel/ft.py, diloco.py)
     require(t.grad_clip >= 0, "trainer_config.grad_clip", ">= 0 (0 turns clipping off)",
            t.grad_clip)
