@@ -9,13 +9,15 @@
   covering runs; every pair lies in one): 2 steps with a snapshot after each, then the
   snapshot of step 1 resumed to step 2, which must end with the uninterrupted run's weights,
   bit for bit (step 2's update reads the optimizer's state and the dropout streams the
-  snapshot restored). A refused pair is refused by the config, before any process group:
+  snapshot restored). The s3 runs keep their snapshots in a moto server's bucket
+  (test_mingpt_s3.py's). A refused pair is refused by the config, before any process group:
   one line, the grid's.
 """
-import shutil
 from pathlib import Path
 
+import fsspec
 import pytest
+import torch
 import torch.distributed as dist
 import yaml
 from omegaconf import OmegaConf
@@ -25,10 +27,10 @@ from conftest import REPO
 from mingpt_helpers import (
     join_world,
     mingpt_imported,
-    snapshot_weights,
     spawn_world,
     tiny,
 )
+from test_mingpt_s3 import s3_env  # noqa: F401 (a fixture: the moto server and its bucket)
 from test_mingpt_strategies import run
 
 WORLD = feature_matrix.WORLD
@@ -59,6 +61,15 @@ def test_the_readme_grid_is_the_matrix(config):
         "tests/README.md's grid is stale: paste `python tests/feature_matrix.py`'s output"
 
 
+def location(names: tuple[str, ...], run_dir: Path) -> str:
+    """Where run `run_dir` (out/<case>/<whole or resumed>) keeps its snapshot: beside it, or
+    with the s3 feature in the moto server's bucket (test_mingpt_s3.s3_env), under the same
+    names."""
+    if "s3" not in names:
+        return f"{run_dir}/snapshot"
+    return f"s3://mingpt/{run_dir.parent.name}/{run_dir.name}/snapshot"
+
+
 def case_overrides(config, names: tuple[str, ...], run_dir: Path, text: Path) -> list[str]:
     """One run: its features on (feature_matrix.overrides), a tiny model, 2 steps with a
     snapshot after each (the one before stays: keep_last 2)."""
@@ -74,21 +85,28 @@ def case_overrides(config, names: tuple[str, ...], run_dir: Path, text: Path) ->
     given |= dict(arg.split("=", 1) for arg in feature_matrix.overrides(on, *names))
     args = [f"{key}={value}" for key, value in given.items()]
     return tiny(*args, f"run_dir={run_dir}", f"data_config.path={text}",
-                f"trainer_config.snapshot_path={run_dir}/snapshot", "trainer_config.max_steps=2",
+                f"trainer_config.snapshot_path={location(names, run_dir)}",
+                "trainer_config.max_steps=2",
                 "trainer_config.save_every=1", "trainer_config.keep_last=2",
                 "trainer_config.log_every=1", "trainer_config.eval_batches=2",
                 "trainer_config.sample_tokens=0", "trainer_config.microbatches=2")
 
 
-def step_one(whole: Path, resumed: Path) -> None:
-    """A copy of run `whole`'s snapshot as it stood after step 1 (rank 0 only)."""
-    source = whole / "snapshot"
-    if source.is_file():  # one file: step 1's is the previous one, snapshot.1
-        resumed.mkdir(parents=True)
-        shutil.copy(whole / "snapshot.1", resumed / "snapshot")
+def step_one(whole: str, resumed: str) -> None:
+    """A copy of the snapshot at URL `whole` as it stood after step 1, to URL `resumed` (rank 0
+    only): the one file's previous version (snapshot.1), or DCP's step directory of step 1."""
+    fs, source = fsspec.core.url_to_fs(whole)
+    target = fsspec.core.url_to_fs(resumed)[1]
+    if fs.isfile(source):
+        fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
+        fs.copy(f"{source}.1", target)
         return
-    shutil.copytree(source, resumed / "snapshot", ignore=shutil.ignore_patterns("step_00000002"))
-    (resumed / "snapshot/latest").write_text("step_00000001")
+    for path in fs.find(source):
+        rest = path[len(source) + 1:]
+        if not rest.startswith("step_00000002") and rest != "latest":
+            fs.makedirs(f"{target}/{rest}".rsplit("/", 1)[0], exist_ok=True)
+            fs.copy(path, f"{target}/{rest}")
+    fs.pipe_file(f"{target}/latest", b"step_00000001")
 
 
 def _worker(rank: int, store: str, out: str, text: str, runs: list) -> None:
@@ -99,7 +117,7 @@ def _worker(rank: int, store: str, out: str, text: str, runs: list) -> None:
             case = out_dir / "+".join(names)
             run(m, case_overrides(m["config"], names, case / "whole", text))
             if rank == 0:
-                step_one(case / "whole", case / "resumed")
+                step_one(location(names, case / "whole"), location(names, case / "resumed"))
             dist.barrier()
             log = run(m, case_overrides(m["config"], names, case / "resumed", text))[0]
             if rank == 0:
@@ -108,12 +126,17 @@ def _worker(rank: int, store: str, out: str, text: str, runs: list) -> None:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory, config):
-    """Every covering run, trained in one world; out/<a+b+...>/{whole,resumed}/snapshot."""
+def world(tmp_path_factory, config, s3_env):  # noqa: F811 (the fixture imported above)
+    """Every covering run, trained in one world; its snapshots at location(). The moto
+    server's AWS_* settings (s3_env) in the environment: the world's ranks inherit them, and
+    this process reads the s3 runs' snapshots with them."""
     out = tmp_path_factory.mktemp("matrix")
     runs = feature_matrix.runs(config)
-    spawn_world(_worker, WORLD, out, runs)
-    return out, runs
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in s3_env.items():
+            patch.setenv(key, value)
+        spawn_world(_worker, WORLD, out, runs)
+        yield out, runs
 
 
 def test_the_runs_hold_every_pair_as_its_cell_claims(config):
@@ -147,6 +170,13 @@ ROUNDING = 1e-6
 MUON_ROUNDING = 5 * 2.0**-8 * 0.02 * 2 * 1.2
 
 
+def weights(url: str) -> dict:
+    """The weights of the snapshot at `url`, whole (sample.py's reader: one file or shards,
+    a path or an s3:// URL)."""
+    with mingpt_imported() as m:
+        return m["sample"].load_model(url, torch.device("cpu"))[0].state_dict()
+
+
 @pytest.mark.timeout(600)
 def test_every_runnable_pair_resumes_bit_for_bit(world, config):
     out, runs = world
@@ -154,7 +184,7 @@ def test_every_runnable_pair_resumes_bit_for_bit(world, config):
     for names in runs:
         case = out / "+".join(names)
         assert "resumed from" in (case / "resumed.log").read_text(), names
-        whole, resumed = (snapshot_weights(case / kind) for kind in ("whole", "resumed"))
+        whole, resumed = (weights(location(names, case / kind)) for kind in ("whole", "resumed"))
         worst = max((whole[k] - resumed[k]).abs().max().item() for k in whole)
         exact = feature_matrix.bitwise(config, *names)
         bound = 0.0 if exact else MUON_ROUNDING if "muon" in names else ROUNDING
