@@ -12,6 +12,8 @@
   snapshot restored). The s3 runs keep their snapshots in a moto server's bucket
   (test_mingpt_s3.py's). A refused pair is refused by the config, before any process group:
   one line, the grid's.
+- Every run's snapshot exports (export_hf.py) to GPT-2 holding its weights bit for bit, or,
+  where the run has a part GPT-2 has not (experts, a model option), is refused in one line.
 """
 from pathlib import Path
 
@@ -21,12 +23,14 @@ import torch
 import torch.distributed as dist
 import yaml
 from omegaconf import OmegaConf
+from safetensors.torch import load_file
 
 import feature_matrix
 from conftest import REPO
 from mingpt_helpers import (
     join_world,
     mingpt_imported,
+    script_in_process,
     spawn_world,
     tiny,
 )
@@ -191,3 +195,36 @@ def test_every_runnable_pair_resumes_bit_for_bit(world, config):
         if worst > bound:
             apart["+".join(names)] = worst
     assert apart == {}
+
+
+def test_every_run_exports_its_weights_or_is_refused_in_one_line(world, config, tmp_path):
+    """export_hf.py on each run's final snapshot (any layout, on S3 too): GPT-2's files whose
+    every tensor, mapped back by pretrained.py's import, is the snapshot's bit for bit; or,
+    where the run has what GPT-2 cannot hold, the one line that says which (experts first,
+    then the model options in model.OPTIONS's order, export_hf.check_representable's)."""
+    out, runs = world
+    with mingpt_imported("export_hf", "pretrained") as m:
+        for names in runs:
+            url = location(names, out / "+".join(names) / "resumed")
+            target = tmp_path / "+".join(names)
+            proc = script_in_process(m["export_hf"], Path(m["export_hf"].__file__).parent, url,
+                                     str(target))
+            options = [key for key in m["model"].OPTIONS if key in names]
+            given = feature_matrix.overrides(feature_matrix.features(config), *names)
+            moe = any(arg.startswith("gpt_config.n_expert=") for arg in given)  # ep_size's too
+            if moe or options:
+                what = "a mixture of experts" if moe else \
+                    f"a model with gpt_config.{options[0]}=true"
+                errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+                assert proc.returncode == 2 and len(errors) == 1, proc.stderr
+                assert errors[0].startswith(f"error: {url} holds {what}") and \
+                    "which GPT-2 (GPT2LMHeadModel) cannot represent" in errors[0], errors
+                assert not target.exists()
+                continue
+            assert proc.returncode == 0, (names, proc.stderr)
+            back = m["pretrained"].hf_to_ours(load_file(target / "model.safetensors"),
+                                              block_size=32)
+            back.setdefault("lm_head.weight", back["wte.weight"])
+            ours = weights(url)
+            assert set(back) == set(ours), names
+            assert [k for k in ours if not torch.equal(back[k], ours[k])] == [], names
