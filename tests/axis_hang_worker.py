@@ -4,10 +4,10 @@
 
 Each step makes the communication of LAYOUT on a DeviceMesh of real gloo groups, as 05's
 strategies do: pp (2 ranks) a pipeline stage's activation sent forward and its gradient sent
-back, point to point, through batch_isend_irecv as torch.distributed.pipelining sends them; tp
-(2) an all-reduce of a row-parallel layer's output; cp (2) the all-to-all that passes each
-rank's keys and values round the ring; 3d (8, pp 2 x dp 2 x tp 2) all three of pp's, tp's and
-dp's (the gradient all-reduce). The last rank stops before step 3 and sleeps, as a rank stuck
+back, point to point, through batch_isend_irecv as torch.distributed.pipelining sends them; cp
+(2) the all-to-all that passes each rank's keys and values round the ring; 3d (8, pp 2 x dp 2
+x tp 2) pp's, tp's (an all-reduce of a row-parallel layer's output) and dp's (the gradient
+all-reduce). The last rank stops before step 3 and sleeps, as a rank stuck
 in I/O; the others wait in their next operation with it until TIMEOUT_S, and every rank leaves
 its trace through mingpt.forensics, as main.py's ranks do.
 """
@@ -24,9 +24,9 @@ from torch.distributed.device_mesh import init_device_mesh
 MINGPT = Path(__file__).resolve().parent.parent / "05_mingpt"
 STEPS, STALL = 5, 3
 # Two dimensions even where one has a single rank, as 05's meshes have them ((pp, dp, tp),
-# (dp, tp), (dp, cp)): a one-dimensional mesh over every rank would reuse the default group.
-MESHES = {"pp": ((2, 1), ("pp", "dp")), "tp": ((1, 2), ("dp", "tp")),
-          "cp": ((1, 2), ("dp", "cp")), "3d": ((2, 2, 2), ("pp", "dp", "tp"))}
+# (dp, cp)): a one-dimensional mesh over every rank would reuse the default group.
+MESHES = {"pp": ((2, 1), ("pp", "dp")), "cp": ((1, 2), ("dp", "cp")),
+          "3d": ((2, 2, 2), ("pp", "dp", "tp"))}
 # The default group's timeout while 8 processes import torch on a busy 2-core machine: the
 # first ones wait for the last in the rendezvous. The stall is timed by the mesh's groups.
 START_TIMEOUT_S = 300
@@ -50,7 +50,7 @@ def steps(mesh, layout: str) -> None:
             print(f"[rank {dist.get_rank()}] stalls before step {step}", flush=True)
             while True:  # as faults.inject_fault's FAULT_STALL_AT_STEP: asleep, until stopped
                 time.sleep(1)
-        if layout in ("tp", "3d"):
+        if layout == "3d":
             dist.all_reduce(torch.ones(4, 8), group=mesh.get_group("tp"))
         if layout == "cp":
             dist.all_to_all_single(torch.empty(2, 16), torch.ones(2, 16),
