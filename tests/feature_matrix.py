@@ -93,16 +93,17 @@ SETTINGS = {
 WORLD = 4  # torchrun's WORLD_SIZE for the checks that need one
 # The features a warm world of WORLD gloo ranks trains in this process's tests: each accepted pair
 # of them runs there (in one of runs()), stops, resumes and ends bit for bit
-# (test_feature_matrix.py; s3 against a moto server). The others are proven alone by their own
-# files (ft_replicas, local_sgd, diloco, init_from, dry_run) or need what a CPU lacks (dp,
-# memory_snapshot; compile: minutes of inductor on a CPU). fp16_hook resumes within no bound that
-# tells it from a wrong state: the reordered sums of DDP's first step after a start (bitwise's
-# docstring) round in fp16, 2^-11 of a gradient, and AdamW or Muon turn a gradient near zero into
-# a whole step of lr (measured: 3.4e-3 apart after one step); test_mingpt_strategies.py proves the
-# hook.
+# (test_feature_matrix.py; s3 against a moto server, init_from with a stand-in GPT-2). The others
+# are proven alone by their own files (ft_replicas, local_sgd, diloco, dry_run) or need what a CPU
+# lacks (dp, memory_snapshot; compile: minutes of inductor on a CPU). fp16_hook resumes within no
+# bound that tells it from a wrong state: the reordered sums of DDP's first step after a start
+# (bitwise's docstring) round in fp16, 2^-11 of a gradient, and AdamW or Muon turn a gradient near
+# zero into a whole step of lr (measured: 3.4e-3 apart after one step); test_mingpt_strategies.py
+# proves the hook.
 RUNNABLE = ("grad_accum", "zero", "fsdp", "bf16", "activation_checkpointing", "tp_size",
             "cp_size", "ep_size", "pp_size", "dropout", "experts", "cpu_offload", "muon",
-            "rotary", "qk_norm", "relu2", "untied_head", "fp16", "profile", "async_save", "s3")
+            "rotary", "qk_norm", "relu2", "untied_head", "fp16", "profile", "async_save", "s3",
+            "init_from")
 
 
 def schema_keys(config) -> dict[str, tuple[str, object]]:

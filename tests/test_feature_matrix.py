@@ -26,8 +26,10 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 import feature_matrix
+from bpe_fixture import write_hf_gpt2, write_tokenizer
 from conftest import REPO
 from mingpt_helpers import (
+    MINGPT,
     join_world,
     mingpt_imported,
     script_in_process,
@@ -35,7 +37,7 @@ from mingpt_helpers import (
     tiny,
 )
 from test_mingpt_s3 import s3_env  # noqa: F401 (a fixture: the moto server and its bucket)
-from test_mingpt_strategies import run
+from test_mingpt_strategies import run, train_here
 
 WORLD = feature_matrix.WORLD
 README = REPO / "tests/README.md"
@@ -74,9 +76,11 @@ def location(names: tuple[str, ...], run_dir: Path) -> str:
     return f"s3://mingpt/{run_dir.parent.name}/{run_dir.name}/snapshot"
 
 
-def case_overrides(config, names: tuple[str, ...], run_dir: Path, text: Path) -> list[str]:
+def case_overrides(config, names: tuple[str, ...], run_dir: Path, text: Path,
+                   pretrained: tuple[str, str]) -> list[str]:
     """One run: its features on (feature_matrix.overrides), a tiny model, 2 steps with a
-    snapshot after each (the one before stays: keep_last 2)."""
+    snapshot after each (the one before stays: keep_last 2). With init_from: the stand-in
+    GPT-2 of `pretrained` (its directory, and the text in its BPE tokens) and that data."""
     on = feature_matrix.features(config)
     # Every key any feature sets, at its default unless this pair sets it: the runs share one
     # composition (test_mingpt_strategies.configure), which keeps what a key was last set to.
@@ -87,8 +91,12 @@ def case_overrides(config, names: tuple[str, ...], run_dir: Path, text: Path) ->
     given["gpt_config.dropout"] = "0.0"  # TINY's is 0.1, which cp refuses
     del given["trainer_config.snapshot_path"]  # the run's own, below
     given |= dict(arg.split("=", 1) for arg in feature_matrix.overrides(on, *names))
+    data = [f"data_config.path={text}"]
+    if "init_from" in names:  # TINY's sizes are the stand-in's: n_layer 2, n_head 2, 32 wide
+        given["gpt_config.init_from"], bpe = pretrained
+        data = ["data_config=bpe", f"data_config.path={bpe}"]
     args = [f"{key}={value}" for key, value in given.items()]
-    return tiny(*args, f"run_dir={run_dir}", f"data_config.path={text}",
+    return tiny(*args, f"run_dir={run_dir}", *data,
                 f"trainer_config.snapshot_path={location(names, run_dir)}",
                 "trainer_config.max_steps=2",
                 "trainer_config.save_every=1", "trainer_config.keep_last=2",
@@ -113,24 +121,53 @@ def step_one(whole: str, resumed: str) -> None:
     fs.pipe_file(f"{target}/latest", b"step_00000001")
 
 
-def _worker(rank: int, store: str, out: str, text: str, runs: list) -> None:
+def train(m: dict, names: tuple[str, ...], args: list[str]) -> str:
+    """Run `args` in this world (test_mingpt_strategies.run); rank 0's log. A run on BPE data
+    (init_from) is composed by hydra afresh: run's composition, shared by the others, is of
+    the char data, whose keys differ."""
+    if "init_from" not in names:
+        return run(m, args)[0]
+    return train_here(m, m["config"].load(args))[0]
+
+
+def _worker(rank: int, store: str, out: str, text: str, runs: list,
+            pretrained: tuple[str, str]) -> None:
     join_world(rank, store, WORLD)
     out_dir, text = Path(out), Path(text)
     with mingpt_imported("main") as m:
         for names in map(tuple, runs):
             case = out_dir / "+".join(names)
-            run(m, case_overrides(m["config"], names, case / "whole", text))
+            train(m, names, case_overrides(m["config"], names, case / "whole", text, pretrained))
             if rank == 0:
                 step_one(location(names, case / "whole"), location(names, case / "resumed"))
             dist.barrier()
-            log = run(m, case_overrides(m["config"], names, case / "resumed", text))[0]
+            log = train(m, names, case_overrides(m["config"], names, case / "resumed", text,
+                                                 pretrained))
             if rank == 0:
                 (case / "resumed.log").write_text(log)
     m["distributed"].release()  # every reference dropped first: gloo's threads are joined
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory, config, s3_env):  # noqa: F811 (the fixture imported above)
+def pretrained(tmp_path_factory) -> tuple[str, str]:
+    """init_from's GPT-2: a small random GPT2LMHeadModel saved with save_pretrained and its
+    BPE tokenizer (test_mingpt_pretrained.py's stand-in: no network in tests), and 60,000
+    characters of the usual text in its tokens (prepare.py, run in this process)."""
+    folder = tmp_path_factory.mktemp("gpt2")
+    text = (MINGPT / "data/input.txt").read_text()[:60000]
+    vocab = write_tokenizer(folder / "gpt2", text, 200)
+    write_hf_gpt2(folder / "gpt2", vocab)
+    (folder / "text.txt").write_text(text)
+    with mingpt_imported("prepare") as m:
+        proc = script_in_process(m["prepare"], MINGPT, str(folder / "text.txt"), "--out",
+                                 str(folder / "bpe"), "--tokenizer", str(folder / "gpt2"),
+                                 "--workers", "1")
+    assert proc.returncode == 0, proc.stderr
+    return str(folder / "gpt2"), str(folder / "bpe")
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, config, s3_env, pretrained):  # noqa: F811 (s3_env: imported)
     """Every covering run, trained in one world; its snapshots at location(). The moto
     server's AWS_* settings (s3_env) in the environment: the world's ranks inherit them, and
     this process reads the s3 runs' snapshots with them."""
@@ -139,7 +176,7 @@ def world(tmp_path_factory, config, s3_env):  # noqa: F811 (the fixture imported
     with pytest.MonkeyPatch.context() as patch:
         for key, value in s3_env.items():
             patch.setenv(key, value)
-        spawn_world(_worker, WORLD, out, runs)
+        spawn_world(_worker, WORLD, out, runs, pretrained)
         yield out, runs
 
 

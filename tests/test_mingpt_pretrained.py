@@ -173,6 +173,13 @@ def test_models_that_are_not_gpt2_are_refused(mods, gpt2_dir, tmp_path):
         config.load(["gpt_config.init_from=gpt2", "gpt_config.dropout=1.5"])
     # The pretrained model sets the sizes: no n_layer/n_head/n_embd needed in the config.
     config.load(["gpt_config.init_from=gpt2", "gpt_config.model_type=null", "data_config=bpe"])
+    # Experts where GPT-2 has one MLP: its weights would not load (the feature matrix found a
+    # RuntimeError from load_state_dict on every rank, after the data was read).
+    with pytest.raises(ValueError, match=r"^gpt_config.n_expert must be 0 with gpt_config."
+                                         r"init_from=gpt2: GPT-2 has one dense MLP per block, "
+                                         r"not experts$"):
+        config.load(["gpt_config.init_from=gpt2", "gpt_config.model_type=null",
+                     "data_config=bpe", "gpt_config.n_expert=4"])
 
 
 @pytest.fixture(scope="module")

@@ -101,6 +101,9 @@ def check_architecture(source: str, settings: dict) -> None:
     if settings.get("bias") is False:
         raise ValueError(f"gpt_config.bias must be true with gpt_config.init_from={source}: "
                          "GPT-2 has biases")
+    if settings.get("n_expert"):  # its weights would not load: experts where GPT-2 has an MLP
+        raise ValueError(f"gpt_config.n_expert must be 0 with gpt_config.init_from={source}: "
+                         "GPT-2 has one dense MLP per block, not experts")
     for key, has in OPTIONS.items():
         if settings.get(key):
             raise ValueError(f"gpt_config.{key} must be false with gpt_config.init_from="
