@@ -233,8 +233,8 @@ def runs(config) -> list[tuple[str, ...]]:
     brings it the most pairs no run holds yet, while one brings any and the config still
     takes the whole run on WORLD ranks under the seed's flavour and kind of resume (bitwise,
     or within rounding): every pair lies in a run that proves what its cell claims, under the
-    flavour it has alone, and a feature leaves the runs once its pairs are held (so AdamW,
-    the default, trains in the later runs, muon in the first)."""
+    flavour it has alone, and a feature leaves the runs once its pairs are held (so BASE's
+    AdamW trains in the later runs, muon in the first)."""
     names, cells = grid(config)
     on = features(config)
     pairs = set(proven_pairs(config))

@@ -10,7 +10,8 @@
   snapshot of step 1 resumed to step 2, which must end with the uninterrupted run's weights,
   bit for bit (step 2's update reads the optimizer's state and the dropout streams the
   snapshot restored). The s3 runs keep their snapshots in a moto server's bucket
-  (test_mingpt_s3.py's). A refused pair is refused by the config, before any process group:
+  (test_mingpt_s3.py's); the init_from runs start from a stand-in GPT-2 on its BPE tokens
+  (test_mingpt_pretrained.py's). A refused pair is refused by the config, before any process group:
   one line, the grid's.
 - Every run's snapshot exports (export_hf.py) to GPT-2 holding its weights bit for bit, or,
   where the run has a part GPT-2 has not (experts, a model option), is refused in one line.
