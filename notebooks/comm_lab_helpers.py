@@ -159,6 +159,20 @@ def _val_loss(model: torch.nn.Module, rank: int, world_size: int) -> float:
     return loss.item() / world_size
 
 
+def powersgd_floats(model: torch.nn.Module, rank: int, min_compression_rate: float = 2) -> int:
+    """The floats PowerSGD all-reduces in one step, from the parameters' shapes alone: each
+    gradient seen as a matrix of its first dimension's rows; with r = min(rows, cols, rank),
+    P (rows x r) and Q (cols x r) where that is fewer than the matrix by min_compression_rate
+    (PowerSGDState's default, 2), else the matrix itself (vectors, small matrices)."""
+    floats = 0
+    for p in model.parameters():
+        n = p.shape[0]
+        m = p.numel() // n
+        r = min(n, m, rank)
+        floats += (n + m) * r if (n + m) * r * min_compression_rate < n * m else n * m
+    return floats
+
+
 def hooks(rank: int, world_size: int, names: list[str], steps: int = 40,
           n_embd: int = 128) -> list[dict]:
     """Each hook's run of `steps` from the same weights: the bytes of a step after PowerSGD's
@@ -180,9 +194,12 @@ def hooks(rank: int, world_size: int, names: list[str], steps: int = 40,
         if state is not None:
             # PowerSGD all-reduces P and Q in callbacks on another thread, which the counter
             # (this thread's dispatch mode) does not see: its bytes come from its own counter
-            # of the floats it all-reduced in that step, as a ring share, 2 (n - 1) / n.
-            sent = int((state.total_numel_after_compression - before) * 4
-                       * BUS_FACTOR["all_reduce"](world_size))
+            # of the floats it all-reduced in that step, as a ring share, 2 (n - 1) / n. That
+            # count is the one the shapes give (powersgd_floats), to the float.
+            floats = state.total_numel_after_compression - before
+            assert floats == powersgd_floats(model.module, state.matrix_approximation_rank), \
+                (floats, powersgd_floats(model.module, state.matrix_approximation_rank))
+            sent = int(floats * 4 * BUS_FACTOR["all_reduce"](world_size))
             # floats before / after compression, summed over the steps since it began
             ratio = state.total_numel_before_compression / state.total_numel_after_compression
         rows.append({"hook": name, "sent": sent, "ratio": ratio,
