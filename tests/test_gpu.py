@@ -10,8 +10,9 @@ step counts on resume, fsdp built on meta (with and without offload), nn.DataPar
 GPU, the memory snapshot with the profile and the CUDA-event breakdown, the out-of-memory
 snapshot, and the NCCL Flight Recorder dump; then, in a second run, the benchmark's profile
 (test_bench_profiles_where_the_gpu_time_goes, 15 cases in all). Never run on GPUs, needing two
-or more (9 skipped): step 02's second node, tp and fsdp_tp, cp, zero's resume, pp's two
-schedules, the experts' all-to-all, and nn.DataParallel's replicas. On the CPU under torch 2.11
+or more (10 skipped): step 02's second node, tp and fsdp_tp, cp, zero's resume, pp's two
+schedules, the experts' all-to-all, nn.DataParallel's replicas, and the communication lab's
+NCCL rows. On the CPU under torch 2.11
 (not on GPUs), two of those failed inside torch: pp (2.11's pipelining called the stage's
 forward with a keyword `arg_mbs`) and fsdp_tp (2.11's DTensor could not order a `_StridedShard`
 placement); under 2.14.1 both pass on the CPU (test_mingpt_pipeline.py, test_mingpt_layouts.py).
@@ -523,3 +524,24 @@ def test_mingpt_experts_all_to_all_on_gpus(tmp_path):
     assert "backend nccl" in proc.stdout and "tokens/expert" in proc.stdout
     losses = val_losses(proc.stdout)
     assert losses[max(losses)] < losses[0]
+
+
+@pytest.mark.skipif(GPUS < 2, reason="the communication lab's NCCL rows need 2 GPUs")
+def test_comm_lab_times_nccls_collectives_and_fits_their_link(tmp_path):
+    """bench/comm_lab.py on 2 GPUs takes NCCL (test_mingpt_bench.py runs the same lab on 2 gloo
+    ranks): a row per collective and size, busbw by nccl-tests' factors, and a link model per
+    collective that the dry run can read."""
+    import json
+
+    mingpt = copy_mingpt(tmp_path)
+    run([PYTHON, "bench/comm_lab.py", "--worlds", "2", "--max_bytes", "1048576", "--seconds",
+         "0.05", "--out", "bench/lab_nccl"], cwd=mingpt, CUDA_VISIBLE_DEVICES=VISIBLE)
+    info = json.loads((mingpt / "bench/lab_nccl.json").read_text())
+    assert info["backend"] == "nccl" and info["worlds"] == [2]
+    factor = {"all_reduce": 1.0, "reduce_scatter": 0.5, "all_gather": 0.5, "all_to_all": 0.5,
+              "broadcast": 1.0, "send_recv": 1.0}
+    assert sorted({r["collective"] for r in info["rows"]}) == sorted(factor)
+    for r in info["rows"]:
+        assert r["seconds"] > 0
+        assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * factor[r["collective"]])
+    assert all(by_world["2"]["alpha_s"] >= 0 for by_world in info["model"].values())
