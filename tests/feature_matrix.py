@@ -11,11 +11,9 @@ the grid in tests/README.md is this module's output (a test compares them), so i
 
 A cell says what the config does with the two features on together: "✔" where a warm world of
 gloo ranks trains them together, stops, resumes and ends bit for bit as a run that never
-stopped (test_feature_matrix.py, RUNNABLE); "≈" where it resumes to within rounding, not bit
-for bit (DDP's one-file layouts on more than 2 ranks: `bitwise` says why); "·" where the config
-takes the pair but no test runs the two together yet; "Rn" where it is refused, the one
-`error:` line (n: its number below the grid); "—" for two values of one key. The diagonal is
-the feature alone.
+stopped (test_feature_matrix.py, RUNNABLE); "·" where the config takes the pair but no test
+runs the two together yet; "Rn" where it is refused, the one `error:` line (n: its number below
+the grid); "—" for two values of one key. The diagonal is the feature alone.
 """
 import os
 import sys
@@ -91,19 +89,15 @@ SETTINGS = {
     "dry_run_profile": "the machine a dry run predicts step time for (with dry_run)",
 }
 WORLD = 4  # torchrun's WORLD_SIZE for the checks that need one
-# The features a warm world of WORLD gloo ranks trains in this process's tests: each accepted pair
-# of them runs there (in one of runs()), stops, resumes and ends bit for bit
-# (test_feature_matrix.py; s3 against a moto server, init_from with a stand-in GPT-2). The others
-# are proven alone by their own files (ft_replicas, local_sgd, diloco, dry_run) or need what a CPU
-# lacks (dp, memory_snapshot; compile: minutes of inductor on a CPU). fp16_hook resumes within no
-# bound that tells it from a wrong state: the reordered sums of DDP's first step after a start
-# (bitwise's docstring) round in fp16, 2^-11 of a gradient, and AdamW or Muon turn a gradient near
-# zero into a whole step of lr (measured: 3.4e-3 apart after one step); test_mingpt_strategies.py
-# proves the hook.
+# The features a warm world of WORLD gloo ranks trains in this process's tests: each accepted
+# pair of them runs there (in one of runs()), stops, resumes and ends bit for bit
+# (test_feature_matrix.py; s3 against a moto server, init_from with a stand-in GPT-2). The
+# others are proven alone by their own files (ft_replicas, local_sgd, diloco, dry_run) or need
+# what a CPU lacks (dp, memory_snapshot; compile: minutes of inductor on a CPU).
 RUNNABLE = ("grad_accum", "zero", "fsdp", "bf16", "activation_checkpointing", "tp_size",
             "cp_size", "ep_size", "pp_size", "dropout", "experts", "cpu_offload", "muon",
             "rotary", "qk_norm", "relu2", "untied_head", "fp16", "profile", "async_save", "s3",
-            "init_from")
+            "init_from", "fp16_hook")
 
 
 def schema_keys(config) -> dict[str, tuple[str, object]]:
@@ -198,27 +192,6 @@ def method(config, *names: str) -> str:
                      base_config(config).trainer_config.distributed_method)
 
 
-def bitwise(config, *names: str) -> bool:
-    """Whether the features `names` together resume bit for bit on WORLD ranks. Not where DDP
-    averages the gradients (the ddp and zero flavours with no tp, pp or ep degree: the one-file
-    snapshot): DDP's first step after any start all-reduces one bucket in the parameters' order,
-    and rebuilds its buckets in backward's order for the later steps, so a resumed run's first
-    step adds the ranks' gradients in another order than the uninterrupted run's same step
-    (gloo's ring: an element's order follows its place in the bucket; on 2 ranks a + b is b + a,
-    so only more ranks show it). Measured: the same weights and batch give a fresh DDP's first
-    backward other all-reduced gradients than a DDP's second on 4 gloo ranks (every tensor, up
-    to 1.5e-8), the same on 2. Open: DDP offers no public way to start with the rebuilt buckets
-    (its private reducer._push_all_rebuilt_params makes them the parameters' order from the
-    start: bit for bit, but no overlap of the all-reduce with backward)."""
-    t = base_config(config).copy()
-    for override in overrides(features(config), *names):
-        key, value = override.split("=", 1)
-        OmegaConf.update(t, key, yaml.safe_load(value))
-    t = t.trainer_config
-    return config.layout.snapshot_of(t.distributed_method,
-                                     **config.layout.degrees(t)) == "fsdp"
-
-
 def proven_pairs(config) -> list[tuple[str, str]]:
     """The pairs of RUNNABLE features the config takes: what the warm world runs."""
     names, cells = grid(config)
@@ -231,15 +204,13 @@ def runs(config) -> list[tuple[str, ...]]:
     turning several features on at once: all-pairs testing's covering runs, built greedily.
     Seeded by the first pair no run holds yet, a run takes, one at a time, the feature that
     brings it the most pairs no run holds yet, while one brings any and the config still
-    takes the whole run on WORLD ranks under the seed's flavour and kind of resume (bitwise,
-    or within rounding): every pair lies in a run that proves what its cell claims, under the
-    flavour it has alone, and a feature leaves the runs once its pairs are held (so BASE's
-    AdamW trains in the later runs, muon in the first)."""
+    takes the whole run on WORLD ranks under the seed's flavour: every pair lies in a run,
+    under the flavour it has alone (plain ddp stays plain ddp), and a feature leaves the runs
+    once its pairs are held (so BASE's AdamW trains in the later runs, muon in the first)."""
     names, cells = grid(config)
     on = features(config)
     pairs = set(proven_pairs(config))
-    # What a run must share with a pair to prove its cell: the kind of resume, the flavour.
-    claim = {pair: (bitwise(config, *pair), method(config, *pair)) for pair in pairs}
+    flavour = {pair: method(config, *pair) for pair in pairs}  # what a run must share with it
     left = [pair for pair in cells if pair in pairs]  # the grid's order
 
     def pair(a: str, b: str) -> tuple[str, str]:
@@ -248,14 +219,14 @@ def runs(config) -> list[tuple[str, ...]]:
     chosen: list[tuple[str, ...]] = []
     while left:
         seed = left[0]
-        run, kind = sorted(set(seed), key=names.index), claim[seed]
-        held = {p for p in left if claim[p] == kind}
+        run, kind = sorted(set(seed), key=names.index), flavour[seed]
+        held = {p for p in left if flavour[p] == kind}
         while True:
             gains = {n: sum(pair(n, r) in held for r in run) for n in RUNNABLE if n not in run
                      and all(pair(n, r) in pairs and not same_key(n, r) for r in run)}
             for name in sorted(gains, key=lambda n: -gains[n]):
                 trial = [*run, name]
-                if gains[name] and (bitwise(config, *trial), method(config, *trial)) == kind \
+                if gains[name] and method(config, *trial) == kind \
                         and verdict(config, overrides(on, *trial)) is None:
                     run = trial
                     break
@@ -264,7 +235,7 @@ def runs(config) -> list[tuple[str, ...]]:
         run = sorted(run, key=names.index)
         chosen.append(tuple(run))
         covered = {(a, b) for i, a in enumerate(run) for b in run[i:]}
-        left = [p for p in left if not (p in covered and claim[p] == kind)]
+        left = [p for p in left if not (p in covered and flavour[p] == kind)]
     return chosen
 
 
@@ -282,8 +253,7 @@ def markdown(config) -> str:
                 continue
             line = cells.get((a, b), cells.get((b, a)))
             if line is None:
-                row.append("·" if a not in RUNNABLE or b not in RUNNABLE else
-                           "✔" if bitwise(config, *sorted((a, b))) else "≈")
+                row.append("·" if a not in RUNNABLE or b not in RUNNABLE else "✔")
                 continue
             if line not in reasons:
                 reasons.append(line)

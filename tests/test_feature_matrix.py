@@ -181,35 +181,18 @@ def world(tmp_path_factory, config, s3_env, pretrained):  # noqa: F811 (s3_env: 
         yield out, runs
 
 
-def test_the_runs_hold_every_pair_as_its_cell_claims(config):
-    """Every pair the grid marks ✔ or ≈ lies in a run the config takes on WORLD ranks whose
-    resume is bitwise (✔) or within rounding (≈) as the cell says, and whose flavour is the
-    pair's own (a pair of two features that name none runs under plain ddp, as alone)."""
+def test_the_runs_hold_every_pair_under_its_own_flavour(config):
+    """Every pair the grid marks ✔ lies in a run the config takes on WORLD ranks, under the
+    pair's own flavour (a pair of two features that name none runs under plain ddp, as
+    alone)."""
     on = feature_matrix.features(config)
     runs = feature_matrix.runs(config)
     for names in runs:
         assert feature_matrix.verdict(config, feature_matrix.overrides(on, *names)) is None
-    kinds = [(set(names), feature_matrix.bitwise(config, *names),
-              feature_matrix.method(config, *names)) for names in runs]
+    held = [(set(names), feature_matrix.method(config, *names)) for names in runs]
     for pair in feature_matrix.proven_pairs(config):
-        claim = (feature_matrix.bitwise(config, *pair), feature_matrix.method(config, *pair))
-        assert any(set(pair) <= held and (exact, flavour) == claim
-                   for held, exact, flavour in kinds), pair
-
-
-# Where a pair resumes to within rounding only (feature_matrix.bitwise: DDP's first step
-# after a start sums in another order): a step moves a weight by about lr = 3e-3 (AdamW's
-# update is about lr per entry at these steps), so restoring a wrong state (moments, step,
-# schedule, data position, dropout streams) moves weights by O(1e-3); summing 4 gradients in
-# another order moves a weight by a few of its ulps (|w| < 1: ulp <= 1.2e-7). 1e-6 lies
-# between. (Measured on the pairs that differ: at most 2.7e-8.)
-ROUNDING = 1e-6
-# With muon (mingpt/muon.py) a step moves a blocks' weight by up to muon_lr * 2 * 1.2 = 0.048
-# (test_mingpt_muon.py: MUON_BUDGET's per-step term), and its Newton-Schulz iterations round
-# in bf16: gradients a few ulps apart can round some entries the other way, each of the 5
-# iterations again, so the resumed step can differ by 5 * 2^-8 of a step, 9.4e-4; a wrong
-# state (momentum lost) moves weights by a step's O(1e-2). (Measured: at most 1.6e-4.)
-MUON_ROUNDING = 5 * 2.0**-8 * 0.02 * 2 * 1.2
+        flavour = feature_matrix.method(config, *pair)
+        assert any(set(pair) <= names and kind == flavour for names, kind in held), pair
 
 
 def weights(url: str) -> dict:
@@ -228,9 +211,7 @@ def test_every_runnable_pair_resumes_bit_for_bit(world, config):
         assert "resumed from" in (case / "resumed.log").read_text(), names
         whole, resumed = (weights(location(names, case / kind)) for kind in ("whole", "resumed"))
         worst = max((whole[k] - resumed[k]).abs().max().item() for k in whole)
-        exact = feature_matrix.bitwise(config, *names)
-        bound = 0.0 if exact else MUON_ROUNDING if "muon" in names else ROUNDING
-        if worst > bound:
+        if worst > 0:
             apart["+".join(names)] = worst
     assert apart == {}
 

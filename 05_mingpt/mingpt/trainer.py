@@ -18,14 +18,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
 from mingpt import faults, forensics, savers
 from mingpt.log import TrainLog, print0
 from mingpt.optim import SCHEDULE_KEYS, base_lrs, build_scheduler, resume_scheduler
-from mingpt.parallel import Layout, describe, runner
+from mingpt.parallel import Layout, ddp, describe, runner
 from mingpt.parallel.wrappers import data_parallel, local_devices, pipeline_stage, unwrap
 from mingpt.precision import grad_scaler
 
@@ -188,6 +188,9 @@ class Trainer:
                    f"out anew (each sample still once), {streams}"
                    if saved != (self.world_size, self.dp_size) else
                    f"snapshot saved under another layout: {streams}")
+        # DDP's buckets as the uninterrupted run had them from its second step on (ddp.py).
+        ddp.settle_buckets(self.model, default_collate([self.train_set[0]]), self.device,
+                           self.cfg.precision)
         print0(f"resumed from {self.cfg.snapshot_path} at step {self.step} (epoch {self.epoch})")
 
     def _load_schedule(self, state: dict) -> None:

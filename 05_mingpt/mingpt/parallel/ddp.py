@@ -17,6 +17,7 @@ from mingpt.errors import require
 from mingpt.parallel.fsdp import policies
 from mingpt.parallel.layout import SHORTHANDS, Settings
 from mingpt.parallel.wrappers import wrap_blocks
+from mingpt.precision import autocast
 
 # trainer_config.comm_hook: how DDP all-reduces each gradient bucket. torch's own hooks
 # (torch.distributed.algorithms.ddp_comm_hooks): the bucket divided by the ranks, cast to
@@ -29,9 +30,9 @@ HOOKS = {"none": None, **{name: getattr(default_hooks, f"{name}_compress_hook")
 
 # PowerSGD (torch's powerSGD_hook) is not one of them, though notebooks/comm_lab.ipynb runs it:
 # its state (each rank's error feedback and warm-start factors) is kept per bucket index, and
-# DDP lays its buckets out anew after the first step (by the order gradients became ready).
-# A resumed run's first step would meet the saved state in another layout, so a resume could
-# not be exact without DDP's private reducer calls; and on gloo two buckets in flight fail.
+# DDP lays its buckets out anew after the first backward (settle_buckets). A resumed run gets
+# that layout back only through a backward, which would go through the hook and change the
+# saved state, so a resume could not be exact; and on gloo two buckets in flight fail.
 NOT_HOOKS = {"powersgd": "per-bucket state cannot resume exactly, as mingpt/parallel/ddp.py "
                          "says; notebooks/comm_lab.ipynb runs it"}
 
@@ -89,6 +90,31 @@ def wrap(model: nn.Module, device: torch.device, group: dist.ProcessGroup | None
     if HOOKS[comm_hook] is not None:
         ddp.register_comm_hook(group or dist.group.WORLD, HOOKS[comm_hook])
     return ddp
+
+
+def settle_buckets(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
+                   device: torch.device, precision: str) -> None:
+    """Before a resumed run's first step: one forward and backward of `batch` through DDP,
+    whose gradients are dropped and whose random draws are undone. A no-op for any other
+    wrapper.
+
+    DDP lays its gradient buckets out twice: in the parameters' order when it is built, and in
+    the order backward made the gradients ready once its first backward has run. A run's
+    first step is its only one in the first layout, so a run resumed at step k would add the
+    ranks' gradients of step k + 1 in other buckets than the uninterrupted run did. gloo's
+    ring sums an element in an order set by its place in its bucket: bit for bit the same on
+    2 ranks (a + b is b + a), a few ulps apart on more. This backward lets DDP lay its
+    buckets out as the uninterrupted run had them: the resume is exact on any number of
+    ranks. (DDP offers no public way to build them in backward's order, and
+    find_unused_parameters, which keeps the first layout for good, warns on every rank.)"""
+    if not isinstance(model, DDP):
+        return
+    x, y = (t.to(device) for t in batch)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with autocast(device, precision):
+            _, loss = model(x, y)
+        loss.float().mean().backward()  # the gradients' ready order is what DDP records
+    model.zero_grad(set_to_none=True)
 
 
 def _replicate(model: nn.Module, s: Settings, mesh: DeviceMesh) -> nn.Module:
