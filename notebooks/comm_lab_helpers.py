@@ -159,17 +159,17 @@ def _val_loss(model: torch.nn.Module, rank: int, world_size: int) -> float:
     return loss.item() / world_size
 
 
-def powersgd_floats(model: torch.nn.Module, rank: int, min_compression_rate: float = 2) -> int:
+def powersgd_floats(model: torch.nn.Module, state: powersgd.PowerSGDState) -> int:
     """The floats PowerSGD all-reduces in one step, from the parameters' shapes alone: each
-    gradient seen as a matrix of its first dimension's rows; with r = min(rows, cols, rank),
-    P (rows x r) and Q (cols x r) where that is fewer than the matrix by min_compression_rate
-    (PowerSGDState's default, 2), else the matrix itself (vectors, small matrices)."""
+    gradient seen as a matrix of its first dimension's rows; with r = min(rows, cols, the
+    state's rank), P (rows x r) and Q (cols x r) where that is fewer than the matrix by the
+    state's min_compression_rate, else the matrix itself (vectors, small matrices)."""
     floats = 0
     for p in model.parameters():
         n = p.shape[0]
         m = p.numel() // n
-        r = min(n, m, rank)
-        floats += (n + m) * r if (n + m) * r * min_compression_rate < n * m else n * m
+        r = min(n, m, state.matrix_approximation_rank)
+        floats += (n + m) * r if (n + m) * r * state.min_compression_rate < n * m else n * m
     return floats
 
 
@@ -197,8 +197,8 @@ def hooks(rank: int, world_size: int, names: list[str], steps: int = 40,
             # of the floats it all-reduced in that step, as a ring share, 2 (n - 1) / n. That
             # count is the one the shapes give (powersgd_floats), to the float.
             floats = state.total_numel_after_compression - before
-            assert floats == powersgd_floats(model.module, state.matrix_approximation_rank), \
-                (floats, powersgd_floats(model.module, state.matrix_approximation_rank))
+            expected = powersgd_floats(model.module, state)
+            assert floats == expected, (floats, expected)
             sent = int(floats * 4 * BUS_FACTOR["all_reduce"](world_size))
             # floats before / after compression, summed over the steps since it began
             ratio = state.total_numel_before_compression / state.total_numel_after_compression

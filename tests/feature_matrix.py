@@ -199,14 +199,22 @@ def proven_pairs(config) -> list[tuple[str, str]]:
             if line is None and a in RUNNABLE and b in RUNNABLE]
 
 
-def runs(config) -> list[tuple[str, ...]]:
+def runs(config, cache: dict = {}) -> list[tuple[str, ...]]:  # noqa: B006 (a cache)
     """Runs that together train every proven pair (and so every feature of them), each run
     turning several features on at once: all-pairs testing's covering runs, built greedily.
     Seeded by the first pair no run holds yet, a run takes, one at a time, the feature that
     brings it the most pairs no run holds yet, while one brings any and the config still
     takes the whole run on WORLD ranks under the seed's flavour: every pair lies in a run,
     under the flavour it has alone (plain ddp stays plain ddp), and a feature leaves the runs
-    once its pairs are held (so BASE's AdamW trains in the later runs, muon in the first)."""
+    once its pairs are held (so BASE's AdamW trains in the later runs, muon in the first).
+    Computed once per config module (`cache`): the world and the covering test read them."""
+    if id(config) not in cache:
+        cache[id(config)] = _cover(config)
+    return cache[id(config)]
+
+
+def _cover(config) -> list[tuple[str, ...]]:
+    """runs(), computed."""
     names, cells = grid(config)
     on = features(config)
     pairs = set(proven_pairs(config))

@@ -186,11 +186,27 @@ def weights_apart(weights: dict, reference: dict, bound: float) -> tuple[float, 
 
 
 def snapshot_weights(run_dir: Path) -> dict:
-    """A run's final snapshot's weights (run_dir/snapshot), whole: sample.py's reader, which
-    takes ddp's one file and DCP shards alike."""
+    """A run's final snapshot's weights (run_dir/snapshot), whole: weights_at's."""
+    return weights_at(str(run_dir / "snapshot"))
+
+
+def weights_at(url: str) -> dict:
+    """The weights of the snapshot at `url` (a path or an fsspec URL such as s3://), whole:
+    sample.py's reader, which takes ddp's one file and DCP shards alike."""
     with mingpt_imported() as m:
-        return m["sample"].load_model(str(run_dir / "snapshot"), torch.device("cpu"))[0] \
-            .state_dict()
+        return m["sample"].load_model(url, torch.device("cpu"))[0].state_dict()
+
+
+def exported_weights(pretrained, folder: Path, block_size: int) -> dict:
+    """export_hf.py's model.safetensors in `folder`, mapped back by `pretrained` (05's
+    pretrained module, imported) to our names; the head, tied to wte and so not in the file
+    (as in GPT-2's own files: asserted), is wte."""
+    from safetensors.torch import load_file  # noqa: PLC0415 (transformers' tests only)
+    saved = load_file(folder / "model.safetensors")
+    assert "lm_head.weight" not in saved  # tied to wte, as GPT-2's own files
+    back = pretrained.hf_to_ours(saved, block_size=block_size)
+    back["lm_head.weight"] = back["wte.weight"]
+    return back
 
 
 def assert_retraces(out: Path, logs: dict, name: str, reference: str, steps: range, *,

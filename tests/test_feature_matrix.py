@@ -24,18 +24,19 @@ import torch
 import torch.distributed as dist
 import yaml
 from omegaconf import OmegaConf
-from safetensors.torch import load_file
 
 import feature_matrix
 from bpe_fixture import write_hf_gpt2, write_tokenizer
 from conftest import REPO
 from mingpt_helpers import (
     MINGPT,
+    exported_weights,
     join_world,
     mingpt_imported,
     script_in_process,
     spawn_world,
     tiny,
+    weights_at,
 )
 from test_mingpt_s3 import s3_env  # noqa: F401 (a fixture: the moto server and its bucket)
 from test_mingpt_strategies import run, train_here
@@ -195,13 +196,6 @@ def test_the_runs_hold_every_pair_under_its_own_flavour(config):
         assert any(set(pair) <= names and kind == flavour for names, kind in held), pair
 
 
-def weights(url: str) -> dict:
-    """The weights of the snapshot at `url`, whole (sample.py's reader: one file or shards,
-    a path or an s3:// URL)."""
-    with mingpt_imported() as m:
-        return m["sample"].load_model(url, torch.device("cpu"))[0].state_dict()
-
-
 @pytest.mark.timeout(600)
 def test_every_runnable_pair_resumes_bit_for_bit(world, config):
     out, runs = world
@@ -209,7 +203,7 @@ def test_every_runnable_pair_resumes_bit_for_bit(world, config):
     for names in runs:
         case = out / "+".join(names)
         assert "resumed from" in (case / "resumed.log").read_text(), names
-        whole, resumed = (weights(location(names, case / kind)) for kind in ("whole", "resumed"))
+        whole, resumed = (weights_at(location(names, case / kind)) for kind in ("whole", "resumed"))
         worst = max((whole[k] - resumed[k]).abs().max().item() for k in whole)
         if worst > 0:
             apart["+".join(names)] = worst
@@ -241,9 +235,7 @@ def test_every_run_exports_its_weights_or_is_refused_in_one_line(world, config, 
                 assert not target.exists()
                 continue
             assert proc.returncode == 0, (names, proc.stderr)
-            back = m["pretrained"].hf_to_ours(load_file(target / "model.safetensors"),
-                                              block_size=32)
-            back.setdefault("lm_head.weight", back["wte.weight"])
-            ours = weights(url)
+            back = exported_weights(m["pretrained"], target, block_size=32)
+            ours = weights_at(url)
             assert set(back) == set(ours), names
             assert [k for k in ours if not torch.equal(back[k], ours[k])] == [], names

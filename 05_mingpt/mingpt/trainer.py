@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
-from torch.utils.data import DataLoader, Dataset, Subset, default_collate
+from torch.utils.data import DataLoader, Dataset, Subset
 from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
@@ -189,8 +189,7 @@ class Trainer:
                    if saved != (self.world_size, self.dp_size) else
                    f"snapshot saved under another layout: {streams}")
         # DDP's buckets as the uninterrupted run had them from its second step on (ddp.py).
-        ddp.settle_buckets(self.model, default_collate([self.train_set[0]]), self.device,
-                           self.cfg.precision)
+        ddp.settle_buckets(self.model, self.train_set, self.device, self.cfg.precision)
         print0(f"resumed from {self.cfg.snapshot_path} at step {self.step} (epoch {self.epoch})")
 
     def _load_schedule(self, state: dict) -> None:

@@ -12,6 +12,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import Dataset, default_collate
 
 from mingpt.errors import require
 from mingpt.parallel.fsdp import policies
@@ -92,11 +93,11 @@ def wrap(model: nn.Module, device: torch.device, group: dist.ProcessGroup | None
     return ddp
 
 
-def settle_buckets(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
-                   device: torch.device, precision: str) -> None:
-    """Before a resumed run's first step: one forward and backward of `batch` through DDP,
-    whose gradients are dropped and whose random draws are undone. A no-op for any other
-    wrapper.
+def settle_buckets(model: nn.Module, dataset: Dataset, device: torch.device,
+                   precision: str) -> None:
+    """Before a resumed run's first step: one forward and backward of `dataset`'s first
+    sample through DDP, whose gradients are dropped and whose random draws are undone. A
+    no-op for any other wrapper.
 
     DDP lays its gradient buckets out twice: in the parameters' order when it is built, and in
     the order backward made the gradients ready once its first backward has run. A run's
@@ -109,7 +110,7 @@ def settle_buckets(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
     find_unused_parameters, which keeps the first layout for good, warns on every rank.)"""
     if not isinstance(model, DDP):
         return
-    x, y = (t.to(device) for t in batch)
+    x, y = (t.to(device) for t in default_collate([dataset[0]]))
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         with autocast(device, precision):
             _, loss = model(x, y)
