@@ -97,9 +97,6 @@ def read_weights(url: str, kind: str, state: dict, config: GPTConfig) -> dict[st
             model = GPT(config)
         model.to_empty(device="cpu")
         model.lm_head.weight = model.wte.weight
-        # As sample.py says: DCP unpickles the directory's .metadata, which can run code.
-        print(f"warning: {url} is a sharded (DCP) snapshot: its .metadata is read with pickle, "
-              "which can run code; export only snapshots you trust", file=sys.stderr)
         try:
             shards.load_sharded_weights(url, model)
         except snapshot.SnapshotError as e:

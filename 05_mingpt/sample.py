@@ -90,11 +90,7 @@ def load_model(path: str, device: torch.device) -> tuple[GPT, dict]:
     if kind == "ddp":
         model.load_state_dict(state["model"])
     else:  # no process group here: DCP gathers every shard into this one process
-        # The weights are read with weights_only=True, but DCP reads the directory's .metadata
-        # with plain pickle (torch's FileSystemReader.read_metadata): unpickling can run code.
-        print(f"warning: {path} is a sharded (DCP) snapshot: its .metadata is read with pickle, "
-              "which can run code; load only snapshots you trust", file=sys.stderr)
-        shards.load_sharded_weights(path, model)
+        shards.load_sharded_weights(path, model)  # its pickles read safely (storage.load_dcp)
     print(f"loaded {path} ({kind}, step {state['step']}, {model.num_params():,} parameters)",
           file=sys.stderr)
     return model, meta

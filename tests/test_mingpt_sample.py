@@ -1,8 +1,9 @@
-"""sample.py on both snapshot formats, and what it says about trusting them.
+"""sample.py on both snapshot formats, and why it can trust them.
 
 A ddp snapshot is one file that torch.load reads with weights_only=True. An fsdp snapshot is a
-DCP directory whose `.metadata` torch reads with plain pickle, which can run code: sample.py
-says so on stderr (a warning, not an error) whenever it loads one.
+DCP directory: DCP pickles its index (.metadata) and its non-tensor values (an optimizer's lr,
+betas, names), and storage.load_dcp reads them as safely: code a tampered pickle names never
+runs, and the load ends in one error line.
 """
 import os
 import pickle
@@ -11,9 +12,6 @@ import shutil
 import pytest
 
 from mingpt_helpers import copy_mingpt, mingpt_imported, script_in_process, tiny
-
-WARNING = ("warning: {} is a sharded (DCP) snapshot: its .metadata is read with pickle, which "
-           "can run code; load only snapshots you trust")
 
 
 @pytest.fixture(scope="module")
@@ -48,12 +46,10 @@ def sample(mingpt, path: str, check: bool = True):
     return proc
 
 
-def test_sharded_snapshot_warns_about_pickle(mingpt):
+def test_sharded_snapshot_samples_without_a_warning(mingpt):
     proc = sample(mingpt, "runs/fsdp/snapshot")
     assert proc.returncode == 0 and proc.stdout.startswith("ROMEO:")
-    lines = proc.stderr.splitlines()
-    assert lines.count(WARNING.format("runs/fsdp/snapshot")) == 1, proc.stderr
-    assert not [line for line in lines if line.startswith("error:")], proc.stderr
+    assert "warning:" not in proc.stderr and "error:" not in proc.stderr, proc.stderr
     assert "(fsdp, step 2, " in proc.stderr
 
 
@@ -74,17 +70,40 @@ class _MakeDir:
         return os.mkdir, (self.path,)
 
 
-def test_the_warning_is_true_dcp_metadata_is_unpickled(mingpt, tmp_path):
-    # The docs and the warning say that DCP unpickles .metadata. If a torch release stops
-    # doing that, this test fails: then the warning and the docs should change.
+def test_a_tampered_dcp_index_is_refused_before_its_code_runs(mingpt, tmp_path):
+    # torch's own reader unpickles .metadata with plain pickle: this pickle would make the
+    # directory (an earlier sample.py did, and said so in a warning).
     tampered = tmp_path / "snapshot"
     shutil.copytree(mingpt / "runs/fsdp/snapshot", tampered)
     step_dir = tampered / (tampered / "latest").read_text().strip()
     marker = tmp_path / "code_ran"
     (step_dir / ".metadata").write_bytes(pickle.dumps(_MakeDir(str(marker))))
     proc = sample(mingpt, str(tampered), check=False)
-    assert marker.is_dir()  # loading the snapshot ran os.mkdir
-    assert WARNING.format(tampered) in proc.stderr.splitlines()
-    # What was unpickled is no DCP metadata, so the load then fails with one error line.
-    assert proc.returncode == 2 and proc.stderr.splitlines()[-1].startswith(
-        f"error: cannot load sharded snapshot {tampered}"), proc.stderr
+    assert not marker.exists()
+    last = proc.stderr.splitlines()[-1]  # DCP's own wording around ours
+    assert proc.returncode == 2 and last.startswith(
+        f"error: cannot load sharded snapshot {tampered} (") and \
+        "posix.mkdir is not a DCP metadata class" in last, proc.stderr
+
+
+def test_a_tampered_value_in_the_shards_is_refused_before_its_code_runs(modules, tmp_path):
+    """DCP writes a non-tensor value (an lr, the betas) as a pickle among the shards; one that
+    names code is refused by weights_only=True, and the real values load (SafePlanner)."""
+    import torch  # noqa: PLC0415
+    import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+    from torch.distributed.checkpoint.api import CheckpointException  # noqa: PLC0415
+
+    from mingpt import storage  # noqa: PLC0415
+    marker = tmp_path / "code_ran"
+    for name, value in (("good", (0.9, 0.95)), ("bad", _MakeDir(str(marker)))):
+        dcp.save({"lr": 0.001, "betas": value, "w": torch.ones(2)},
+                 checkpoint_id=tmp_path / name, no_dist=True)
+    state = {"lr": None, "betas": None, "w": torch.zeros(2)}
+    storage.load_dcp(state, str(tmp_path / "good"), no_dist=True)
+    assert state == {"lr": 0.001, "betas": (0.9, 0.95), "w": state["w"]}
+    assert state["w"].tolist() == [1.0, 1.0]
+    # DCP reports a rank's failure as a CheckpointException (a BaseException) naming it.
+    with pytest.raises(CheckpointException, match="unsupported GLOBAL posix.mkdir"):
+        storage.load_dcp({"lr": None, "betas": None, "w": torch.zeros(2)},
+                         str(tmp_path / "bad"), no_dist=True)
+    assert not marker.exists()

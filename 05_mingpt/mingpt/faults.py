@@ -20,7 +20,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mingpt import storage
@@ -140,7 +140,7 @@ class FaultyWriter(FileSystemWriter):
         return super().write_data(plan, planner)
 
 
-class FaultyReader(FileSystemReader):
+class FaultyReader(storage.LocalReader):
     """DCP's local reader, whose shard reads fail where FAULT_READ_ERROR=RANK:shard says."""
 
     def read_data(self, plan, planner):  # noqa: ANN001, ANN201
@@ -152,7 +152,7 @@ def faulty(dcp_storage: object) -> object:
     """DCP's local writer or reader, as its Faulty* kind where a fault names shards; anything
     else (an fsspec writer for s3://) as it is."""
     for kind, real, fault in (("WRITE", FileSystemWriter, FaultyWriter),
-                              ("READ", FileSystemReader, FaultyReader)):
+                              ("READ", storage.LocalReader, FaultyReader)):
         if type(dcp_storage) is real and \
                 os.environ.get(f"FAULT_{kind}_ERROR", "").endswith(":shard"):
             dcp_storage.__class__ = fault

@@ -119,8 +119,7 @@ def load_sharded(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimi
     own_names = [list(group["params"]) for group in optim_sd["param_groups"]]
     try:
         # Into each rank's own rows of TP's q/k/v too: views of the DTensors in `state`.
-        dcp.load(checkpointable(state),
-                 storage_reader=storage.reader(checkpoint))
+        storage.load_dcp(checkpointable(state), checkpoint)
     # DCP raises CheckpointException, a BaseException, on every rank when any rank fails to
     # read (reason() names the first that did): no rank waits for another.
     except (Exception, CheckpointException) as e:  # missing or truncated shards, bad metadata
@@ -172,7 +171,7 @@ def load_sharded_weights(url: str, model: torch.nn.Module) -> None:
         with warnings.catch_warnings():  # no process group is the point here, not a mistake
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
             # Without a process group, DCP reads every shard into this one process.
-            dcp.load(state, storage_reader=storage.reader(latest_sharded(url)), no_dist=True)
+            storage.load_dcp(state, latest_sharded(url), no_dist=True)
     except (Exception, CheckpointException) as e:
         raise SnapshotError(f"cannot load sharded snapshot {url} ({storage.reason(e)})") from None
     model.load_state_dict(state["model"])

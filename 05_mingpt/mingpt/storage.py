@@ -12,6 +12,7 @@ import contextlib
 import functools
 import io
 import os
+import pickle
 import tempfile
 from collections.abc import Callable
 from typing import BinaryIO
@@ -19,10 +20,14 @@ from typing import BinaryIO
 import fsspec
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
 
 
 def reason(error: BaseException) -> str:
@@ -206,9 +211,69 @@ def writer(url: str) -> FileSystemWriter:
         url, sync_files=False, **fs_options(url))
 
 
+# DCP pickles a checkpoint's index (.metadata) and the non-tensor values it holds (an
+# optimizer's lr, betas, parameter names) and reads both back with plain pickle, which runs any
+# code a tampered file names. Snapshots load with weights_only=True, so these do too: the index
+# through an unpickler that builds only DCP's own metadata classes (the stdlib's "restricting
+# globals" recipe: torch.load reads only its own file format), the values with torch.load's
+# weights_only=True. Anything else is an UnpicklingError, raised before any code could run.
+SAFE_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "torch": {"Size"},
+}
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> object:
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if not dtype and name not in SAFE_GLOBALS.get(module, ()):
+            raise pickle.UnpicklingError(f"{module}.{name} is not a DCP metadata class")
+        return super().find_class(module, name)
+
+
+class SafeMetadata:
+    """read_metadata of DCP's FileSystemReader (fsspec's too), through MetadataUnpickler."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:  # noqa: ANN002, ANN003 (DCP's own)
+        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+            metadata = MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class LocalReader(SafeMetadata, FileSystemReader):
+    pass
+
+
+class RemoteReader(SafeMetadata, FsspecReader):
+    pass
+
+
+class SafePlanner(DefaultLoadPlanner):
+    """DCP's load planner, whose non-tensor values are first read with weights_only=True."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        torch.load(value, weights_only=True)  # UnpicklingError for anything but plain data
+        value.seek(0)
+        # The same bytes again, placed as DCP places them: the check above met every global
+        # they name, so reading them without it runs nothing either.
+        super().load_bytes(read_item, value)
+
+
 def reader(url: str) -> FileSystemReader:
-    return FileSystemReader(url) if "://" not in url else FsspecReader(
-        url, **fs_options(url))
+    return LocalReader(url) if "://" not in url else RemoteReader(url, **fs_options(url))
+
+
+def load_dcp(state: dict, url: str, no_dist: bool = False) -> None:
+    """dcp.load of the checkpoint directory at `url` into `state`, its pickles read safely."""
+    dcp.load(state, storage_reader=reader(url), planner=SafePlanner(), no_dist=no_dist)
 
 
 def check_writable(url: str) -> None:
