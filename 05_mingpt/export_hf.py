@@ -10,13 +10,12 @@ tokenizer_config.json, and GPT-2's vocab.json and merges.txt). For character dat
 tokenizer: token i is the i-th character of `characters` in config.json (README: GPT-2 weights
 and BPE data).
 
-Any snapshot loads: the ddp file (ddp, zero, dp) is memory-mapped, and a sharded directory
-(fsdp, tp, fsdp_tp and the pipelines) is read by DCP into one whole model on this one process,
-whatever the layout and the number of ranks that wrote it. The names map one to one onto
-GPT-2's (the model was laid out for that); only the four Conv1D weights are transposed, one
-tensor at a time, so the weights are in memory at most once beyond the read itself. A model
-GPT-2 cannot compute (no biases, parts GPT-2 has not) and an OUT_DIR that is not empty are
-refused in one `error:` line, with nothing written.
+Any snapshot loads: DCP reads its shards into one whole model on this one process, whatever
+the layout and the number of ranks that wrote it (an older run's one file is memory-mapped).
+The names map one to one onto GPT-2's (the model was laid out for that); only the four Conv1D
+weights are transposed, one tensor at a time, so the weights are in memory at most once beyond
+the read itself. A model GPT-2 cannot compute (no biases, parts GPT-2 has not) and an OUT_DIR
+that is not empty are refused in one `error:` line, with nothing written.
 """
 import argparse
 import os
@@ -49,8 +48,8 @@ def check_out_dir(out_dir: str) -> Path:
 
 
 def read_train_state(url: str) -> tuple[str, dict]:
-    """The snapshot's layout ("ddp" or "fsdp") and its state: everything but the weights for a
-    sharded one; the weights too (memory-mapped) for a file. ValueError unless a snapshot."""
+    """The snapshot's kind ("dcp", or "file" for an older run's) and its state: everything but
+    the weights; for a file the weights too (memory-mapped). ValueError unless a snapshot."""
     try:
         kind = snapshot.snapshot_kind(url)
         if kind is None:
@@ -87,7 +86,7 @@ def check_representable(url: str, model_config: dict) -> None:
 
 def read_weights(url: str, kind: str, state: dict, config: GPTConfig) -> dict[str, torch.Tensor]:
     """The model's state dict, on the CPU, under our names, each tensor held once."""
-    if kind == "ddp":
+    if kind == "file":
         # Views of the memory-mapped file: pages are read as each tensor is converted.
         weights = state.pop("model")
     else:
@@ -200,7 +199,7 @@ def export(url: str, out_dir: str) -> Path:
     tokenizer = gpt2_tokenizer(meta) if meta.get("kind") == "bpe" else None
     ours = GPTConfig(**{key: model_config[key] for key in OUR_KEYS if key in model_config})
     weights = to_gpt2_names(read_weights(url, kind, state, ours))
-    del state  # the rest of a ddp file (AdamW's moments) stays on disk, never read
+    del state  # the rest of a one-file snapshot (AdamW's moments) stays on disk, never read
     # A model without storage (meta) gives save_pretrained its config, generation config and
     # tied names; the weights come from `weights`, so none is copied into a second model.
     with torch.device("meta"):

@@ -100,8 +100,7 @@ def train(cfg: DictConfig, device: torch.device) -> str | None:
                           replicas.hooks if replicas is not None else None)
         # Every rank reads the snapshot, if there is one (only rank 0 ever writes files).
         t = cfg.trainer_config
-        state = snapshot.load(t.snapshot_path, t.distributed_method, model, optimizer,
-                              snapshot_meta, data.MATCH_KEYS)
+        state = snapshot.load(t.snapshot_path, model, optimizer, snapshot_meta, data.MATCH_KEYS)
         if state is not None:
             trainer.load_state_dict(state)
         if replicas is not None:  # the first step's quorum: a peer's state replaces ours

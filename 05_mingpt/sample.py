@@ -1,8 +1,7 @@
-"""Generate text from a trained snapshot (either format: a ddp file or an fsdp directory).
+"""Generate text from a trained snapshot.
 
-Any strategy's snapshot loads into one plain model: the ddp format (ddp, zero, dp) is one file;
-the fsdp format (fsdp, tp, fsdp_tp, pp, fsdp_pp, fsdp_tp_pp) is a DCP directory, whose tensors
-are global (unsharded) in GPT-2's layout.
+Any layout's snapshot loads into one plain model: DCP gathers its shards, whose tensors are
+global (unsharded) in GPT-2's layout, into this one process (an older run's one file too).
 
     python sample.py --prompt "ROMEO:" --num_tokens 300 --temperature 0.8 --top_k 20
     python sample.py --snapshot runs/<run_name>/snapshot --prompt "O God, O God!"
@@ -11,9 +10,8 @@ are global (unsharded) in GPT-2's layout.
 
 Without --snapshot it uses the newest runs/*/snapshot under the current directory. The
 vocabulary comes from the snapshot itself, so the text file is not needed (BPE snapshots name
-their tokenizer, which must still be where prepare.py found it). A ddp snapshot file
-is read with weights_only=True; an fsdp directory's DCP .metadata is unpickled, which can run
-code, so loading one prints a `warning:` line on stderr: sample only snapshots you trust.
+their tokenizer, which must still be where prepare.py found it). Nothing in a snapshot runs
+as it loads: tensors are read with weights_only=True, DCP's pickles as plain data.
 """
 import argparse
 import glob
@@ -87,7 +85,7 @@ def load_model(path: str, device: torch.device) -> tuple[GPT, dict]:
     # The snapshot's own model config, not gpt2_train_cfg.yaml's: the yaml may have changed
     # since, and only the saved config fits the saved weights.
     model = GPT(GPTConfig(**state["model_config"])).to(device)
-    if kind == "ddp":
+    if kind == "file":
         model.load_state_dict(state["model"])
     else:  # no process group here: DCP gathers every shard into this one process
         shards.load_sharded_weights(path, model)  # its pickles read safely (storage.load_dcp)

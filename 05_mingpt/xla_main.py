@@ -8,7 +8,7 @@ One process drives every XLA device (SPMD: torch_xla's recommended way to scale,
 one that works on CPU devices, where multi-process all-reduce times out), with the parameters
 sharded over all of them (mingpt/xla.py). Training is main.py's Trainer (loop, evaluation, logs,
 snapshots) with XLA's hooks; the config is gpt2_train_cfg.yaml with main.py's overrides; the
-snapshot is the ddp format's one file, so sample.py reads it. Environment: XLA.md.
+snapshot is main.py's (gathered to the CPU first), so sample.py reads it. Environment: XLA.md.
 """
 import platform
 import sys
@@ -17,7 +17,7 @@ from dataclasses import asdict
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from mingpt import config, distributed, errors, snapshot, storage
+from mingpt import config, distributed, errors, shards, snapshot, storage
 from mingpt.data import data_module
 from mingpt.errors import fail, require
 from mingpt.model import GPT
@@ -66,17 +66,20 @@ def load_config(overrides: list[str]) -> DictConfig:
 
 
 def load_snapshot(url: str, model: GPT, meta: dict, match_keys: tuple) -> dict | None:
-    """A ddp-format snapshot file of xla_main.py into the CPU model; the rest of it, or None."""
+    """A snapshot of xla_main.py into the CPU model; the rest of it (AdamW's state whole, by
+    parameter number, as load_optimizer takes it), or None."""
     kind = snapshot.snapshot_kind(url)
     if kind is None:
         return None
-    state = snapshot.load_file(url) if kind == "ddp" else {}  # weights_only=True, on the CPU
+    state = snapshot.load_train_state(url, kind)  # weights_only=True, on the CPU
     if "xla_rng" in state:  # saved before the Trainer ran here: the devices' seed stood apart
         state["rng"][0]["xla"] = state.pop("xla_rng")
     if "xla" not in state.get("rng", [{}])[0]:  # no stream of the devices: not ours
         raise snapshot.SnapshotError(f"{url} holds a snapshot of main.py, not xla_main.py: use "
                                      "another snapshot_path")
     snapshot.check_compatible(state, meta["model_config"], meta["data_meta"], url, match_keys)
+    if kind == "dcp":  # (an older snapshot's one file has both)
+        state["model"], state["optimizer"] = shards.read_whole(url, state["model_config"])
     model.load_state_dict(state.pop("model"))
     return state
 

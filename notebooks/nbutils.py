@@ -40,7 +40,7 @@ def compose_config(overrides: list[str]) -> DictConfig:
 
 
 def snapshot_step(path: Path) -> int | None:
-    """The next step a snapshot (ddp file or fsdp directory) would train; None if none exists."""
+    """The next step a snapshot would train; None if none exists."""
     kind = snapshot.snapshot_kind(str(path))
     if kind is None:
         return None
@@ -92,7 +92,7 @@ def train(overrides: list[str], run_dir: Path, nproc: int | None = None) -> None
 
 
 def load_model(path: Path, device: torch.device) -> tuple[GPT, dict]:
-    """The model in a snapshot (ddp file or fsdp directory), in eval mode, and its data meta."""
+    """The model in a snapshot (any layout's), in eval mode, and its data meta."""
     model, meta = sample.load_model(str(path), device)
     return model.eval(), meta
 

@@ -436,7 +436,7 @@ def reshard_save(rank: int, world_size: int, folder: str) -> dict:
     _train_step(model, optimizer, rank)
     local = {name: t.to_local() for name, t in model.state_dict().items()}
     torch.save(local, os.path.join(folder, f"rank{rank}.pt"))
-    snapshot.save(os.path.join(folder, "snapshot"), "fsdp", model, optimizer,
+    snapshot.save(os.path.join(folder, "snapshot"), model, optimizer,
                   {"step": 1, **SNAPSHOT_META})
     return _weights_and_rows(model, optimizer)
 
@@ -460,7 +460,7 @@ def reshard_load(rank: int, world_size: int, folder: str, naive: bool) -> dict:
         for name, t in model.state_dict().items():
             t.to_local().copy_(saved[name])  # this rank's shard, from that rank's file
         return {}
-    snapshot.load(os.path.join(folder, "snapshot"), "fsdp", model, optimizer, SNAPSHOT_META,
+    snapshot.load(os.path.join(folder, "snapshot"), model, optimizer, SNAPSHOT_META,
                   ())
     return _weights_and_rows(model, optimizer)
 

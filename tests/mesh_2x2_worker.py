@@ -44,7 +44,7 @@ def main(rank: int, out: str) -> None:
 
     model, optimizer = trained(1, "fsdp_tp")
     saved = local(model, optimizer)
-    snapshot.save_sharded(f"{out}/snap", 1, model, optimizer, {"step": 1})
+    snapshot.save(f"{out}/snap", model, optimizer, {"step": 1})
     fresh, fresh_optimizer = trained(2, "fsdp_tp")  # other weights and moments
     shards.load_sharded(f"{out}/snap", fresh, fresh_optimizer)
     loaded = local(fresh, fresh_optimizer)

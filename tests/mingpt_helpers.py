@@ -12,6 +12,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
+import fsspec
 import pytest
 import torch
 import torch.distributed as dist
@@ -192,7 +193,7 @@ def snapshot_weights(run_dir: Path) -> dict:
 
 def weights_at(url: str) -> dict:
     """The weights of the snapshot at `url` (a path or an fsspec URL such as s3://), whole:
-    sample.py's reader, which takes ddp's one file and DCP shards alike."""
+    sample.py's reader, which takes any layout's snapshot (and an older one file) alike."""
     with mingpt_imported() as m:
         return m["sample"].load_model(url, torch.device("cpu"))[0].state_dict()
 
@@ -223,8 +224,41 @@ def assert_retraces(out: Path, logs: dict, name: str, reference: str, steps: ran
     assert beyond <= outliers, (name, worst, beyond)
 
 
-def load_ddp_snapshot(path: Path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=True)
+def snapshot_at(whole: str, resumed: str, step: int) -> None:
+    """A copy of the snapshot at URL `whole` as it stood after `step` (a step directory that
+    keep_last kept), to URL `resumed`: its other step directories left out, `latest` naming
+    that step. fsspec, so local paths and s3:// alike."""
+    fs, source = fsspec.core.url_to_fs(whole)
+    target, name = fsspec.core.url_to_fs(resumed)[1], f"step_{step:08d}"
+    for path in fs.find(source):
+        rest = path[len(source) + 1:]
+        if rest.startswith(f"{name}/"):
+            fs.makedirs(f"{target}/{rest}".rsplit("/", 1)[0], exist_ok=True)
+            fs.copy(path, f"{target}/{rest}")
+    fs.pipe_file(f"{target}/latest", name.encode())
+
+
+def read_snapshot(path: Path) -> dict:
+    """A snapshot as one dict, in the shape older runs' one file had: its train state, the
+    whole weights ("model"), the optimizer's state dict by parameter number ("optimizer"), and
+    the replica groups' meetings ("replicas") where it holds them."""
+    with mingpt_imported() as m:
+        snapshot, shards, storage = m["snapshot"], m["shards"], m["storage"]
+        url = str(path)
+        kind = snapshot.snapshot_kind(url)
+        state = dict(snapshot.load_train_state(url, kind))
+        if kind == "file":
+            return state
+        state["model"], state["optimizer"] = shards.read_whole(
+            url, state["model_config"], state.get("optimizer_name", "adamw"))
+        if state.pop("replica_state", False):  # DCP keeps them as `replicas.<key>`
+            checkpoint = shards.latest_sharded(url)
+            saved = storage.reader(checkpoint).read_metadata().state_dict_metadata
+            replicas = {key: torch.empty(entry.size, dtype=entry.properties.dtype)
+                        for key, entry in saved.items() if key.startswith("replicas.")}
+            storage.load_dcp(replicas, checkpoint, no_dist=True)
+            state["replicas"] = {k.removeprefix("replicas."): v for k, v in replicas.items()}
+        return state
 
 
 # 05's library modules, by the short names the tests use; scripts (main, launch, ...) and the

@@ -18,7 +18,6 @@
 """
 from pathlib import Path
 
-import fsspec
 import pytest
 import torch
 import torch.distributed as dist
@@ -34,6 +33,7 @@ from mingpt_helpers import (
     join_world,
     mingpt_imported,
     script_in_process,
+    snapshot_at,
     spawn_world,
     tiny,
     weights_at,
@@ -106,23 +106,6 @@ def case_overrides(config, names: tuple[str, ...], run_dir: Path, text: Path,
                 "trainer_config.sample_tokens=0", "trainer_config.microbatches=2")
 
 
-def step_one(whole: str, resumed: str) -> None:
-    """A copy of the snapshot at URL `whole` as it stood after step 1, to URL `resumed` (rank 0
-    only): the one file's previous version (snapshot.1), or DCP's step directory of step 1."""
-    fs, source = fsspec.core.url_to_fs(whole)
-    target = fsspec.core.url_to_fs(resumed)[1]
-    if fs.isfile(source):
-        fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
-        fs.copy(f"{source}.1", target)
-        return
-    for path in fs.find(source):
-        rest = path[len(source) + 1:]
-        if not rest.startswith("step_00000002") and rest != "latest":
-            fs.makedirs(f"{target}/{rest}".rsplit("/", 1)[0], exist_ok=True)
-            fs.copy(path, f"{target}/{rest}")
-    fs.pipe_file(f"{target}/latest", b"step_00000001")
-
-
 def train(m: dict, names: tuple[str, ...], args: list[str]) -> str:
     """Run `args` in this world (test_mingpt_strategies.run); rank 0's log. A run on BPE data
     (init_from) is composed by hydra afresh: run's composition, shared by the others, is of
@@ -141,7 +124,7 @@ def _worker(rank: int, store: str, out: str, text: str, runs: list,
             case = out_dir / "+".join(names)
             train(m, names, case_overrides(m["config"], names, case / "whole", text, pretrained))
             if rank == 0:
-                step_one(location(names, case / "whole"), location(names, case / "resumed"))
+                snapshot_at(location(names, case / "whole"), location(names, case / "resumed"), 1)
             dist.barrier()
             log = train(m, names, case_overrides(m["config"], names, case / "resumed", text,
                                                  pretrained))

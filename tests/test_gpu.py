@@ -195,7 +195,7 @@ def test_mingpt_dp_one_process_drives_every_gpu(tmp_path):
     assert "device cuda:0" in proc.stdout and "world size 1" in proc.stdout, proc.stdout[:2000]
     losses = val_losses(proc.stdout)
     assert losses[max(losses)] < losses[0]
-    assert (mingpt / "runs/dp/snapshot").is_file()  # the ddp format
+    assert (mingpt / "runs/dp/snapshot/latest").is_file()  # DCP's directory, as every layout
     sample = run([PYTHON, "sample.py", "--snapshot", "runs/dp/snapshot", "--num_tokens", "5"],
                  cwd=mingpt, CUDA_VISIBLE_DEVICES=VISIBLE)
     assert "loaded runs/dp/snapshot (ddp, step 10" in sample.stderr

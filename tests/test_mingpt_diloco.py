@@ -148,9 +148,8 @@ LOSS_GAP = 0.5
 DILOCO = ("trainer_config.ft_sync=diloco", "trainer_config.ft_fragments=2")
 
 
-# The two snapshot formats: ddp's one file, and DCP's shards written in the background (their
-# blocking write is the same format: test_feature_matrix.py resumes async and blocking saves
-# alike, so the meetings' state in DCP is proven once, here).
+# Blocking saves (ddp) and DCP's background ones (fsdp): the same format, which
+# test_feature_matrix.py resumes both ways alike; the meetings' state is proven here.
 @pytest.mark.parametrize("method, more, resumed", [
     ("ddp", DILOCO, 3), ("fsdp", (*DILOCO, "trainer_config.async_save=true"), 2)])
 def test_a_diloco_group_killed_mid_interval_resumes_its_snapshot_bit_for_bit(tmp_path, method,
@@ -158,9 +157,9 @@ def test_a_diloco_group_killed_mid_interval_resumes_its_snapshot_bit_for_bit(tmp
     """One group of two processes (ft_replicas=1: its meetings are with itself, but the
     outer step, its momentum and the fragments' turns are all there), H = 4 in two fragments,
     a snapshot every 3 steps (inside an interval), killed before step 5, restarted by
-    torchrun: it resumes step 3's snapshot and ends as the run never killed, bit for bit. The
-    ddp format keeps the meetings' state in its one file, fsdp in DCP's shards, written in
-    the background (async_save: step 2's, committed by step 4's save). (Not local_sgd: one
+    torchrun: it resumes step 3's snapshot and ends as the run never killed, bit for bit, the
+    meetings' state in DCP's shards too (fsdp's written in the background: async_save, step
+    2's, committed by step 4's save). (Not local_sgd: one
     group's average is its own weights, so a one-group run cannot tell where its interval
     stood.)"""
     mingpt = copy_mingpt(tmp_path)
@@ -179,12 +178,11 @@ def test_a_diloco_group_killed_mid_interval_resumes_its_snapshot_bit_for_bit(tmp
                 assert "resumed from" in out and f"at step {resumed}" in out, out[-3000:]
     killed, whole = (snapshot_weights(mingpt / "runs" / n) for n in ("killed", "whole"))
     assert [k for k in whole if not torch.equal(killed[k], whole[k])] == []
-    if method == "ddp":  # the one file: the meetings' state beside the weights
-        a, b = (snapshot(mingpt, n)["replicas"] for n in ("killed", "whole"))
-        # The meetings so far, and the groups' steps in them (one group: 4 and 4).
-        assert a.pop("meetings").tolist() == b.pop("meetings").tolist() == [4, 4]
-        assert sorted(a) == sorted(b) and any(k.startswith("momentum/") for k in a)
-        assert [k for k in a if not torch.equal(a[k], b[k])] == []
+    a, b = (snapshot(mingpt, n)["replicas"] for n in ("killed", "whole"))
+    # The meetings so far, and the groups' steps in them (one group: 4 and 4).
+    assert a.pop("meetings").tolist() == b.pop("meetings").tolist() == [4, 4]
+    assert sorted(a) == sorted(b) and any(k.startswith("momentum/") for k in a)
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
 
 
 def test_two_groups_of_two_fsdp_processes_meet_shard_by_shard(tmp_path):

@@ -306,34 +306,11 @@ def test_the_configs_figures_are_the_readmes():
         assert round(float(final), len(loss) - 2) == float(loss), (loss, final)
 
 
-# Lists of the strategies of one snapshot format: "the fsdp format (fsdp, tp, ...)" or, where
-# the layout's own strategy heads the line, "fsdp (also tp, ...)".
-LAYOUT_LIST = re.compile(r"\b(ddp|fsdp)(?:[ -]format\b[^()\n]{0,30}?\(|\s+\(also\s+)"
-                         r"([a-z_]+(?:,\s+(?:and\s+)?[a-z_]+)+)\)")
-
-
 def prose() -> list[tuple[Path, str]]:
     """Where the series speaks of its strategies: every markdown file, 05's yaml files, and
     the comments and docstrings of 05's sources."""
     return [(path, comments_of(path)) for path in
             [*MARKDOWN, CONFIG, *(MINGPT / "data_config").glob("*.yaml"), *SOURCES]]
-
-
-def test_layout_lists_are_the_registrys(m):
-    strategies = m["parallel"].STRATEGIES
-    found, wrong = 0, []
-    for path, body in prose():
-        for found_list in LAYOUT_LIST.finditer(body):
-            layout, listed = found_list.groups()
-            named = set(re.split(r",\s+(?:and\s+)?", listed)) | (
-                {layout} if "(also" in found_list.group(0) else set())
-            expected = {name for name, s in strategies.items() if s.snapshot == layout}
-            found += 1
-            if named != expected:
-                wrong.append(f"{path.relative_to(REPO)}: the {layout} layout is "
-                             f"{', '.join(sorted(expected))}, not {listed!r}")
-    assert not wrong, "\n".join(wrong)
-    assert found >= 6, f"only {found} layout lists found: has their wording changed?"
 
 
 def test_strategy_counts_are_the_registrys(m):

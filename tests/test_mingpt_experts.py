@@ -1,7 +1,7 @@
 """05_mingpt's mixture of experts and expert parallelism (MOE.md, mingpt/parallel/expert.py):
 with its experts split over ep ranks the MoE model computes the gradients, losses and weights
 of one process on the same global batch, resumes bit for bit, and its snapshots resume where
-the experts are not split (ddp's one file, fsdp's shards).
+the experts are not split (ddp, fsdp).
 
 All runs share ONE group of 4 spawned gloo processes (as test_mingpt_layouts). The gradient
 reference is one plain GPT on every rank, run on the global batch as a one-process run with
@@ -132,8 +132,7 @@ def _worker(rank: int, store: str, out: str, text: str) -> None:
         # Stopped halfway and resumed under the same layout: bit for bit.
         run(m, overrides("ddp_ep2", out_dir / "half", text, HALF))
         run(m, overrides("ddp_ep2", out_dir / "half", text, STEPS))
-        # ep 2's snapshot at HALF (DCP shards) resumed with the experts whole: ddp (one file
-        # from then on) and fsdp.
+        # ep 2's snapshot at HALF resumed with the experts whole: ddp and fsdp.
         run(m, overrides("ddp_ep2", out_dir / "to_ddp", text, HALF))
         if rank == 0:
             shutil.copytree(out_dir / "to_ddp", out_dir / "to_fsdp")
@@ -230,8 +229,8 @@ def test_a_resume_is_bitwise_and_ep1_layouts_resume_it(spawned):
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
     for moved in ("to_ddp", "to_fsdp"):
         assert_retraces(out, result, moved, "ddp", range(HALF + 1, STEPS + 1), **BOUNDS)
-    # ddp writes its one file beside the shards it resumed from.
-    assert (out / "to_ddp/snapshot").is_file() or (out / "to_ddp/snapshot.ddp").is_file()
+    # ddp writes its snapshot as the shards it resumed from were written: one format.
+    assert (out / "to_ddp/snapshot/latest").is_file()
 
 
 def test_ep_size_must_divide_the_data_parallel_degree(monkeypatch):

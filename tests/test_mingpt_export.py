@@ -25,6 +25,7 @@ from mingpt_helpers import (
     exported_weights,
     join_world,
     mingpt_imported,
+    read_snapshot,
     script_in_process,
     spawn_world,
     tiny,
@@ -33,10 +34,10 @@ from mingpt_helpers import (
 
 transformers = pytest.importorskip("transformers")
 CPU = torch.device("cpu")
-# layout -> overrides. ddp's one file is the same from any number of ranks: one process, in
-# this process. The others on two ranks (WORLD_LAYOUTS), so that their snapshots hold pieces
-# only the export puts together: fsdp shards every tensor by rows, tp splits each matmul (q, k
-# and v each by rows), the pipeline puts one block on each rank.
+# layout -> overrides. ddp's snapshot holds the same whole weights from any number of ranks:
+# one process, in this process. The others on two ranks (WORLD_LAYOUTS), so that their
+# snapshots hold pieces only the export puts together: fsdp shards every tensor by rows, tp
+# splits each matmul (q, k and v each by rows), the pipeline puts one block on each rank.
 LAYOUTS = {
     "ddp": ("trainer_config.distributed_method=ddp",),
     "fsdp": ("trainer_config.distributed_method=fsdp",),
@@ -348,7 +349,7 @@ def test_models_gpt2_cannot_represent_are_refused(mods, mingpt, trained, tmp_pat
         "(GPT2LMHeadModel) cannot represent: it has one dense MLP per block")
     # A model with parts GPT-2 has not: a config key this GPT lacks (another version's), or a
     # weight beyond those of its config.
-    state = torch.load(trained["ddp"][0], weights_only=True)
+    state = read_snapshot(trained["ddp"][0])  # as an older run's one file held it
     extra = {**state, "model_config": {**state["model_config"], "n_rotary": 4}}
     torch.save(extra, tmp_path / "extra")
     assert one_error_line(export(mods, mingpt, tmp_path / "extra", out)) == (

@@ -72,7 +72,7 @@ LAYOUTS = {
 }
 # On 4 ranks: stopped at HALF under the first layout, resumed to STEPS under the second.
 MOVES = {"fsdp_then_tp2": ("fsdp", "ddp_tp2"),  # shards into shards (DCP)
-         "ddp_then_fsdp": ("ddp", "fsdp")}  # ddp's one file into FSDP's shards
+         "ddp_then_fsdp": ("ddp", "fsdp")}  # ddp's whole weights into FSDP's shards
 
 
 def overrides(world: int, name: str, run_dir: Path, text: Path, max_steps: int) -> list[str]:

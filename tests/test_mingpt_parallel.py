@@ -349,19 +349,29 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
             for p in group["params"] for key in sorted(optimizer.state[p])]
 
 
-@pytest.mark.parametrize("method, name", [("ddp", "snap.pt"), ("fsdp", "snap")])
-def test_save_then_load_restores_weights_and_optimizer(m, group, tmp_path, method, name):
+def one_file(m, url: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             state: dict) -> None:
+    """A snapshot as older runs of ddp, zero and dp wrote it: one file, rank 0's whole
+    weights and AdamW's state by parameter number (onefile.py, as its save_file writes)."""
+    if dist.get_rank() == 0:
+        m["onefile"].save_file(url, {**state, "model": m["wrappers"].unwrap(model).state_dict(),
+                                     "optimizer": optimizer.state_dict()})
+    dist.barrier()
+
+
+@pytest.mark.parametrize("method", ["ddp", "fsdp"])
+def test_save_then_load_restores_weights_and_optimizer(m, group, tmp_path, method):
     snapshot, keys = m["snapshot"], m["char_dataset"].MATCH_KEYS
-    url = str(tmp_path / name)
+    url = str(tmp_path / "snap")
     meta = {"model_config": MODEL, "data_meta": DATA}
     model, optimizer = trained(m, method, seed=1)
-    snapshot.save(url, method, model, optimizer, {"step": 7, "note": "mine", **meta})
-    assert snapshot.snapshot_kind(url) == method  # a file for ddp, a directory for fsdp
+    snapshot.save(url, model, optimizer, {"step": 7, "note": "mine", **meta})
+    assert snapshot.snapshot_kind(url) == "dcp"  # one format: DCP's directory for every layout
 
     fresh, fresh_optimizer = trained(m, method, seed=2)  # other weights, other moments
     assert not all(torch.equal(full(a), full(b))
                    for a, b in zip(fresh.parameters(), model.parameters(), strict=True))
-    state = snapshot.load(url, method, fresh, fresh_optimizer, meta, keys)
+    state = snapshot.load(url, fresh, fresh_optimizer, meta, keys)
     # The rest of the state comes back; weights and optimizer went into the objects.
     assert state["step"] == 7 and state["note"] == "mine"
     assert "model" not in state and "optimizer" not in state
@@ -374,18 +384,23 @@ def test_save_then_load_restores_weights_and_optimizer(m, group, tmp_path, metho
 
 
 def test_load_finds_nothing_or_reads_the_other_layout(m, group, tmp_path):
-    """A one-file (ddp) snapshot resumes a sharded layout and the reverse, weights and AdamW's
-    state whole; and into ZeRO's optimizer, each rank the state of the parameters it owns."""
+    """ddp's snapshot resumes a sharded layout and the reverse, weights and AdamW's state
+    whole, and so does an older run's one file; into ZeRO's optimizer too, each rank the
+    state of the parameters it owns. The first save after a file keeps it as URL.pt."""
     snapshot, keys = m["snapshot"], m["char_dataset"].MATCH_KEYS
     meta = {"model_config": MODEL, "data_meta": DATA}
     objects = {method: trained(m, method, seed=1 + i) for i, method in enumerate(("ddp", "fsdp"))}
     for method, (model, optimizer) in objects.items():
         missing = str(tmp_path / "none" / method)
-        assert snapshot.load(missing, method, model, optimizer, meta, keys) is None
-        snapshot.save(str(tmp_path / method), method, model, optimizer, {"step": 7, **meta})
-    for saved_as, loaded_as in (("ddp", "fsdp"), ("fsdp", "ddp")):
+        assert snapshot.load(missing, model, optimizer, meta, keys) is None
+        snapshot.save(str(tmp_path / method), model, optimizer, {"step": 7, **meta})
+    objects["file"] = objects["ddp"]
+    one_file(m, str(tmp_path / "file"), *objects["file"], {"step": 7, **meta})
+    assert snapshot.snapshot_kind(str(tmp_path / "file")) == "file"
+    for saved_as, loaded_as in (("ddp", "fsdp"), ("fsdp", "ddp"), ("file", "ddp"),
+                                ("file", "fsdp")):
         fresh, fresh_optimizer = trained(m, loaded_as, seed=9)  # other weights and state
-        state = snapshot.load(str(tmp_path / saved_as), loaded_as, fresh, fresh_optimizer, meta,
+        state = snapshot.load(str(tmp_path / saved_as), fresh, fresh_optimizer, meta,
                               keys)
         assert state["step"] == 7 and "model" not in state and "optimizer" not in state
         model, optimizer = objects[saved_as]
@@ -394,10 +409,14 @@ def test_load_finds_nothing_or_reads_the_other_layout(m, group, tmp_path):
         for a, b in zip(optimizer_tensors(fresh_optimizer), optimizer_tensors(optimizer),
                         strict=True):
             assert torch.equal(a, b), (saved_as, loaded_as)
+    written = (tmp_path / "file").read_bytes()
+    snapshot.save(str(tmp_path / "file"), fresh, fresh_optimizer, {"step": 8, **meta})
+    assert snapshot.snapshot_kind(str(tmp_path / "file")) == "dcp"
+    assert (tmp_path / "file.pt").read_bytes() == written  # the file resumed from, kept
     # ZeRO reads the sharded one too: DCP names the state of each parameter its AdamW owns.
     model = m["parallel"].parallelize(tiny_gpt(m, 9), CPU, "zero")
     zero = m["optim"].build_optimizer(model, "zero", lr=1e-2)
-    assert snapshot.load(str(tmp_path / "fsdp"), "zero", model, zero, meta, keys)["step"] == 7
+    assert snapshot.load(str(tmp_path / "fsdp"), model, zero, meta, keys)["step"] == 7
     saved, saved_optimizer = objects["fsdp"]
     local = m["optim"].local_optimizer(zero)  # its parameters sorted by size: by parameter
     for a, b in zip(model.parameters(), saved.parameters(), strict=True):
@@ -430,7 +449,7 @@ class Meetings:
 
 
 def test_a_one_file_snapshot_brings_the_meetings_into_shards(m, group, tmp_path):
-    """DiLoCo's state in a one-file (ddp) snapshot comes back under a sharded layout,
+    """DiLoCo's state in an older run's one-file snapshot comes back under a sharded layout,
     resharded as the weights are (it was dropped without a word: a resumed group's next
     meeting then started from its current weights, not its last meeting's)."""
     snapshot, keys = m["snapshot"], m["char_dataset"].MATCH_KEYS
@@ -438,10 +457,10 @@ def test_a_one_file_snapshot_brings_the_meetings_into_shards(m, group, tmp_path)
     model, optimizer = trained(m, "ddp", seed=1)
     saver = Meetings(m["wrappers"].unwrap(model), optimizer, scale=3.0)
     url = str(tmp_path / "snap.pt")
-    snapshot.save(url, "ddp", model, saver, {"step": 7, **meta})
+    one_file(m, url, model, optimizer, {"step": 7, **meta, "replicas": saver.extra_state()})
     fresh, fresh_optimizer = trained(m, "fsdp", seed=2)
     loader = Meetings(fresh, fresh_optimizer, scale=5.0)
-    assert snapshot.load(url, "fsdp", fresh, loader, meta, keys)["step"] == 7
+    assert snapshot.load(url, fresh, loader, meta, keys)["step"] == 7
     saved = saver.extra_state()
     assert loader.loaded is not None and sorted(loader.loaded) == sorted(saved)
     for key, value in saved.items():
@@ -453,43 +472,36 @@ def test_another_model_is_refused_before_any_weight_changes(m, group, tmp_path):
     snapshot, keys = m["snapshot"], m["char_dataset"].MATCH_KEYS
     url = str(tmp_path / "snap.pt")
     model, optimizer = trained(m, "ddp", seed=1)
-    snapshot.save(url, "ddp", model, optimizer,
+    snapshot.save(url, model, optimizer,
                   {"step": 7, "model_config": MODEL | {"n_layer": 3}, "data_meta": DATA})
     fresh, fresh_optimizer = trained(m, "ddp", seed=2)
     before = [p.clone() for p in fresh.parameters()]
     with pytest.raises(snapshot.SnapshotError, match=r"n_layer=3 there, 2 here"):
-        snapshot.load(url, "ddp", fresh, fresh_optimizer,
+        snapshot.load(url, fresh, fresh_optimizer,
                       {"model_config": MODEL, "data_meta": DATA}, keys)
     assert all(torch.equal(a, b) for a, b in zip(before, fresh.parameters(), strict=True))
 
 
 @pytest.mark.parametrize("method", ["ddp", "fsdp"])
 def test_keep_last_keeps_the_snapshots_before_the_newest(m, group, tmp_path, method):
-    """keep_last=2: the newest snapshot and the one before it; older ones go. A file moves
-    aside as URL.1 (a roll-back is `mv snap.1 snap`), a sharded one keeps its step directory."""
+    """keep_last=2: the newest snapshot and the one before it, each its step directory; older
+    ones go (a roll-back by hand: write the older one's name into `latest`)."""
     snapshot = m["snapshot"]
     url = str(tmp_path / "snap")
     model, optimizer = trained(m, method, seed=1)
     for step in (2, 4, 6):
-        snapshot.save(url, method, model, optimizer, {"step": step}, keep_last=2)
-    if method == "ddp":
-        assert sorted(p.name for p in tmp_path.iterdir()) == ["snap", "snap.1"]
-        steps = [snapshot.load_file(str(tmp_path / n))["step"] for n in ("snap", "snap.1")]
-    else:
-        assert sorted(p.name for p in (tmp_path / "snap").iterdir()) == [
-            "latest", "step_00000004", "step_00000006"]
-        steps = [int((tmp_path / "snap/latest").read_text()[5:]), 4]
-    assert steps == [6, 4]
-    if method == "fsdp":
-        # Saves that were cut off (no train_state.pt; or a later step than the next save) are
-        # no snapshots to roll back to: they go, and step 6, the last committed one, stays.
-        for cut_off in ("step_00000007", "step_00000009"):
-            (tmp_path / "snap" / cut_off).mkdir()
-        snapshot.save(url, method, model, optimizer, {"step": 8}, keep_last=2)
-        assert sorted(p.name for p in (tmp_path / "snap").iterdir()) == [
-            "latest", "step_00000006", "step_00000008"]
-    # keep_last=1: a sharded snapshot drops its older step directories; a file makes no new
-    # copy (the .1 made earlier is left as it was).
-    snapshot.save(url, method, model, optimizer, {"step": 10}, keep_last=1)
-    names = sorted(p.name for p in (tmp_path if method == "ddp" else tmp_path / "snap").iterdir())
-    assert names == (["snap", "snap.1"] if method == "ddp" else ["latest", "step_00000010"])
+        snapshot.save(url, model, optimizer, {"step": step}, keep_last=2)
+    assert sorted(p.name for p in (tmp_path / "snap").iterdir()) == [
+        "latest", "step_00000004", "step_00000006"]
+    assert (tmp_path / "snap/latest").read_text() == "step_00000006"
+    # Saves that were cut off (no train_state.pt; or a later step than the next save) are
+    # no snapshots to roll back to: they go, and step 6, the last committed one, stays.
+    for cut_off in ("step_00000007", "step_00000009"):
+        (tmp_path / "snap" / cut_off).mkdir(exist_ok=True)
+    dist.barrier()
+    snapshot.save(url, model, optimizer, {"step": 8}, keep_last=2)
+    assert sorted(p.name for p in (tmp_path / "snap").iterdir()) == [
+        "latest", "step_00000006", "step_00000008"]
+    # keep_last=1: the older step directories go.
+    snapshot.save(url, model, optimizer, {"step": 10}, keep_last=1)
+    assert sorted(p.name for p in (tmp_path / "snap").iterdir()) == ["latest", "step_00000010"]

@@ -17,8 +17,8 @@ from mingpt_helpers import (
     U,
     assert_close_ulps,
     copy_mingpt,
-    load_ddp_snapshot,
     mingpt_imported,
+    read_snapshot,
     script_in_process,
     tiny,
     val_losses,
@@ -298,8 +298,8 @@ def test_finetune_from_pretrained_ddp_fsdp_and_resume_slowest(mods, mingpt, gpt2
     assert "resumed from" in killed.stdout and "at step 2" in killed.stdout
     # The restart took the weights from the snapshot alone, not from the pretrained files too.
     assert killed.stdout.count(f"weights from {gpt2_dir}") == 1
-    a = load_ddp_snapshot(mingpt / "runs/ft_ddp/snapshot")
-    b = load_ddp_snapshot(mingpt / "runs/ft_kill/snapshot")
+    a = read_snapshot(mingpt / "runs/ft_ddp/snapshot")
+    b = read_snapshot(mingpt / "runs/ft_kill/snapshot")
     assert a["step"] == b["step"] == 4 and a["data_meta"] == b["data_meta"]
     for name, tensor in a["model"].items():
         assert torch.equal(tensor, b["model"][name]), name

@@ -1,9 +1,9 @@
-"""sample.py on both snapshot formats, and why it can trust them.
+"""sample.py on any layout's snapshot (and an older run's one file), and why it can trust them.
 
-A ddp snapshot is one file that torch.load reads with weights_only=True. An fsdp snapshot is a
-DCP directory: DCP pickles its index (.metadata) and its non-tensor values (an optimizer's lr,
-betas, names), and storage.load_dcp reads them as safely: code a tampered pickle names never
-runs, and the load ends in one error line.
+A snapshot is a DCP directory whose tensors torch.load reads with weights_only=True. DCP
+pickles its index (.metadata) and its non-tensor values (an optimizer's lr, betas, names), and
+storage.load_dcp reads them as safely: code a tampered pickle names never runs, and the load
+ends in one error line.
 """
 import os
 import pickle
@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from mingpt_helpers import copy_mingpt, mingpt_imported, script_in_process, tiny
+from mingpt_helpers import copy_mingpt, mingpt_imported, read_snapshot, script_in_process, tiny
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +23,8 @@ def modules():
 @pytest.fixture(scope="module")
 def mingpt(tmp_path_factory, modules):
     """A copy of 05_mingpt with a tiny ddp snapshot and a tiny fsdp one (one process each;
-    main.py and sample.py run in this process, as `python main.py` / `python sample.py`)."""
+    main.py and sample.py run in this process, as `python main.py` / `python sample.py`), and
+    the ddp one as an older run wrote it: one file (runs/ddp.pt)."""
     mingpt = copy_mingpt(tmp_path_factory.mktemp("mingpt_sample"))
     for method in ("ddp", "fsdp"):
         done = script_in_process(modules["main"], mingpt, *tiny(
@@ -33,8 +34,10 @@ def mingpt(tmp_path_factory, modules):
             "trainer_config.eval_batches=1", "trainer_config.save_every=0",
             "trainer_config.sample_tokens=0"))
         assert done.returncode == 0, done.stderr
-    assert (mingpt / "runs/ddp/snapshot").is_file()
+    assert (mingpt / "runs/ddp/snapshot/latest").is_file()  # one format for every layout
     assert (mingpt / "runs/fsdp/snapshot/latest").is_file()
+    modules["onefile"].save_file(str(mingpt / "runs/ddp.pt"),
+                                 read_snapshot(mingpt / "runs/ddp/snapshot"))
     return mingpt
 
 
@@ -50,14 +53,14 @@ def test_sharded_snapshot_samples_without_a_warning(mingpt):
     proc = sample(mingpt, "runs/fsdp/snapshot")
     assert proc.returncode == 0 and proc.stdout.startswith("ROMEO:")
     assert "warning:" not in proc.stderr and "error:" not in proc.stderr, proc.stderr
-    assert "(fsdp, step 2, " in proc.stderr
+    assert "(dcp, step 2, " in proc.stderr
 
 
-def test_file_snapshot_has_no_warning(mingpt):
-    proc = sample(mingpt, "runs/ddp/snapshot")
-    assert proc.returncode == 0 and proc.stdout.startswith("ROMEO:")
-    assert "warning:" not in proc.stderr and "pickle" not in proc.stderr, proc.stderr
-    assert "(ddp, step 2, " in proc.stderr
+def test_an_older_one_file_snapshot_samples_as_its_directory_does(mingpt):
+    file, directory = sample(mingpt, "runs/ddp.pt"), sample(mingpt, "runs/ddp/snapshot")
+    assert file.stdout.startswith("ROMEO:") and file.stdout == directory.stdout
+    assert "warning:" not in file.stderr and "pickle" not in file.stderr, file.stderr
+    assert "(file, step 2, " in file.stderr and "(dcp, step 2, " in directory.stderr
 
 
 class _MakeDir:

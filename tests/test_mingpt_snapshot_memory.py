@@ -1,13 +1,11 @@
-"""05_mingpt snapshots without extra copies in memory, and on filesystems without hard links.
+"""05_mingpt snapshots without extra copies in memory.
 
 - tp / fsdp_tp: each rank saves and loads its own rows of the strided q/k/v tensors; no rank
   holds a whole one (two spawned gloo ranks, every op's result watched).
-- ddp: the snapshot file is written by torch.save straight into the temporary file and read
-  back memory-mapped (a fresh interpreter's peak RSS against the file's size), and nothing of
-  a resumed run stays a view of that file.
-- keep_previous copies the previous file where os.link is refused (gcsfuse, blobfuse, ...).
+- onefile.py (train_state.pt; older runs' whole snapshots): written by torch.save straight into
+  the temporary file and read back memory-mapped (a fresh interpreter's peak RSS against the
+  file's size), and nothing of a resumed run stays a view of a snapshot's file.
 """
-import errno
 import gc
 import json
 import os
@@ -111,7 +109,7 @@ def _qkv_worker(rank: int, out: str) -> None:
             with WholeQKVWatch() as control:  # the watch does see a gather
                 tp.whole_strided(qkv[0])
             with WholeQKVWatch() as save_watch:
-                snapshot.save_sharded(f"{out}/{method}", 1, model, optimizer, {"step": 1})
+                snapshot.save(f"{out}/{method}", model, optimizer, {"step": 1})
             fresh, fresh_optimizer = trained(2, method)  # other weights and moments
             with WholeQKVWatch() as load_watch:
                 sharded.load_sharded(f"{out}/{method}", fresh, fresh_optimizer)
@@ -208,7 +206,7 @@ def test_qkv_rows_tile_the_global_tensor(n_embd, tp_size, dp_size):
         assert sorted(covered) == rows.tolist()
 
 
-# --- ddp: one file, streamed out and mapped back -----------------------------------------
+# --- onefile.py: streamed out and mapped back --------------------------------------------
 
 MEASURE = textwrap.dedent("""
     import sys
@@ -270,11 +268,11 @@ def _mapped(path: str) -> bool:
     return os.path.realpath(path) in Path("/proc/self/maps").read_text()
 
 
-@pytest.mark.parametrize("method", ["ddp", "zero"])
-def test_a_resumed_run_keeps_no_view_of_the_snapshot_file(group, tmp_path, method):
-    """load() copies into model and optimizer, then gives the optimizer its own copy of what
-    load_state_dict kept as it was (AdamW's moments on the CPU) and returns copies of the
-    RNG states: once it returns the file is no longer mapped, and every value came back."""
+@pytest.mark.parametrize("method, kind", [("ddp", "dcp"), ("zero", "dcp"), ("ddp", "file")])
+def test_a_resumed_run_keeps_no_view_of_the_snapshot_file(group, tmp_path, method, kind):
+    """load() copies into model and optimizer and returns copies of the RNG states: once it
+    returns no file of the snapshot is mapped (train_state.pt; an older run's one file), and
+    every value came back."""
     with mingpt_imported() as m:
         snapshot, optim, trainer = m["snapshot"], m["optim"], m["trainer"]
         x = torch.randint(0, 11, (2, 8), generator=torch.Generator().manual_seed(1))
@@ -293,17 +291,24 @@ def test_a_resumed_run_keeps_no_view_of_the_snapshot_file(group, tmp_path, metho
 
         model, optimizer = trained(1)
         meta = {"model_config": CONFIG, "data_meta": {"kind": "char"}}
-        url = str(tmp_path / "snap.pt")
+        url = str(tmp_path / "snap")
         rng = trainer.rng_state(CPU)
-        snapshot.save(url, method, model, optimizer, {"step": 3, "rng": [rng], **meta})
-        probe = snapshot.load_file(url)
-        assert _mapped(url)  # load_file maps the file: its tensors are views of it
+        state = {"step": 3, "rng": [rng], **meta}
+        if kind == "file":  # as older runs wrote it (test_mingpt_parallel.one_file)
+            m["onefile"].save_file(url, {**state, "model": model.state_dict(),
+                                         "optimizer": optimizer.state_dict()})
+            file = url
+        else:
+            snapshot.save(url, model, optimizer, state)
+            file = f"{url}/step_00000003/train_state.pt"
+        probe = snapshot.load_file(file)
+        assert _mapped(file)  # load_file maps the file: its tensors are views of it
         del probe
         gc.collect()
-        assert not _mapped(url)
+        assert not _mapped(file)
         fresh, fresh_optimizer = trained(2)
-        state = snapshot.load(url, method, fresh, fresh_optimizer, meta, ())
-        assert not _mapped(url)
+        state = snapshot.load(url, fresh, fresh_optimizer, meta, ())
+        assert not _mapped(file)
         assert state["step"] == 3 and torch.equal(state["rng"][0]["torch"], rng["torch"])
         assert all(torch.equal(a, b) for a, b in zip(
             fresh.state_dict().values(), model.state_dict().values(), strict=True))
@@ -344,29 +349,3 @@ def test_a_snapshot_in_torchs_older_format_still_loads(tmp_path):
         torch.save({"step": 5, "w": torch.arange(4.0)}, url, _use_new_zipfile_serialization=False)
         state = m["snapshot"].load_file(url)
     assert state["step"] == 5 and torch.equal(state["w"], torch.arange(4.0))
-
-
-# --- keep_previous where hard links are refused ------------------------------------------
-
-@pytest.mark.parametrize("code", [errno.EPERM, errno.ENOTSUP, errno.EXDEV])
-def test_keep_previous_copies_where_hard_links_are_refused(group, tmp_path, monkeypatch, code):
-    """gcsfuse, blobfuse and others refuse os.link: the previous snapshot is copied instead,
-    and every save still succeeds (keep_last=3: .1 and .2 kept)."""
-    with mingpt_imported() as m:
-        snapshot = m["snapshot"]
-        model = m["model"].GPT(m["model"].GPTConfig(**CONFIG))
-        optimizer = torch.optim.AdamW(model.parameters())
-        url = str(tmp_path / "snap.pt")
-
-        def refuse(src, dst, *args, **kwargs):
-            raise OSError(code, os.strerror(code), src, None, dst)
-
-        monkeypatch.setattr(os, "link", refuse)
-        written = []
-        for step in (2, 4, 6):
-            snapshot.save(url, "ddp", model, optimizer, {"step": step}, keep_last=3)
-            written.append(Path(url).read_bytes())
-    assert Path(url).read_bytes() == written[2] and snapshot.load_file(url)["step"] == 6
-    assert Path(f"{url}.1").read_bytes() == written[1]
-    assert Path(f"{url}.2").read_bytes() == written[0]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["snap.pt", "snap.pt.1", "snap.pt.2"]

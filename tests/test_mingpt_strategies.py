@@ -145,7 +145,7 @@ def train_here(m: dict, cfg: DictConfig) -> tuple[str, torch.nn.Module, torch.op
         m["main"].load_train_objs(cfg, CPU)
     trainer = m["trainer"].Trainer(t, model, optimizer, train_set, val_set, CPU, cfg.run_dir,
                                    meta, flops)
-    state = m["snapshot"].load(t.snapshot_path, t.distributed_method, model, optimizer, meta,
+    state = m["snapshot"].load(t.snapshot_path, model, optimizer, meta,
                                data.MATCH_KEYS)
     log = io.StringIO()
     with contextlib.redirect_stdout(log):

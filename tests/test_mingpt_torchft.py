@@ -24,7 +24,14 @@ import pytest
 import torch
 
 from conftest import TORCHRUN, child_env, run
-from mingpt_helpers import assert_refused, copy_mingpt, mingpt_imported, snapshot_weights, tiny
+from mingpt_helpers import (
+    assert_refused,
+    copy_mingpt,
+    mingpt_imported,
+    read_snapshot,
+    snapshot_weights,
+    tiny,
+)
 
 LIGHTHOUSE = str(Path(TORCHRUN).with_name("torchft_lighthouse"))
 # Clipping is per group before the average (ft.py): off, so the run compares with DDP's.
@@ -90,7 +97,7 @@ def finish(proc: subprocess.Popen, timeout: float = 400) -> str:
 
 
 def snapshot(mingpt: Path, run_name: str) -> dict:
-    return torch.load(mingpt / "runs" / run_name / "snapshot", weights_only=True)
+    return read_snapshot(mingpt / "runs" / run_name / "snapshot")
 
 
 def same(a: dict, b: dict) -> list[str]:

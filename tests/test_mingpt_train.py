@@ -15,10 +15,10 @@ from mingpt_helpers import (
     assert_learned,
     assert_same_curve,
     copy_mingpt,
-    load_ddp_snapshot,
     log_units,
     mingpt_imported,
     other_cpu_kernels,
+    read_snapshot,
     script_in_process,
     tiny,
     train_losses,
@@ -99,7 +99,7 @@ def test_python_main_py_then_sample_py(mingpt, sample_py):
     assert {"train/loss", "val/loss", "train/lr", "perf/tokens_per_s",
             "memory/peak_mb_rank0"} <= scalar_tags(run_dir)
     assert "perf/mfu" not in scalar_tags(run_dir)  # no peak FLOP/s for a CPU
-    snap = load_ddp_snapshot(run_dir / "snapshot")  # weights_only=True
+    snap = read_snapshot(run_dir / "snapshot")  # weights_only=True
     assert snap["step"] == 10 and snap["world_size"] == 1
     assert {"model", "optimizer", "scheduler", "scaler", "rng", "epoch", "samples_in_epoch",
             "model_config", "data_meta"} <= set(snap)
@@ -146,7 +146,7 @@ def test_batch_size_128_with_fp16(mingpt, main_py):
     assert "128 sequences per step (batch_size 128 x grad_accum_steps 1 x world size 1)" \
         in proc.stdout
     assert_learned(proc.stdout)
-    scaler = load_ddp_snapshot(mingpt / "runs/fp16/snapshot")["scaler"]
+    scaler = read_snapshot(mingpt / "runs/fp16/snapshot")["scaler"]
     # GradScaler state was saved: the scale (2**16 at the start, halved on each overflow) and the
     # count of overflow-free steps since the last change.
     assert 0 < scaler["scale"] <= 2.0**16 and scaler["_growth_tracker"] >= 1
@@ -188,7 +188,7 @@ def test_compiled_run_follows_the_eager_one_and_samples_eagerly(mingpt, main_py)
     assert all(log_units(compiled[s], eager_losses[s]) <= 1 for s in compiled), (
         compiled, eager_losses)
     assert re.search(r"^sample:\n.{5,}", proc.stdout, re.M)
-    snap = load_ddp_snapshot(mingpt / "runs/compiled/snapshot")
+    snap = read_snapshot(mingpt / "runs/compiled/snapshot")
     assert not any("_orig_mod" in key for key in snap["model"])  # the plain model's names
 
 
@@ -209,7 +209,7 @@ def test_launch_py_runs_torchrun_and_its_workers_share_one_run_dir(ddp_reference
     # No run_name given: both workers still picked the same directory (torchrun's run id),
     # where each would compute its own start time to the second (the fixture found one).
     assert {f"memory/peak_mb_rank{r}" for r in range(2)} <= scalar_tags(run_dir)
-    assert load_ddp_snapshot(run_dir / "snapshot")["world_size"] == 2
+    assert read_snapshot(run_dir / "snapshot")["world_size"] == 2
 
 
 def test_ddp_killed_worker_resumes_bitwise_slowest(mingpt, ddp_reference):
@@ -230,7 +230,7 @@ def test_ddp_killed_worker_resumes_bitwise_slowest(mingpt, ddp_reference):
     # Step 4 was evaluated before its snapshot was saved: the resumed run does not redo it.
     assert sorted(val_losses(after)) == [8, 10]
     assert val_events(mingpt / "runs/ddp_b") == val_events(a_dir) == [0, 4, 8, 10]
-    a, b = load_ddp_snapshot(a_dir / "snapshot"), load_ddp_snapshot(mingpt / "runs/ddp_b/snapshot")
+    a, b = read_snapshot(a_dir / "snapshot"), read_snapshot(mingpt / "runs/ddp_b/snapshot")
     assert a["step"] == b["step"] == 10
     for key in a["model"]:
         assert torch.equal(a["model"][key], b["model"][key]), key
@@ -302,7 +302,7 @@ def test_changed_adamw_settings_on_resume_are_followed_and_said(main_py, mingpt)
             "optimizer_config.weight_decay 0.1 -> 0.05: the lr schedule and AdamW follow the new "
             "values from step 4 on") in proc.stdout
     # In effect: the final snapshot's param groups (decayed Linear weights; the rest none).
-    groups = load_ddp_snapshot(mingpt / "runs/adamw/snapshot")["optimizer"]["param_groups"]
+    groups = read_snapshot(mingpt / "runs/adamw/snapshot")["optimizer"]["param_groups"]
     assert [(g["weight_decay"], list(g["betas"])) for g in groups] == [(0.05, [0.8, 0.9]),
                                                                       (0.0, [0.8, 0.9])]
 

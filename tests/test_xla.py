@@ -25,6 +25,8 @@ from mingpt_helpers import (
     U,
     copy_mingpt,
     log_units,
+    read_snapshot,
+    snapshot_at,
     tiny,
     train_losses,
     val_losses,
@@ -106,20 +108,19 @@ def runs(xla_python, tmp_path_factory) -> dict:
         *same, f"run_dir={out}/xla", "trainer_config.eval_batches=8",
         f"trainer_config.batch_size={BATCH}", "trainer_config.save_every=0",
         "trainer_config.sample_tokens=30"))}
-    # Resume: with dropout (the device's RNG stream must resume too), a snapshot at step 2
-    # kept as snapshot.1 when step 4's replaces it; the resumed run starts from a copy of it.
+    # Resume: with dropout (the device's RNG stream must resume too), a snapshot at step 2,
+    # kept (keep_last=2) when step 4's is committed; the resumed run starts from a copy of it.
     dropout = (*COMMON, data, f"trainer_config.batch_size={BATCH}",
                "trainer_config.eval_batches=8", "trainer_config.save_every=2",
                "trainer_config.keep_last=2", "trainer_config.sample_tokens=0")
     logs["whole"] = xla_run(xla_python, folder, *tiny(*dropout, f"run_dir={out}/whole"))
-    (out / "resumed").mkdir()
-    shutil.copy(out / "whole/snapshot.1", out / "resumed/snapshot")
+    snapshot_at(str(out / "whole/snapshot"), str(out / "resumed/snapshot"), 2)
     logs["resumed"] = xla_run(xla_python, folder, *tiny(*dropout, f"run_dir={out}/resumed"))
     return {"out": out, "folder": folder, "logs": logs}
 
 
 def snapshot(path: Path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=True)
+    return read_snapshot(path)
 
 
 # --- The same model as eager CPU -------------------------------------------------------------

@@ -268,7 +268,7 @@ def worker(args: argparse.Namespace) -> None:
         # Load time is the slowest rank's: start and stop together.
         dist.barrier()
         start = time.perf_counter()
-        snapshot.load(t.snapshot_path, strategy, model, optimizer, meta, data.MATCH_KEYS)
+        snapshot.load(t.snapshot_path, model, optimizer, meta, data.MATCH_KEYS)
         dist.barrier()
         load_s = time.perf_counter() - start
         # Each rank's own bytes of model state (a shard under FSDP/ZeRO/TP), gathered on rank 0.

@@ -1,11 +1,11 @@
-"""Host memory of saving and resuming a ddp snapshot file: the peak RSS of fresh processes.
+"""Host memory of saving and resuming a ddp run's snapshot: the peak RSS of fresh processes.
 
     python bench/snapshot_host_memory.py                    # gpt2-medium, 65-character vocab
     python bench/snapshot_host_memory.py --preset gpt2 --dir /tmp/snapbench
     python bench/snapshot_host_memory.py --mingpt OTHER/05_mingpt   # another snapshot.py
 
 Builds model.GPT (--preset, random weights) and AdamW with a full state (exp_avg and exp_avg_sq
-random, as after training), and saves them with snapshot.save, as rank 0 of a ddp run does.
+random, as after training), and saves them with snapshot.save, as a one-rank ddp run does.
 Then a fresh process builds a fresh model and optimizer and resumes with snapshot.load, as
 main.py does (a one-rank gloo group). Each phase runs in its own process, which resets the
 kernel's high-water mark first (writing 5 to /proc/self/clear_refs) and reports, from
@@ -13,12 +13,14 @@ kernel's high-water mark first (writing 5 to /proc/self/clear_refs) and reports,
 the phase, and the anonymous (RssAnon: the process's own memory) and file-backed (RssFile:
 mapped pages of the page cache, which processes mapping one file share and the kernel can
 drop) parts: at the end, and anonymous at its peak (sampled every millisecond or so).
-Linux only. Needs about 7x the weights' size free (the code before the change).
+Linux only. Needs about 7x the weights' size free (the code before the change). "file" in the
+figures is the snapshot's size on disk: its shards and train_state.pt.
 """
 import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import threading
@@ -72,16 +74,16 @@ def phase(args: argparse.Namespace) -> dict:
     model = GPT(GPTConfig(**config))
     optimizer = optim.build_optimizer(model, "ddp", lr=1e-4)
     meta = {"model_config": config, "data_meta": {"kind": "char"}}
-    path = str(Path(args.dir) / "snapshot.pt")
+    path = str(Path(args.dir) / "snapshot")
     if args.phase == "save":
         for p in model.parameters():  # as after a step: both moments, the step count
             optimizer.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.randn_like(p),
                                   "exp_avg_sq": torch.rand_like(p)}
-        run = lambda: snapshot.save(path, "ddp", model, optimizer,  # noqa: E731
+        run = lambda: snapshot.save(path, model, optimizer,  # noqa: E731
                                     {"step": 1, "rng": [trainer.rng_state(torch.device("cpu"))],
                                      **meta})
     else:
-        run = lambda: snapshot.load(path, "ddp", model, optimizer, meta, ())  # noqa: E731
+        run = lambda: snapshot.load(path, model, optimizer, meta, ())  # noqa: E731
     # The weights' own bytes: the figures are read against them (and against the file size).
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS, from here on
@@ -96,7 +98,8 @@ def phase(args: argparse.Namespace) -> dict:
     if args.phase == "load":  # what came back is what was saved (the file's last tensor)
         assert state["step"] == 1 and all(len(s) == 3 for s in optimizer.state.values())
     dist.destroy_process_group()
-    return {"phase": args.phase, "weights": weights, "file": os.path.getsize(path),
+    size = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+    return {"phase": args.phase, "weights": weights, "file": size,
             "seconds": round(seconds, 2), "peak_growth": after["VmHWM"] - before["VmRSS"],
             "anon_peak_growth": anon_peak - before["RssAnon"],
             "anon_growth": after["RssAnon"] - before["RssAnon"],
@@ -119,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--preset", default="gpt2-medium")
     parser.add_argument("--block_size", type=int, default=128)
     parser.add_argument("--dir", default="/tmp/snapshot_host_memory",
-                        help="where the snapshot file is written (and removed afterwards)")
+                        help="where the snapshot is written (and removed afterwards)")
     parser.add_argument("--mingpt", default=str(HERE.parent),
                         help="the 05_mingpt folder whose snapshot.py to measure")
     parser.add_argument("--phase", choices=["save", "load"], help=argparse.SUPPRESS)
@@ -138,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
                 sys.exit(f"{name} failed:\n{proc.stderr[-3000:]}")
             r = json.loads(proc.stdout.splitlines()[-1])
             if name == "save":
-                print(f"weights {r['weights'] / MiB:,.0f} MiB, snapshot file "
+                print(f"weights {r['weights'] / MiB:,.0f} MiB, snapshot "
                       f"{r['file'] / MiB:,.0f} MiB (weights + AdamW's two moments)")
             print(f"{name}: peak RSS +{r['peak_growth'] / MiB:,.0f} MiB "
                   f"({r['peak_growth'] / r['file']:.2f}x the file); anonymous at its peak "
@@ -147,8 +150,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"+{r['file_backed_growth'] / MiB:,.0f} MiB; {r['seconds']} s")
             print(f"BENCH_SNAPSHOT_HOST_MEMORY {json.dumps(r)}")
     finally:
-        for leftover in Path(args.dir).glob("snapshot.pt*"):
-            leftover.unlink()
+        shutil.rmtree(Path(args.dir) / "snapshot", ignore_errors=True)
 
 
 if __name__ == "__main__":

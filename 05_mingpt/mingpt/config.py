@@ -207,12 +207,6 @@ def validate(cfg: DictConfig) -> None:
             "False unless distributed_method=fsdp without tp_size or pp_size (it offloads FSDP "
             "shards)", t.cpu_offload)
     _check_debugging(t)
-    # DCP's asynchronous save writes shards; the one-file format has one writer (SNAPSHOTS.md).
-    require(not t.async_save or layout.snapshot_of(t.distributed_method,
-                                                   **layout.degrees(t)) == "fsdp",
-            "trainer_config.async_save", "False for a one-file snapshot (distributed_method=ddp, "
-            "zero or dp without tp_size, pp_size or ep_size: rank 0 writes it alone; "
-            "SNAPSHOTS.md)", t.async_save)
     # TP's q/k/v shards reach DCP as pieces of the global tensor (parallel/strided.py), a
     # description the staging copy of an asynchronous save does not keep: it wrote each
     # rank's rows as the whole tensor, a snapshot no run could load (feature matrix, found).

@@ -301,7 +301,7 @@ def _real_shards(cfg: DictConfig, gpt_config: GPTConfig, settings: dict) -> torc
     lay = layout.resolve(t.distributed_method, dist.get_world_size(), **layout.degrees(t))
     with torch.device("meta"):
         model = GPT(gpt_config)  # shapes only
-    if lay.snapshot == "ddp":
+    if lay.whole:
         # Every rank holds the whole model (ddp, zero), and DDP's constructor reads real
         # tensors: storage first.
         _to_empty(model)
@@ -311,7 +311,7 @@ def _real_shards(cfg: DictConfig, gpt_config: GPTConfig, settings: dict) -> torc
     swap = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion("pp" in lay.sizes())
     try:
-        if lay.snapshot != "ddp":
+        if not lay.whole:
             _to_empty(model)
     finally:
         torch.__future__.set_swap_module_params_on_conversion(swap)

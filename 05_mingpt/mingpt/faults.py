@@ -107,8 +107,8 @@ def skip_gradient_sync(model: torch.nn.Module, current_step: Callable[[], int]) 
 
 
 # What FAULT_WRITE_ERROR and FAULT_READ_ERROR can make fail: this rank's DCP shard files, the
-# one file a rank writes or reads whole (the ddp snapshot, or train_state.pt beside the shards),
-# and `latest`, the sharded format's commit.
+# one file a rank writes or reads whole (train_state.pt beside the shards; an older run's
+# one-file snapshot), and `latest`, the commit.
 IO_TARGETS = {"write": ("shard", "file", "latest"), "read": ("shard", "file")}
 
 

@@ -1,21 +1,15 @@
-"""The one-file snapshot (ddp, zero, dp: every rank holds the whole model): rank 0 writes it,
-atomically, and keeps the ones before it for a roll-back by hand; it loads mapped, with
-`weights_only=True`, and nothing the run keeps stays a view of the file. snapshot.py decides
-when; shards.py reads such a file into a layout where no rank holds the whole model.
+"""One torch.save file, written atomically and loaded mapped with `weights_only=True`:
+each snapshot's `train_state.pt` (shards.py), and the whole snapshot of older runs, which
+snapshot.py still loads (shards.whole_state puts it into any layout). Nothing a run keeps
+stays a view of the file (unmapped).
 """
 import io
-import os
-import shutil
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
-from fsspec.implementations.local import LocalFileSystem
 
 from mingpt import storage
 from mingpt.errors import MOVE_IT_AWAY, SnapshotError
-from mingpt.optim import local_optimizer
-from mingpt.parallel.wrappers import unwrap
 
 
 def save_file(url: str, obj: dict, before_commit: Callable[[], None] | None = None) -> None:
@@ -84,58 +78,3 @@ def unmapped(tree: object, mapped: set[int], copies: dict[int, torch.Tensor]) ->
         return tree if all(a is b for a, b in zip(items, tree, strict=True)) else \
             type(tree)(items)
     return tree
-
-
-def unmap_optimizer(optimizer: torch.optim.Optimizer, mapped: set[int]) -> None:
-    """Give the optimizer its own copy of any state that is still a view of the snapshot file.
-
-    load_state_dict keeps a saved tensor as it is when it already has the parameter's device
-    and dtype: on the CPU AdamW's moments (on a GPU its step counts) would stay views of the
-    mapped file, which would then stay mapped for the whole run (the disk space of a deleted
-    snapshot never freed; a file overwritten in place changing under it, or SIGBUS)."""
-    copies: dict[int, torch.Tensor] = {}
-    # ZeRO: its own state and its local AdamW's hold the same tensors; both get one copy.
-    local = local_optimizer(optimizer)
-    for opt in {id(o): o for o in (optimizer, local)}.values():
-        for entries in [*opt.state.values(), *opt.param_groups]:
-            for key, value in entries.items() if isinstance(entries, dict) else ():
-                entries[key] = unmapped(value, mapped, copies)
-
-
-def keep_previous(url: str, keep_last: int) -> None:
-    """Before a snapshot file is replaced: URL.1 .. URL.{keep_last-1} keep the ones before it.
-
-    Each older copy moves up one number; the current file is linked (locally) or copied as
-    URL.1, so URL itself stays in place until the new one replaces it atomically."""
-    fs, path = storage.filesystem(url)
-    if keep_last < 2 or not fs.isfile(path):
-        return
-    for i in range(keep_last - 1, 1, -1):  # .1 -> .2, ..., oldest dropped
-        if fs.exists(f"{path}.{i - 1}"):
-            fs.mv(f"{path}.{i - 1}", f"{path}.{i}")
-    if fs.exists(f"{path}.1"):
-        fs.rm(f"{path}.1")
-    if not isinstance(fs, LocalFileSystem):
-        fs.copy(path, f"{path}.1")
-        return
-    try:
-        os.link(path, f"{path}.1")  # no copy: the replace below gives `path` a new file
-    except OSError:
-        # Object-store mounts (gcsfuse, blobfuse, ...) and some network filesystems have no
-        # hard links (EPERM, ENOTSUP, ENOSYS, EXDEV, ...): every save would fail. A copy of
-        # the bytes instead (copyfile: such mounts may refuse copy2's metadata), under a
-        # temporary name, so that a cut-off copy never poses as the previous snapshot.
-        shutil.copyfile(path, f"{path}.1.tmp")
-        os.replace(f"{path}.1.tmp", f"{path}.1")
-
-
-def write_file(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-               state: dict, before_commit: Callable[[], None] | None, keep_last: int,
-               gather: Callable | None) -> None:
-    """Rank 0: the one-file snapshot, renamed over the old one once written."""
-    if dist.get_rank() != 0:
-        return
-    keep_previous(url, keep_last)
-    weights, optimized = gather(model, optimizer) if gather else \
-        (unwrap(model).state_dict(), optimizer.state_dict())  # no "module." prefix
-    save_file(url, {**state, "model": weights, "optimizer": optimized}, before_commit)

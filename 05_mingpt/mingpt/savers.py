@@ -4,10 +4,10 @@
     saver.save(model, optimizer, state, before_commit)  # at every save_every step
     saver.finish()                                      # before the run ends
 
-snapshot.py owns the protocol (shards.py the sharded format); this module only when the
-writing happens. An asynchronous save (SNAPSHOTS.md) writes the sharded format with DCP's
-`async_save` from a staging process (AsyncCheckpointerType.PROCESS) while training goes on.
-What still blocks the loop: the state dicts and the copy of this rank's shards into host
+snapshot.py owns the protocol (shards.py the format); this module only when the writing
+happens. An asynchronous save (SNAPSHOTS.md) writes the same snapshot with DCP's `async_save`
+from a staging process (AsyncCheckpointerType.PROCESS) while training goes on. What still
+blocks the loop: the state dicts and the copy of this rank's shards into host
 memory (the staging, so that the next optimizer step cannot change what is being written),
 and waiting for the save before it. The commit (train_state.pt, then `latest`) follows only
 once the write completed on every rank and every rank agreed it did: at the next save, or at
@@ -30,23 +30,23 @@ from mingpt.parallel.strided import checkpointable
 class Saver:
     """snapshot.save, blocking: the snapshot is committed when save() returns."""
 
-    def __init__(self, url: str, method: str, keep_last: int, gather: Callable | None) -> None:
-        self.url, self.method, self.keep_last, self.gather = url, method, keep_last, gather
+    def __init__(self, url: str, keep_last: int, gather: Callable | None) -> None:
+        self.url, self.keep_last, self.gather = url, keep_last, gather
 
     def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict,
              before_commit: Callable[[], None] | None = None) -> None:
-        snapshot.save(self.url, self.method, model, optimizer, state, before_commit,
-                      self.keep_last, self.gather)
+        snapshot.save(self.url, model, optimizer, state, before_commit, self.keep_last,
+                      self.gather)
 
     def finish(self) -> None:
         """Nothing is in flight: each save() committed its snapshot."""
 
 
 class AsyncSaver(Saver):
-    """The sharded format through DCP's async_save; at most one save in flight."""
+    """The snapshot through DCP's async_save; at most one save in flight."""
 
-    def __init__(self, url: str, method: str, keep_last: int, gather: Callable | None) -> None:
-        super().__init__(url, method, keep_last, gather)
+    def __init__(self, url: str, keep_last: int, gather: Callable | None) -> None:
+        super().__init__(url, keep_last, gather)
         # The save in flight: (its future, step directory name, train state), or None.
         self.pending: tuple | None = None
 
@@ -54,7 +54,7 @@ class AsyncSaver(Saver):
              before_commit: Callable[[], None] | None = None) -> None:
         self.finish()  # the one before: written, agreed and committed first
         name = shards.step_dir(state["step"])
-        errors.save_part(self.url, snapshot.move_other_format_on_rank_0, "fsdp")
+        errors.save_part(self.url, snapshot.move_file_on_rank_0)
         errors.save_part(self.url, shards.clear_step, name)
         state, extra = shards.with_meetings(optimizer, state)  # snapshot.save's
         # Returns once this rank's shards are copied to host memory (DCP's staging); the
@@ -89,10 +89,9 @@ class AsyncSaver(Saver):
 
 
 def build(cfg: DictConfig, gather: Callable | None = None) -> Saver:
-    """The saver trainer_config.async_save asks for (config.py refuses it for the one-file
-    layout, whose single writer has nothing to write in parallel with)."""
+    """The saver trainer_config.async_save asks for."""
     errors.require(not (cfg.async_save and gather), "trainer_config.async_save",
-                   "False with xla_main.py (its snapshot is one file, gathered to the CPU)",
+                   "False with xla_main.py (its snapshot is gathered to the CPU first)",
                    cfg.async_save)
     kind = AsyncSaver if cfg.async_save else Saver
-    return kind(cfg.snapshot_path, cfg.distributed_method, cfg.keep_last, gather)
+    return kind(cfg.snapshot_path, cfg.keep_last, gather)

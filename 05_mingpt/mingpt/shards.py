@@ -1,7 +1,9 @@
-"""The sharded snapshot (DCP, `torch.distributed.checkpoint`): every rank writes its own shards
-into `step_XXXXXXXX/`, rank 0 adds `train_state.pt` and then rewrites `latest`, the commit;
-any layout reads them back, each rank what it holds. snapshot.py runs these parts and agrees
-on each one's outcome; savers.py runs the same parts around DCP's async_save.
+"""The snapshot format (DCP, `torch.distributed.checkpoint`), for every layout: every rank
+writes its own shards into `step_XXXXXXXX/` (a weight that every rank holds whole is written
+once), rank 0 adds `train_state.pt` and then rewrites `latest`, the commit; any layout reads
+them back, each rank what it holds. snapshot.py runs these parts and agrees on each one's
+outcome; savers.py runs the same parts around DCP's async_save. An older one-file snapshot
+(onefile.py) loads through whole_state, into any layout as well.
 """
 import os
 import warnings
@@ -18,6 +20,7 @@ from mingpt.errors import MOVE_IT_AWAY, SnapshotError
 from mingpt.onefile import save_file
 from mingpt.optim import build_optimizer, extra_state, local_optimizer
 from mingpt.parallel.strided import checkpointable
+from mingpt.parallel.wrappers import unwrap
 
 TRAIN_STATE = "train_state.pt"
 LATEST = "latest"
@@ -40,12 +43,10 @@ def clear_step(url: str, name: str) -> None:
         fs.rm(f"{path}/{name}", recursive=True)
 
 
-def write_shards(url: str, name: str, model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer, extra: dict | None = None) -> None:
-    """Every rank's shards into step directory `name` (dcp.save: collective; a failure on any
-    rank is a CheckpointException, naming it, on every rank)."""
-    dcp.save(checkpointable(dcp_state(model, optimizer, extra)),
-             storage_writer=storage.writer(f"{url}/{name}"))
+def write_shards(url: str, name: str, state: dict) -> None:
+    """Every rank's shards of `state` (dcp_state's) into step directory `name` (dcp.save:
+    collective; a failure on any rank is a CheckpointException, naming it, on every rank)."""
+    dcp.save(checkpointable(state), storage_writer=storage.writer(f"{url}/{name}"))
 
 
 def with_meetings(optimizer: torch.optim.Optimizer, state: dict) -> tuple[dict, dict]:
@@ -60,8 +61,9 @@ def dcp_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     """What DCP writes: the model's and the optimizer's sharded state dicts, and the replica
     groups' meetings where they have any (optim.extra_state: DTensors like the weights).
     ZeRO's optimizer is its local AdamW: each owner's state under its parameters' names, so a
-    rank reads back the state of whatever it owns then, under any layout."""
-    model_sd, optim_sd = get_state_dict(model, local_optimizer(optimizer))
+    rank reads back the state of whatever it owns then, under any layout. A weight every rank
+    holds whole (ddp, zero) is written once. DDP's and DataParallel's `module.` is no name."""
+    model_sd, optim_sd = get_state_dict(unwrap(model), local_optimizer(optimizer))
     return {"model": model_sd, "optim": optim_sd, **({"replicas": extra} if extra else {})}
 
 
@@ -103,7 +105,8 @@ def latest_sharded(url: str) -> str:
 
 
 def load_sharded(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 checkpoint: str | None = None, extra: dict | None = None) -> None:
+                 checkpoint: str | None = None, extra: dict | None = None,
+                 no_dist: bool = False) -> None:
     """FSDP: each rank reads the pieces of every saved shard that its own shards need (from
     `checkpoint`, a DCP directory, where given; else the snapshot's newest)."""
     checkpoint = checkpoint or latest_sharded(url)
@@ -119,7 +122,7 @@ def load_sharded(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimi
     own_names = [list(group["params"]) for group in optim_sd["param_groups"]]
     try:
         # Into each rank's own rows of TP's q/k/v too: views of the DTensors in `state`.
-        storage.load_dcp(checkpointable(state), checkpoint)
+        storage.load_dcp(checkpointable(state), checkpoint, no_dist)
     # DCP raises CheckpointException, a BaseException, on every rank when any rank fails to
     # read (reason() names the first that did): no rank waits for another.
     except (Exception, CheckpointException) as e:  # missing or truncated shards, bad metadata
@@ -130,42 +133,48 @@ def load_sharded(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimi
         group["params"] = names
     # The optimizer state is keyed by parameter name; set_state_dict puts it back under this
     # optimizer's own parameters.
-    set_state_dict(model, local_optimizer(optimizer), model_state_dict=state["model"],
+    set_state_dict(unwrap(model), local_optimizer(optimizer), model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
+
+
+def whole_state(model_config: dict, weights: dict, optimized: dict, name: str = "adamw",
+                extra: dict | None = None) -> dict:
+    """dcp_state's dict from the state dicts of a whole model and its optimizer on the CPU (a
+    one-file snapshot; the weights xla_main.py gathers). Those keep the optimizer's state by
+    parameter number, in the order the whole model's optim_groups gives, and DCP names
+    parameters: so they go into a whole model and optimizer as they were saved, whose named
+    state dicts come back. One more whole copy while it lasts."""
+    from mingpt.model import GPT, GPTConfig  # noqa: PLC0415 (only these rare paths)
+    whole = GPT(GPTConfig(**model_config))
+    whole.load_state_dict(weights)
+    # The saver's kind of optimizer (its groups and state), as build_optimizer builds it.
+    adamw = build_optimizer(whole, "ddp", 1e-3, name=name)
+    adamw.load_state_dict(optimized)  # the saved groups, decay and lrs included
+    model_sd, optim_sd = get_state_dict(whole, adamw)
+    return {"model": model_sd, "optim": optim_sd, **({"replicas": extra} if extra else {})}
 
 
 def load_file_into_shards(state: dict, model: torch.nn.Module,
                           optimizer: torch.optim.Optimizer, extra: dict | None = None) -> None:
-    """A one-file (ddp) snapshot into a layout where no rank holds the whole model.
+    """An older one-file snapshot (`model` and `optimizer` state dicts of a whole model) into
+    any layout: whole_state's dict becomes a DCP checkpoint in a private folder of this rank,
+    read from there exactly as a snapshot is (load_sharded: each rank its own shards, TP's
+    q/k/v rows, a pipeline's stages). `extra`: the replica groups' meetings (optim.extra_state),
+    read in place from the file's."""
+    import tempfile  # noqa: PLC0415  (only this rare path needs it)
 
-    The file keeps AdamW's state by parameter number, in the order the whole model's
-    optim_groups gives; the sharded path names parameters. So the file goes into a whole
-    model and AdamW on the CPU as it was saved (its model_config), becomes a DCP checkpoint
-    of their named state in a private folder of this rank, and is read from there exactly as
-    a sharded snapshot is (load_sharded: each rank its own shards, TP's q/k/v rows, a
-    pipeline's stages). One whole copy per rank while it lasts: what the saving run held.
-    `extra`: the replica groups' meetings (optim.extra_state), read in place from the file's."""
-    import tempfile  # noqa: PLC0415  (only this rare path needs them)
-
-    from mingpt.model import GPT, GPTConfig  # noqa: PLC0415
-    whole = GPT(GPTConfig(**state["model_config"]))
-    whole.load_state_dict(state["model"])
-    # The saver's kind of optimizer (its groups and state), as build_optimizer builds it.
-    adamw = build_optimizer(whole, "ddp", 1e-3, name=state.get("optimizer_name", "adamw"))
-    adamw.load_state_dict(state["optimizer"])  # the saved groups, decay and lrs included
-    model_sd, optim_sd = get_state_dict(whole, adamw)
+    whole = whole_state(state["model_config"], state["model"], state["optimizer"],
+                        state.get("optimizer_name", "adamw"), state["replicas"] if extra else None)
     with tempfile.TemporaryDirectory(prefix="snapshot-") as folder:
         with warnings.catch_warnings():  # one process's own copy: no group is the point
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
-            meetings = {"replicas": state["replicas"]} if extra else {}
-            dcp.save({"model": model_sd, "optim": optim_sd, **meetings}, checkpoint_id=folder,
-                     no_dist=True)
-        del whole, adamw, model_sd, optim_sd
+            dcp.save(whole, checkpoint_id=folder, no_dist=True)
+        del whole
         load_sharded(folder, model, optimizer, checkpoint=folder, extra=extra)
 
 
 def load_sharded_weights(url: str, model: torch.nn.Module) -> None:
-    """Only the weights of an fsdp snapshot, into a plain model on one process (for sampling)."""
+    """Only the weights of a snapshot, into a plain model on one process (for sampling)."""
     state = {"model": model.state_dict()}
     try:
         with warnings.catch_warnings():  # no process group is the point here, not a mistake
@@ -175,3 +184,15 @@ def load_sharded_weights(url: str, model: torch.nn.Module) -> None:
     except (Exception, CheckpointException) as e:
         raise SnapshotError(f"cannot load sharded snapshot {url} ({storage.reason(e)})") from None
     model.load_state_dict(state["model"])
+
+
+def read_whole(url: str, model_config: dict, name: str = "adamw") -> tuple[dict, dict]:
+    """A snapshot's weights and optimizer state, whole, on this one process: the state dicts
+    of a whole model and its optimizer (whole_state's inverse; xla_main.py's resume)."""
+    from mingpt.model import GPT, GPTConfig  # noqa: PLC0415 (only xla_main.py needs this)
+    whole = GPT(GPTConfig(**model_config))
+    adamw = build_optimizer(whole, "ddp", 1e-3, name=name)
+    with warnings.catch_warnings():  # without a process group DCP reads every shard here
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        load_sharded(url, whole, adamw, no_dist=True)
+    return whole.state_dict(), adamw.state_dict()

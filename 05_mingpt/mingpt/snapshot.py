@@ -1,18 +1,14 @@
-"""Snapshots: complete, atomic, tensors loaded with `weights_only=True`, local disk or S3.
+"""Snapshots: complete, atomic, loaded with no code run (weights_only=True), local disk or S3.
 
-    snapshot.save(path, "fsdp", model, optimizer, {**trainer.state_dict(), **meta})
-    state = snapshot.load(path, "fsdp", model, optimizer, meta, match_keys)  # None: none yet
+    snapshot.save(path, model, optimizer, {**trainer.state_dict(), **meta})
+    state = snapshot.load(path, model, optimizer, meta, match_keys)  # None: none yet
 
-This module owns the protocol; the trainer only gives and takes its own state dict. Two
-formats, chosen by whether a rank holds the whole model (parallel.snapshot_format):
-- ddp (also zero, dp), with no tp_size, pp_size or ep_size: ONE file at `snapshot_path`,
-  written by global rank 0 (onefile.py); ZeRO's optimizer state is gathered to rank 0 first
-  (consolidate_state_dict), so the file is DDP's and either method resumes it.
-- fsdp (also tp, fsdp_tp, pp, fsdp_pp, fsdp_tp_pp), and any flavour with tp_size, pp_size or
-  ep_size: DCP shards in `snapshot_path/step_XXXXXXXX/`, committed by rank 0 rewriting
-  `snapshot_path/latest` (shards.py). DCP reshards on load: another number of
-  ranks, another layout, or a whole model resumes them. A step directory that `latest` does
-  not name is an interrupted save: never loaded.
+This module owns the protocol; the trainer only gives and takes its own state dict. One
+format for every layout (shards.py): DCP shards in `snapshot_path/step_XXXXXXXX/`, committed
+by rank 0 rewriting `snapshot_path/latest`. DCP reshards on load: another number of ranks or
+another layout resumes them. A step directory that `latest` does not name is an interrupted
+save: never loaded. An older snapshot that is one file at `snapshot_path` (onefile.py) still
+loads, into any layout; the first save after it moves it to `snapshot_path.pt`.
 Every part of a save or a load ends with every rank agreeing on its outcome (errors.save_part,
 errors.load_part): one error on all of them, or none. Everything is loaded to the CPU;
 `load_state_dict` copies weights and optimizer state to wherever the parameters live (a
@@ -25,7 +21,6 @@ from typing import TypeVar
 
 import torch
 import torch.distributed as dist
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from mingpt import errors, onefile, shards, storage
 from mingpt.errors import MOVE_IT_AWAY, SnapshotError
@@ -38,8 +33,6 @@ from mingpt.optim import (
     own_settings,
     restore_settings,
 )
-from mingpt.parallel import snapshot_format
-from mingpt.parallel.wrappers import unwrap
 
 T = TypeVar("T")
 # Model config keys that may differ between a snapshot and the run loading it.
@@ -48,7 +41,7 @@ NOT_ARCHITECTURE = ("model_type", "dropout")
 
 @storage.storage_errors(SnapshotError, prefix=True)
 def snapshot_kind(url: str) -> str | None:
-    """"ddp" for a snapshot file, "fsdp" for a DCP snapshot directory, None when there is none.
+    """"dcp" for a snapshot directory, "file" for an older one-file snapshot, None for none.
 
     A directory holding only step directories and no `latest` is a first save that was
     interrupted before its commit: no snapshot yet (with a warning), not an error, or every
@@ -56,18 +49,18 @@ def snapshot_kind(url: str) -> str | None:
     """
     fs, path = storage.filesystem(url)
     if fs.isfile(path):
-        return "ddp"
+        return "file"
     if fs.isdir(path):
         if fs.exists(f"{path}/{shards.LATEST}"):
-            return "fsdp"
+            return "dcp"
         entries = fs.ls(path, detail=False)
         if all(shards.is_step_dir(entry) for entry in entries):
             if entries and (not dist.is_initialized() or dist.get_rank() == 0):  # said once
                 warnings.warn(f"{url} holds no committed snapshot (a save was interrupted before "
                               f"'{shards.LATEST}' was written): starting from step 0", stacklevel=2)
             return None
-        raise SnapshotError(f"{url} is a directory without a '{shards.LATEST}' file, so not an "
-                            f"fsdp snapshot; {MOVE_IT_AWAY}")
+        raise SnapshotError(f"{url} is a directory without a '{shards.LATEST}' file, so not a "
+                            f"snapshot; {MOVE_IT_AWAY}")
     return None
 
 
@@ -102,26 +95,9 @@ def check_compatible(state: dict, model_config: dict, data_meta: dict, url: str,
                                 "set trainer_config.snapshot_path to a new path")
 
 
-def save_sharded(url: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 train_state: dict, before_commit: Callable[[], None] | None = None,
-                 keep_last: int = 1, extra: dict | None = None) -> None:
-    """FSDP: all ranks write their shards; rank 0 then commits by rewriting `latest`, and
-    removes all but the newest `keep_last` step directories. Each part's outcome is agreed
-    (errors.save_part): SaveError on every rank where any rank failed."""
-    name = shards.step_dir(step)
-    # A directory of this step left by a save that was cut off: removed first.
-    errors.save_part(url, shards.clear_step, name)
-    # Sharded state dicts: each rank only holds (and writes) its own shards, no gather; TP's
-    # strided q/k/v shards too, as row runs DCP records (strided.checkpointable).
-    errors.save_part(url, shards.write_shards, name, model, optimizer, extra)
-    # dcp.save is collective: it returns only once every rank's shards are written and rank 0
-    # (its coordinator) has written .metadata, so the step directory is complete here.
-    errors.save_part(url, shards.commit_sharded, name, train_state, before_commit, keep_last)
-
-
 def load_train_state(url: str, kind: str) -> dict:
-    """Everything but the (sharded) weights; for ddp the one file, which has the weights too."""
-    if kind == "ddp":
+    """Everything but the (sharded) weights; an older snapshot's one file has them too."""
+    if kind == "file":
         return load_file(url)
     return load_file(f"{shards.latest_sharded(url)}/{shards.TRAIN_STATE}")
 
@@ -154,75 +130,60 @@ def shared_kind(url: str) -> str | None:
 
 
 
-def save(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         state: dict, before_commit: Callable[[], None] | None = None,
-         keep_last: int = 1, gather: Callable | None = None) -> None:
-    """Save weights, optimizer and `state` (step, ... and meta) in `method`'s layout; every
-    rank calls this. `before_commit` runs once all is written and before it becomes the
-    snapshot (a fault-injection point). The `keep_last - 1` snapshots before it are kept
-    (URL.1, ... for a file; step directories for a sharded snapshot) for a manual roll-back.
-    `gather(model, optimizer)`, where given, returns the whole model's and the optimizer's
-    state dicts on the CPU (xla_main.py: from the XLA devices' shards); the snapshot is then
-    the one file. SaveError (one line, the same on every rank) when the storage fails on any
-    rank; nothing was committed then."""
+def save(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict,
+         before_commit: Callable[[], None] | None = None, keep_last: int = 1,
+         gather: Callable | None = None) -> None:
+    """Save weights, optimizer and `state` (step, ... and meta); every rank calls this. Every
+    rank writes its shards; rank 0 then commits by rewriting `latest`, and removes all but the
+    newest `keep_last` step directories (the others are kept for a roll-back by hand).
+    `before_commit` runs once all is written and before it becomes the snapshot (a
+    fault-injection point). `gather(model, optimizer)`, where given, returns the whole model's
+    and the optimizer's state dicts on the CPU (xla_main.py: from the XLA devices' shards).
+    SaveError (one line, the same on every rank) when the storage fails on any rank; nothing
+    was committed then."""
     state, extra = shards.with_meetings(optimizer, state)
     optimizer = inner(optimizer)  # not a wrapper's step, which all-reduces across groups
-    # gather (XLA's hook): the weights come to the CPU, one file whatever the model holds.
-    kind = "ddp" if gather is not None else snapshot_format(model, method)
-    errors.save_part(url, move_other_format_on_rank_0, kind)
-    if kind == "fsdp":
-        save_sharded(url, state["step"], model, optimizer, state, before_commit, keep_last,
-                     extra)
-        return
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
-        # Collective: every rank sends the state of the parameters it owns to rank 0.
-        optimizer.consolidate_state_dict(to=0)
-    # Every rank holds the same weights: one writer is enough. The others wait for its
-    # outcome: without it they went on while a failed rank 0 left, and met its absence in
-    # their next collective (gloo: "connection closed"; NCCL: the collective timeout).
-    errors.save_part(url, onefile.write_file, model, optimizer,
-                     {**state, **({"replicas": extra} if extra else {})}, before_commit,
-                     keep_last, gather)
+    name = shards.step_dir(state["step"])
+    errors.save_part(url, move_file_on_rank_0)
+    # A directory of this step left by a save that was cut off: removed first.
+    errors.save_part(url, shards.clear_step, name)
+    # Sharded state dicts: each rank only holds (and writes) its own shards, no gather; TP's
+    # strided q/k/v shards too, as row runs DCP records (strided.checkpointable).
+    written = shards.whole_state(state["model_config"], *gather(model, optimizer),
+                                 state.get("optimizer_name", "adamw"), extra) if gather \
+        else shards.dcp_state(model, optimizer, extra)
+    errors.save_part(url, shards.write_shards, name, written)
+    # dcp.save is collective: it returns only once every rank's shards are written and rank 0
+    # (its coordinator) has written .metadata, so the step directory is complete here.
+    errors.save_part(url, shards.commit_sharded, name, state, before_commit, keep_last)
 
 
-def move_other_format_on_rank_0(url: str, kind: str) -> None:
-    if dist.get_rank() == 0:
-        move_other_format(url, kind)
-
-
-
-
-
-
-def move_other_format(url: str, kind: str) -> None:
-    """Before the first save after a resume from the other format (one file where shards go, or
-    the reverse): the snapshot resumed from moves to URL.ddp or URL.fsdp, kept whole.
-
-    Both cannot live at one path, and overwriting the one that was resumed would lose it if
-    this save were cut off. (A cut-off first sharded save then leaves a step directory
-    without `latest`: the restart says so and starts afresh; URL.ddp still holds the file.)"""
-    other = snapshot_kind(url)
-    if other is None or other == kind:
+def move_file_on_rank_0(url: str) -> None:
+    """Before the first save after a resume from an older one-file snapshot: that file moves
+    to URL.pt, kept whole. A directory cannot live at its path, and overwriting the snapshot
+    resumed from would lose it if this save were cut off. (A cut-off first save then leaves a
+    step directory without `latest`: the restart says so and starts afresh; URL.pt still
+    holds the file.)"""
+    if dist.get_rank() != 0 or snapshot_kind(url) != "file":
         return
     fs, path = storage.filesystem(url)
-    if fs.exists(f"{path}.{other}"):
-        raise OSError(f"{url}.{other} exists: the {other} snapshot at {url} cannot move there")
-    fs.mv(path, f"{path}.{other}", recursive=True)
-    print(f"{url} held a {other} snapshot; this layout writes {kind} snapshots: it is kept as "
-          f"{url}.{other}")
+    if fs.exists(f"{path}.pt"):
+        raise OSError(f"{url}.pt exists: the one-file snapshot at {url} cannot move there")
+    fs.mv(path, f"{path}.pt")
+    print(f"{url} held a one-file snapshot; snapshots are directories now: it is kept as "
+          f"{url}.pt")
 
 
-def load(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         meta: dict, match_keys: tuple[str, ...]) -> dict | None:
+def load(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, meta: dict,
+         match_keys: tuple[str, ...]) -> dict | None:
     """Load the snapshot at `url` into model and optimizer and return the rest of its state;
     None when there is none. Every rank calls this. SnapshotError when the ranks disagree, for
-    the other format, another model (`meta["model_config"]`) or other data (`match_keys` of
+    another model (`meta["model_config"]`) or other data (`match_keys` of
     `meta["data_meta"]`): checked before any weight is touched."""
     kind = shared_kind(url)
     if kind is None:
         return None
     wrapper, optimizer = optimizer, inner(optimizer)  # not a wrapper's step (cross-group)
-    mine = snapshot_format(model, method)
     # On the CPU; a rank that cannot read it (its node's own copy is missing or corrupt) stops
     # every rank here, before the all_gather below would wait for it.
     state = errors.load_part(load_train_state, url, kind)
@@ -235,30 +196,20 @@ def load(url: str, method: str, model: torch.nn.Module, optimizer: torch.optim.O
                      match_keys, meta.get("optimizer_name", "adamw"))
     mapped = onefile.mapped(state, url)  # a local file's memory, which nothing may keep
     own = own_settings(optimizer)  # this run's betas and weight decay, before the load
-    if kind == mine == "ddp":  # load_state_dict copies each tensor to where it lives
-        # pop: the state returned to the trainer must not keep a second copy of the weights.
-        unwrap(model).load_state_dict(state.pop("model"))
-        # ZeRO: each rank keeps the state of the parameters it owns from the whole dict.
-        optimizer.load_state_dict(state.pop("optimizer"))
-        load_extra_state(wrapper, state.pop("replicas", None) or {})
-    elif kind == "ddp":  # one file into shards (another layout: fsdp, tp_size, pp_size, ...)
-        # The meetings' state where the file has it and this run keeps it: resharded too.
-        extra = extra_state(wrapper) if state.get("replicas") else {}
+    # The meetings' state where the saver had it and this run keeps it: read in place.
+    extra = extra_state(wrapper) if state.get("replicas") or state.get("replica_state") else {}
+    if kind == "file":  # an older snapshot's one file (whole state dicts) into this layout
         shards.load_file_into_shards(state, model, optimizer, extra)
-        load_extra_state(wrapper, extra)
         del state["model"], state["optimizer"]
         state.pop("replicas", None)
-    else:  # shards into shards, or into a whole model (DCP reads any layout into any other)
-        # The meetings' state where the saver had it and this run keeps it: read in place.
-        extra = extra_state(wrapper) if state.get("replica_state") else {}
+    else:  # DCP reads any layout's shards into any other
         errors.load_part(shards.load_sharded, url, model, optimizer, None, extra)
-        load_extra_state(wrapper, extra)
+    load_extra_state(wrapper, extra)
     # The saved param groups came back with the saving run's kernel choice (fused or not) and
     # ZeRO put AdamW's step counts on the CPU: this run's own choices and devices again.
     keep_own_optimizer_settings(optimizer)
     # And this run's betas and weight decay: the trainer says which differ from the saved.
     state["optimizer_changes"] = restore_settings(optimizer, own)
-    onefile.unmap_optimizer(optimizer, mapped)
-    # Nothing returned is a view of the file either (RNG states: small), so the file is
-    # unmapped once the loaded dicts are gone, when this returns.
+    # Nothing returned is a view of the file (RNG states: small), so it is unmapped once the
+    # loaded dicts are gone, when this returns.
     return onefile.unmapped(state, mapped, {})

@@ -83,7 +83,7 @@ def load_optimizer(optimizer: torch.optim.Optimizer, state: dict, mesh: xs.Mesh
 def to_cpu(tree: object, seen: dict) -> object:
     """Every XLA tensor in nested dicts and lists copied to the CPU, whole: the transfer of a
     sharded tensor gathers its shards. A tensor met twice (the tied wte/lm_head weight) gets
-    one copy, so the file stores it once, as main.py's does."""
+    one copy, so the snapshot stores it once, as main.py's does."""
     if isinstance(tree, torch.Tensor):
         return seen.setdefault(id(tree), tree.detach().cpu())
     if isinstance(tree, dict):
@@ -95,7 +95,7 @@ def to_cpu(tree: object, seen: dict) -> object:
 
 class XlaHooks(DeviceHooks):
     """One process feeds every device one global batch; ops are traced, and run at a sync;
-    a snapshot gathers the shards to the CPU (the ddp format's one file, as sample.py reads)."""
+    a snapshot gathers the shards to the CPU first (snapshot.save's `gather`)."""
 
     # Device d gets the rows main.py's rank d would: a step trains on the same sequences.
     feeds_every_rank = True

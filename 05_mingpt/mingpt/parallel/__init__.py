@@ -37,26 +37,25 @@ from mingpt.parallel.wrappers import unwrap, wrap_blocks
 class Strategy:
     """A name of distributed_method: a flavour, or a shorthand for degrees (layout.py)."""
 
-    snapshot: str  # the snapshot format with no other axis on: "ddp" (one file) or "fsdp"
     summary: str  # one line for the docs and --help
     tp: bool = False  # tp_size is this name's own (0: every rank)
     pipeline: bool = False  # pp_size is this name's own (0: every rank)
 
 
 STRATEGIES = {
-    "ddp": Strategy("ddp", "a whole replica per rank, gradients all-reduced"),
-    "fsdp": Strategy("fsdp", "parameters, gradients and optimizer state sharded over all ranks"),
-    "zero": Strategy("ddp", "ddp, with AdamW's state sharded over the ranks"),
-    "tp": Strategy("fsdp", "every block's matmuls split over all ranks", tp=True),
-    "fsdp_tp": Strategy("fsdp", "TP inside groups of tp_size ranks, FSDP across the groups",
+    "ddp": Strategy("a whole replica per rank, gradients all-reduced"),
+    "fsdp": Strategy("parameters, gradients and optimizer state sharded over all ranks"),
+    "zero": Strategy("ddp, with AdamW's state sharded over the ranks"),
+    "tp": Strategy("every block's matmuls split over all ranks", tp=True),
+    "fsdp_tp": Strategy("TP inside groups of tp_size ranks, FSDP across the groups",
                         tp=True),
-    "pp": Strategy("fsdp", "the blocks split into stages over all ranks, micro-batches "
+    "pp": Strategy("the blocks split into stages over all ranks, micro-batches "
                    "pipelined", pipeline=True),
-    "fsdp_pp": Strategy("fsdp", "pipelines of pp_size ranks, FSDP across the pipelines",
+    "fsdp_pp": Strategy("pipelines of pp_size ranks, FSDP across the pipelines",
                         pipeline=True),
-    "fsdp_tp_pp": Strategy("fsdp", "TP inside each stage, pipelines of pp_size stages, FSDP "
+    "fsdp_tp_pp": Strategy("TP inside each stage, pipelines of pp_size stages, FSDP "
                            "across", tp=True, pipeline=True),
-    "dp": Strategy("ddp", "nn.DataParallel: one process drives every GPU"),
+    "dp": Strategy("nn.DataParallel: one process drives every GPU"),
 }
 assert set(STRATEGIES) == set(METHODS), "every name of layout.py has an entry here"
 
@@ -128,12 +127,5 @@ def describe(model: nn.Module) -> str:
                       if axis not in ("dp", "edp")) or "none"
 
 
-def snapshot_format(model: nn.Module, method: str) -> str:
-    """"ddp" (one file) or "fsdp" (DCP shards) for a model that parallelize() laid out; for
-    any other model (a test's own), what `method` alone would give."""
-    lay = getattr(unwrap(model), "layout", None)
-    return lay.snapshot if isinstance(lay, Layout) else STRATEGIES[method].snapshot
-
-
 __all__ = ["FLAVOURS", "METHODS", "SHORTHANDS", "STRATEGIES", "Layout", "Runner", "describe",
-           "parallelize", "resolve", "runner", "snapshot_format"]
+           "parallelize", "resolve", "runner"]

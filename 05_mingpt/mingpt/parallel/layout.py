@@ -1,7 +1,7 @@
 """A layout: a data-parallel flavour plus the degree of every other axis, and the mesh they make.
 
     layout = resolve("fsdp", world=8, tp_size=2, pp_size=2)  # ValueError (one line) if it can't
-    layout.dp, layout.snapshot                              # 2, "fsdp" (sharded)
+    layout.dp, layout.whole                                 # 2, False (sharded)
     mesh = build_mesh(layout, device)                       # dims pp, dp, cp, tp (sizes > 1)
 
 The flavour (trainer_config.distributed_method) says how the data-parallel ranks share the
@@ -69,8 +69,8 @@ SHORTHANDS = {
 }
 METHODS = (*FLAVOURS, *SHORTHANDS)
 AXES = ("pp", "dp", "cp", "tp")  # mesh order, outermost first
-# The keys of trainer_config (and of Settings) that give a degree: resolve, check_axes and
-# snapshot_of take them by name, and every caller passes degrees(config), so an axis added
+# The keys of trainer_config (and of Settings) that give a degree: resolve and check_axes
+# take them by name, and every caller passes degrees(config), so an axis added
 # here reaches every check without a change at any call site.
 DEGREES = ("tp_size", "pp_size", "cp_size", "ep_size")
 
@@ -102,9 +102,11 @@ class Layout:
         return self.world // (self.pp * self.cp * self.tp)
 
     @property
-    def snapshot(self) -> str:
-        """The snapshot format: "ddp" (one file) or "fsdp" (DCP shards): snapshot_of."""
-        return snapshot_of(self.method, self.tp, self.pp, self.cp, self.ep)
+    def whole(self) -> bool:
+        """Every rank holds the whole model: a ddp, zero or dp flavour with no tp, pp or ep
+        degree (cp splits the sequences, not the weights)."""
+        return self.flavour in ("ddp", "zero", "dp") and not self.on and \
+            max(self.tp, self.pp, self.ep) <= 1
 
     @property
     def pipeline_averages(self) -> bool:
@@ -128,17 +130,6 @@ class Layout:
         """One line for the log: `fsdp: pp 2 x dp 2 x tp 2` (8 ranks)."""
         return f"{self.flavour or self.method}: " + " x ".join(
             f"{axis} {size}" for axis, size in self.sizes().items())
-
-
-def snapshot_of(method: str, tp_size: int = 0, pp_size: int = 0, cp_size: int = 0,
-                ep_size: int = 0) -> str:
-    """"ddp" (one file, global rank 0 writes it) where every rank holds the whole model: a
-    ddp, zero or dp flavour with no tp, pp or ep degree (cp splits the sequences, not the
-    weights); else "fsdp" (DCP shards, every rank writes its own). Needs no world size:
-    config.py asks it before any group exists."""
-    flavour, on = SHORTHANDS.get(method, (method, ()))
-    whole = flavour in ("ddp", "zero", "dp") and not on and max(tp_size, pp_size, ep_size) <= 1
-    return "ddp" if whole else "fsdp"
 
 
 def resolve(method: str, world: int, tp_size: int = 0, pp_size: int = 0, cp_size: int = 0,

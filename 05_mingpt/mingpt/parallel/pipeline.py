@@ -16,9 +16,9 @@ a stage sends one activation per micro-batch to the next, point to point, nothin
 What each rank holds. Each rank keeps the GPT that model.py builds, with every part owned by
 another rank replaced by an nn.Identity (no parameters): its own blocks, the embeddings where
 it runs the first stage, the final LayerNorm and the head where it runs the last. The names
-of what it keeps are unchanged (`blocks.3.attn.c_attn.weight`), so the DCP snapshot of a
-pipeline is the fsdp format: fsdp, tp, fsdp_tp and any other pp split resume it, and it
-resumes theirs (DCP reshards by name). The forward of a stage is `Stage.forward` below, the
+of what it keeps are unchanged (`blocks.3.attn.c_attn.weight`), so every other layout, and
+any other pp split, resumes a pipeline's snapshot, and it resumes theirs (DCP reshards by
+name). The forward of a stage is `Stage.forward` below, the
 GPT's own forward cut into pieces (model.py stays free of any of this).
 
 The tied embedding. wte and lm_head share one weight. The first and the last stage both use

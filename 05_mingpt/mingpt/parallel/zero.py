@@ -45,8 +45,8 @@ def optimizer(groups: list[dict], group: dist.ProcessGroup | None = None,
     """`kind` (AdamW, or muon.MuonAdamW) over `groups`, each rank of `group` (the
     data-parallel ranks; None: every rank) keeping the state of the parameters it owns: whole
     parameters, so Muon orthogonalizes each of its matrices on its owner alone."""
-    # Snapshots gather every owner's state to rank 0 first (snapshot.save:
-    # consolidate_state_dict), so a zero snapshot is a ddp file and either resumes it.
+    # Snapshots write each owner's state under its parameters' names (shards.dcp_state), so
+    # any layout resumes a zero snapshot and zero resumes any.
     # ZeRO builds one `kind` per rank over the parameters that rank owns, with `settings`.
     return ZeroRedundancyOptimizer(groups, optimizer_class=kind, process_group=group,
                                    **settings)
