@@ -43,8 +43,8 @@ REUSED = [
      "trainer_config.grad_accum_steps=6", "error: each rank gets 82 samples per epoch ... one "
      "step needs batch_size × grad_accum_steps = 16 × 6 = 96",
      "test_mingpt_errors.py::test_an_epoch_too_small_for_one_step_is_one_error_line"),
-    ("python main.py (snapshot_path: a truncated file)", "error: cannot load snapshot ... it is "
-     "corrupt or not a snapshot: move it away or set trainer_config.snapshot_path",
+    ("python main.py (snapshot_path: a truncated train_state.pt)", "error: cannot load snapshot "
+     "... it is corrupt or not a snapshot: move it away or set trainer_config.snapshot_path",
      "test_mingpt_errors.py::test_corrupt_and_incompatible_snapshots_are_refused_and_kept"),
     ("python main.py distributed_method=fsdp (a truncated shard)", "error: cannot load sharded "
      "snapshot ... it is corrupt; move it away or set trainer_config.snapshot_path",
@@ -156,13 +156,13 @@ QUICK = ("trainer_config.sample_tokens=0", "trainer_config.eval_batches=1",
 
 @pytest.fixture(scope="module")
 def good_snapshot(modules, mingpt):
-    """A tiny model trained one step on tiny Shakespeare: snapshot/good.pt in the 05 copy."""
+    """A tiny model trained one step on tiny Shakespeare: snapshot/good in the 05 copy."""
     (mingpt / "snapshot").mkdir()
     proc = script_in_process(modules["main"], mingpt, *tiny(
         "run_name=good", "trainer_config.max_steps=1",
-        "trainer_config.snapshot_path=snapshot/good.pt", *QUICK))
+        "trainer_config.snapshot_path=snapshot/good", *QUICK))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return mingpt / "snapshot/good.pt"
+    return mingpt / "snapshot/good"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -374,20 +374,21 @@ def test_mingpt_snapshot_folder_read_only(mingpt, main_py, tmpfs):
 
 
 def test_mingpt_disk_full_while_saving_keeps_the_snapshot(mingpt, main_py, good_snapshot, tmpfs):
-    # Room for the one-step snapshot and a little more, not for a second copy of it.
-    size = good_snapshot.stat().st_size
+    # Room for the one-step snapshot and a little more, not for a second one beside it.
+    size = sum(f.stat().st_size for f in good_snapshot.rglob("*") if f.is_file())
     disk = tmpfs(f"size={size // 1024 + 64}k")
-    shutil.copy(good_snapshot, disk / "snap.pt")
+    shutil.copytree(good_snapshot, disk / "snap")
     fill(disk)
     with nothing_lost(mingpt, disk):
-        proc = main_py(*tiny("run_name=full", f"trainer_config.snapshot_path={disk}/snap.pt",
+        proc = main_py(*tiny("run_name=full", f"trainer_config.snapshot_path={disk}/snap",
                              "trainer_config.max_steps=2", *QUICK))
-    one_error_line(proc, f"cannot save the snapshot to {disk}/snap.pt (No space left on device)",
+    one_error_line(proc, f"cannot save the snapshot to {disk}/snap (No space left on device)",
                    "the previous snapshot, if any, is unchanged", "run again to resume")
+    assert (disk / "snap/latest").read_text() == "step_00000001"  # step 2 was not committed
 
 
-def test_mingpt_disk_full_while_saving_shards(mingpt, main_py, tmpfs):
-    # The sharded format: DCP's CheckpointException holds the OSError of each rank.
+def test_mingpt_disk_full_while_saving_a_first_snapshot(mingpt, main_py, tmpfs):
+    # DCP's CheckpointException holds the OSError of each rank.
     disk = tmpfs("size=64k")
     with nothing_lost(mingpt):
         proc = main_py(*tiny("run_name=full_fsdp", f"trainer_config.snapshot_path={disk}/snap",
@@ -428,8 +429,8 @@ def test_mingpt_port_in_use(mingpt, main_py, busy_port):
 
 def test_mingpt_non_finite_loss_stops_and_keeps_the_snapshot(mingpt, main_py, good_snapshot,
                                                            tmp_path):
-    snap = tmp_path / "snap.pt"
-    shutil.copy(good_snapshot, snap)
+    snap = tmp_path / "snap"
+    shutil.copytree(good_snapshot, snap)
     with nothing_lost(tmp_path):
         proc = main_py(*tiny("run_name=nan", f"trainer_config.snapshot_path={snap}",
                              "optimizer_config.lr=1e30", "trainer_config.max_steps=3",

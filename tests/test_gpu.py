@@ -198,7 +198,7 @@ def test_mingpt_dp_one_process_drives_every_gpu(tmp_path):
     assert (mingpt / "runs/dp/snapshot/latest").is_file()  # DCP's directory, as every layout
     sample = run([PYTHON, "sample.py", "--snapshot", "runs/dp/snapshot", "--num_tokens", "5"],
                  cwd=mingpt, CUDA_VISIBLE_DEVICES=VISIBLE)
-    assert "loaded runs/dp/snapshot (ddp, step 10" in sample.stderr
+    assert "loaded runs/dp/snapshot (dcp, step 10" in sample.stderr
 
 
 @pytest.mark.skipif(GPUS < 2, reason="tensor parallelism needs 2 GPUs")

@@ -4,6 +4,8 @@ snapshots that are corrupt or belong to another model (which are never overwritt
 The slowest tests (many launches each) have `slowest` in their names.
 """
 
+from pathlib import Path
+
 import fsspec
 import pytest
 import torch
@@ -152,20 +154,25 @@ def test_main_py_missing_data_file(main_py):
     one_error_line(proc, "data file not found", "no/such.txt")
 
 
+def contents(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder`, by its path there: a snapshot, byte for byte."""
+    return {str(f.relative_to(folder)): f.read_bytes() for f in folder.rglob("*") if f.is_file()}
+
+
 def test_corrupt_and_incompatible_snapshots_are_refused_and_kept(mingpt, main_py, sample_py):
     args = tiny("trainer_config.max_steps=2", "trainer_config.sample_tokens=0")
-    assert main_py(*args, "run_name=ok", "trainer_config.snapshot_path=ddp.pt").returncode == 0
+    assert main_py(*args, "run_name=ok", "trainer_config.snapshot_path=ddp_snap").returncode == 0
     assert main_py(*args, "run_name=ok2", "trainer_config.distributed_method=fsdp",
                    "trainer_config.snapshot_path=fsdp_snap").returncode == 0
-    ddp, fsdp = mingpt / "ddp.pt", mingpt / "fsdp_snap"
-    good = ddp.read_bytes()
+    ddp, fsdp = mingpt / "ddp_snap", mingpt / "fsdp_snap"
+    good = contents(ddp)
     # Another model: refused before anything is loaded or written.
     wider = [a.replace("n_embd=32", "n_embd=64") for a in args]
-    proc = main_py(*wider, "run_name=e1", "trainer_config.snapshot_path=ddp.pt")
+    proc = main_py(*wider, "run_name=e1", "trainer_config.snapshot_path=ddp_snap")
     one_error_line(proc, "holds a different model", "n_embd=32 there, 64 here")
-    assert ddp.read_bytes() == good
-    # A sharded snapshot where zero writes one file: ZeRO reads it too (by parameter name,
-    # shards.dcp_state), and with no step left to train it leaves the shards as they were.
+    assert contents(ddp) == good
+    # fsdp's snapshot under zero: ZeRO reads it (by parameter name, shards.dcp_state), and
+    # with no step left to train it leaves the shards as they were.
     before = sorted(p.name for p in fsdp.rglob("*"))
     proc = main_py(*args, "run_name=e2", "trainer_config.distributed_method=zero",
                    "trainer_config.snapshot_path=fsdp_snap")
@@ -173,16 +180,17 @@ def test_corrupt_and_incompatible_snapshots_are_refused_and_kept(mingpt, main_py
     assert sorted(p.name for p in fsdp.rglob("*")) == before
     # Another optimizer: AdamW's moments are no state for Muon (mingpt/muon.py).
     proc = main_py(*args, "run_name=e5", "optimizer_config.name=muon",
-                   "trainer_config.snapshot_path=ddp.pt")
-    one_error_line(proc, "snapshot ddp.pt holds adamw's optimizer state, not muon's",
+                   "trainer_config.snapshot_path=ddp_snap")
+    one_error_line(proc, "snapshot ddp_snap holds adamw's optimizer state, not muon's",
                    "set optimizer_config.name=adamw")
-    assert ddp.read_bytes() == good
-    # A truncated file.
-    ddp.write_bytes(good[: len(good) // 2])
-    proc = main_py(*args, "run_name=e3", "trainer_config.snapshot_path=ddp.pt")
+    assert contents(ddp) == good
+    # A truncated train_state.pt.
+    state = ddp / "step_00000002" / "train_state.pt"
+    state.write_bytes(good["step_00000002/train_state.pt"][:200])
+    proc = main_py(*args, "run_name=e3", "trainer_config.snapshot_path=ddp_snap")
     one_error_line(proc, "cannot load snapshot", "corrupt")
-    assert ddp.read_bytes() == good[: len(good) // 2]
-    # A sharded snapshot with a damaged shard file.
+    assert contents(ddp) == {**good, "step_00000002/train_state.pt": state.read_bytes()}
+    # A damaged shard file.
     shard = fsdp / "step_00000002" / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:100])
     proc = main_py(*args, "run_name=e4", "trainer_config.distributed_method=fsdp",
@@ -190,7 +198,7 @@ def test_corrupt_and_incompatible_snapshots_are_refused_and_kept(mingpt, main_py
     one_error_line(proc, "cannot load sharded snapshot", "corrupt")
     assert len(shard.read_bytes()) == 100
     # sample.py: the same checks, the same single line.
-    proc = sample_py("--snapshot", "ddp.pt")
+    proc = sample_py("--snapshot", "ddp_snap")
     one_error_line(proc, "cannot load snapshot")
     proc = sample_py("--snapshot", "nothing/here")
     one_error_line(proc, "no snapshot at nothing/here")

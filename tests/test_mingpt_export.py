@@ -328,7 +328,7 @@ def test_bad_input_is_one_error_line_and_writes_nothing(mods, mingpt, trained, t
     assert refused(tmp_path / "other.pt") == (
         f"error: {tmp_path}/other.pt is not a training snapshot of this trainer")
     assert refused(tmp_path / "full") == (
-        f"error: {tmp_path}/full is a directory without a 'latest' file, so not an fsdp snapshot")
+        f"error: {tmp_path}/full is a directory without a 'latest' file, so not a snapshot")
 
 
 def test_models_gpt2_cannot_represent_are_refused(mods, mingpt, trained, tmp_path):

@@ -14,7 +14,7 @@ from torchvision.datasets import CIFAR10
 
 from cifar_fixture import BASE_COLOURS, HALF_WIDTH, write_cifar10
 from conftest import REPO, TORCHRUN, run
-from mingpt_helpers import mingpt_imported, script_in_process
+from mingpt_helpers import mingpt_imported, read_snapshot, script_in_process
 
 MINGPT = REPO / "05_mingpt"
 
@@ -240,7 +240,7 @@ def test_main_trains_the_tiny_preset_on_the_fixture(tmp_path):
     # Guessing uniformly among 16 colours costs ln 16 = 2.77; neighbouring pixels of the
     # fixture's flat shapes share a colour, which a model learns within a few dozen steps.
     assert abs(losses[0] - math.log(16)) < 0.5 and losses[-1] < 1.8, proc.stdout
-    state = torch.load(tmp_path / "runs/img/snapshot", weights_only=True)
+    state = read_snapshot(tmp_path / "runs/img/snapshot")
     saved = np.load(root / "palette_k16_n200_p5_s1337.npy")
     assert state["data_meta"]["kind"] == "cifar10"
     assert state["data_meta"]["palette"] == saved.tolist()  # decodable from the snapshot alone

@@ -112,7 +112,7 @@ def test_python_main_py_then_sample_py(mingpt, sample_py):
                 "--num_tokens", "40", "--temperature", "0.8", "--top_k", "5"], cwd=mingpt)
     text = proc.stdout.rstrip("\n")
     assert text.startswith("ROMEO:") and len(text) == len("ROMEO:") + 40
-    assert "(ddp, step 10, " in proc.stderr
+    assert "(dcp, step 10, " in proc.stderr
     # Without --snapshot: the newest runs/*/snapshot (in this process: one launch is enough).
     again = sample_py("--prompt", "ROMEO:", "--num_tokens", "40", "--temperature", "0.8",
                       "--top_k", "5")
@@ -286,7 +286,7 @@ def test_fsdp_kill_resume_and_world_size_change_slowest(mingpt, ddp_reference, m
                   "25")
     assert s.returncode == 0, s.stderr
     assert s.stdout.startswith("JULIET:") and len(s.stdout.rstrip("\n")) == len("JULIET:") + 25
-    assert "(fsdp, step 12, " in s.stderr
+    assert "(dcp, step 12, " in s.stderr
 
 
 def test_changed_adamw_settings_on_resume_are_followed_and_said(main_py, mingpt):

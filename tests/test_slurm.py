@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from conftest import PYTHON, REPO, SLURM_INSTALL_VARIABLE, child_env, free_port
-from mingpt_helpers import copy_mingpt, load_ddp_snapshot, tiny
+from mingpt_helpers import copy_mingpt, read_snapshot, tiny
 
 CLUSTER = REPO / "slurm_scripts" / "local_cluster.sh"
 SBATCH_RUN = REPO / "slurm_scripts" / "sbatch_run.sh"
@@ -224,7 +224,7 @@ def test_step05_trains_across_two_slurm_nodes(jobs):
     run_dir = Path(final.group(2))
     assert run_dir.parent == cwd / "runs", run_dir
     assert {Path(p) for _, p in saves} == {run_dir / "snapshot"}
-    snapshot = load_ddp_snapshot(run_dir / "snapshot")
+    snapshot = read_snapshot(run_dir / "snapshot")
     assert snapshot["step"] == STEPS_05
     assert snapshot["world_size"] == 2 and len(snapshot["rng"]) == 2  # both ranks' RNG states
 

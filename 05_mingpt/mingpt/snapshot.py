@@ -103,7 +103,7 @@ def load_train_state(url: str, kind: str) -> dict:
 
 
 def shared_kind(url: str) -> str | None:
-    """The layout found at `url` as every rank sees it; SnapshotError unless all ranks agree.
+    """The kind of snapshot at `url` as every rank sees it; SnapshotError unless all agree.
 
     Each node looks at `url` on its own storage. Without storage that all nodes share, some
     ranks would resume and others start afresh: diverged weights or a hang. A rank's own error
@@ -126,8 +126,6 @@ def shared_kind(url: str) -> str | None:
             f"{len(kinds) - len(found)}: every rank must see the same snapshot; put "
             "trainer_config.snapshot_path on storage all nodes share (or an s3:// URL)")
     return kinds[0]
-
-
 
 
 def save(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict,
