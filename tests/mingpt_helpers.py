@@ -276,7 +276,7 @@ MINGPT_MODULES = {
     "tensor": "mingpt.parallel.tensor", "strided": "mingpt.parallel.strided",
     "layout": "mingpt.parallel.layout",
     "pipeline": "mingpt.parallel.pipeline", "precision": "mingpt.precision",
-    "snapshot": "mingpt.snapshot", "shards": "mingpt.shards", "onefile": "mingpt.onefile",
+    "snapshot": "mingpt.snapshot", "shards": "mingpt.shards",
     "storage": "mingpt.storage", "trainer": "mingpt.trainer",
     "sample": "sample"}
 EXTRA_MODULES = {"bpe_dataset": "mingpt.data.bpe", "image_dataset": "mingpt.data.image",

@@ -30,8 +30,8 @@ COPIED_HELPERS = {
 # Helpers of the same name that differ from the steps' copy on purpose, and why.
 FORKED_HELPERS = {
     "05_mingpt/mingpt/snapshot.py": "snapshots on any fsspec URL (S3), as DCP shards for "
-                                    "every layout (shards.py; older one-file snapshots: "
-                                    "onefile.py); the RNG states are the trainer's "
+                                    "every layout (shards.py, older one-file snapshots "
+                                    "too); the RNG states are the trainer's "
                                     "(trainer.rng_state takes the device); keep_last, storage "
                                     "errors as one line",
     "05_mingpt/mingpt/faults.py": "counts optimizer steps rather than epochs, and can also "

@@ -129,10 +129,10 @@ def test_mingpt_resume_keeps_adam_step_counts_on_the_cpu(tmp_path):
         x = torch.randint(0, 11, (2, 8), device="cuda")
         model(x, x)[1].backward()
         optimizer.step()
-        m["onefile"].save_file(str(tmp_path / "s.pt"), {"step": 1,
+        m["shards"].save_file(str(tmp_path / "s.pt"), {"step": 1,
                                                          "optimizer": optimizer.state_dict()})
         resumed = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        resumed.load_state_dict(m["onefile"].load_file(str(tmp_path / "s.pt"))["optimizer"])
+        resumed.load_state_dict(m["shards"].load_file(str(tmp_path / "s.pt"))["optimizer"])
     for state in resumed.state.values():
         assert state["step"].device.type == "cpu"
         assert state["exp_avg"].device.type == "cuda"

@@ -352,9 +352,9 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 def one_file(m, url: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              state: dict) -> None:
     """A snapshot as older runs of ddp, zero and dp wrote it: one file, rank 0's whole
-    weights and AdamW's state by parameter number (onefile.py, as its save_file writes)."""
+    weights and AdamW's state by parameter number (shards.save_file writes it as they did)."""
     if dist.get_rank() == 0:
-        m["onefile"].save_file(url, {**state, "model": m["wrappers"].unwrap(model).state_dict(),
+        m["shards"].save_file(url, {**state, "model": m["wrappers"].unwrap(model).state_dict(),
                                      "optimizer": optimizer.state_dict()})
     dist.barrier()
 

@@ -36,7 +36,7 @@ def mingpt(tmp_path_factory, modules):
         assert done.returncode == 0, done.stderr
     assert (mingpt / "runs/ddp/snapshot/latest").is_file()  # one format for every layout
     assert (mingpt / "runs/fsdp/snapshot/latest").is_file()
-    modules["onefile"].save_file(str(mingpt / "runs/ddp.pt"),
+    modules["shards"].save_file(str(mingpt / "runs/ddp.pt"),
                                  read_snapshot(mingpt / "runs/ddp/snapshot"))
     return mingpt
 

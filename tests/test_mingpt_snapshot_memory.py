@@ -2,9 +2,10 @@
 
 - tp / fsdp_tp: each rank saves and loads its own rows of the strided q/k/v tensors; no rank
   holds a whole one (two spawned gloo ranks, every op's result watched).
-- onefile.py (train_state.pt; older runs' whole snapshots): written by torch.save straight into
-  the temporary file and read back memory-mapped (a fresh interpreter's peak RSS against the
-  file's size), and nothing of a resumed run stays a view of a snapshot's file.
+- shards.save_file / load_file (train_state.pt; older runs' whole snapshots): written by
+  torch.save straight into the temporary file and read back memory-mapped (a fresh
+  interpreter's peak RSS against the file's size), and nothing of a resumed run stays a view of
+  a snapshot's file.
 """
 import gc
 import json
@@ -206,13 +207,13 @@ def test_qkv_rows_tile_the_global_tensor(n_embd, tp_size, dp_size):
         assert sorted(covered) == rows.tolist()
 
 
-# --- onefile.py: streamed out and mapped back --------------------------------------------
+# --- one torch file (shards.save_file): streamed out and mapped back ---------------------
 
 MEASURE = textwrap.dedent("""
     import sys
     sys.path.insert(0, sys.argv[1])
     import torch
-    from mingpt import onefile
+    from mingpt import shards
 
     def peak() -> int:  # the kernel's high-water mark of this process's resident set
         with open("/proc/self/status") as f:
@@ -221,10 +222,10 @@ MEASURE = textwrap.dedent("""
     if sys.argv[2] == "save":
         state = {"step": 1, "w": torch.randn(int(sys.argv[4]) // 4)}
         before = peak()
-        onefile.save_file(sys.argv[3], state)
+        shards.save_file(sys.argv[3], state)
     else:
         before = peak()
-        state = onefile.load_file(sys.argv[3])
+        state = shards.load_file(sys.argv[3])
     print(peak() - before)
 """)
 SIZE = 96 * 2**20  # bytes of weights: far above what the interpreter allocates meanwhile
@@ -295,7 +296,7 @@ def test_a_resumed_run_keeps_no_view_of_the_snapshot_file(group, tmp_path, metho
         rng = trainer.rng_state(CPU)
         state = {"step": 3, "rng": [rng], **meta}
         if kind == "file":  # as older runs wrote it (test_mingpt_parallel.one_file)
-            m["onefile"].save_file(url, {**state, "model": model.state_dict(),
+            m["shards"].save_file(url, {**state, "model": model.state_dict(),
                                          "optimizer": optimizer.state_dict()})
             file = url
         else:
@@ -331,7 +332,7 @@ def test_an_unreadable_snapshot_file_is_one_line_as_before(tmp_path, cut, reason
     the same error as before (measured with the earlier snapshot.py: these four, verbatim)."""
     with mingpt_imported() as m:
         url = str(tmp_path / "snap.pt")
-        m["onefile"].save_file(url, {"step": 1, "w": torch.ones(1000)})
+        m["shards"].save_file(url, {"step": 1, "w": torch.ones(1000)})
         content = Path(url).read_bytes()
         # Cut off (a truncated copy, a full disk), or not a torch file at all.
         Path(url).write_bytes(content[:cut] if cut is not None else b"not a snapshot\n" * 4)

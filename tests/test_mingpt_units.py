@@ -87,14 +87,14 @@ def test_snapshot_directory_without_latest(m, tmp_path):
 
 
 def test_snapshots_load_to_the_cpu_and_restore_the_rng_exactly(m, tmp_path):
-    onefile = m["onefile"]
+    shards = m["shards"]
     torch.manual_seed(3)
     np.random.seed(3)
     url = str(tmp_path / "snap.pt")
-    onefile.save_file(url, {"step": 1, "rng": [m["trainer"].rng_state(torch.device("cpu"))],
+    shards.save_file(url, {"step": 1, "rng": [m["trainer"].rng_state(torch.device("cpu"))],
                             "w": torch.ones(2)})
     expected = torch.rand(3), np.random.rand(3)
-    state = onefile.load_file(url)  # no device: a GPU run copies weights over itself
+    state = shards.load_file(url)  # no device: a GPU run copies weights over itself
     tensors = [state["w"], state["rng"][0]["torch"], state["rng"][0]["numpy"][1]]
     assert all(t.device.type == "cpu" for t in tensors)
     m["trainer"].set_rng_state(state["rng"][0], torch.device("cpu"))
@@ -103,13 +103,13 @@ def test_snapshots_load_to_the_cpu_and_restore_the_rng_exactly(m, tmp_path):
 
 
 def test_a_crash_before_the_commit_keeps_the_old_snapshot(m, tmp_path):
-    onefile = m["onefile"]
+    shards = m["shards"]
     url = str(tmp_path / "snap.pt")
-    onefile.save_file(url, {"step": 4})
+    shards.save_file(url, {"step": 4})
 
     def crash() -> None:
         raise KeyboardInterrupt  # stands in for a SIGKILL at this point
 
     with pytest.raises(KeyboardInterrupt):
-        onefile.save_file(url, {"step": 8}, before_commit=crash)
-    assert onefile.load_file(url)["step"] == 4
+        shards.save_file(url, {"step": 8}, before_commit=crash)
+    assert shards.load_file(url)["step"] == 4

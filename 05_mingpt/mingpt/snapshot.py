@@ -7,7 +7,7 @@ This module owns the protocol; the trainer only gives and takes its own state di
 format for every layout (shards.py): DCP shards in `snapshot_path/step_XXXXXXXX/`, committed
 by rank 0 rewriting `snapshot_path/latest`. DCP reshards on load: another number of ranks or
 another layout resumes them. A step directory that `latest` does not name is an interrupted
-save: never loaded. An older snapshot that is one file at `snapshot_path` (onefile.py) still
+save: never loaded. An older snapshot that is one file at `snapshot_path` (shards.load_file) still
 loads, into any layout; the first save after it moves it to `snapshot_path.pt`.
 Every part of a save or a load ends with every rank agreeing on its outcome (errors.save_part,
 errors.load_part): one error on all of them, or none. Everything is loaded to the CPU;
@@ -22,9 +22,8 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from mingpt import errors, onefile, shards, storage
+from mingpt import errors, shards, storage
 from mingpt.errors import MOVE_IT_AWAY, SnapshotError
-from mingpt.onefile import load_file
 from mingpt.optim import (
     extra_state,
     inner,
@@ -33,6 +32,7 @@ from mingpt.optim import (
     own_settings,
     restore_settings,
 )
+from mingpt.shards import load_file
 
 T = TypeVar("T")
 # Model config keys that may differ between a snapshot and the run loading it.
@@ -192,7 +192,7 @@ def load(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, met
                             "trainer_config.snapshot_path on storage all nodes share")
     errors.load_part(check_compatible, state, meta["model_config"], meta["data_meta"], url,
                      match_keys, meta.get("optimizer_name", "adamw"))
-    mapped = onefile.mapped(state, url)  # a local file's memory, which nothing may keep
+    mapped = shards.mapped(state, url)  # a local file's memory, which nothing may keep
     own = own_settings(optimizer)  # this run's betas and weight decay, before the load
     # The meetings' state where the saver had it and this run keeps it: read in place.
     extra = extra_state(wrapper) if state.get("replicas") or state.get("replica_state") else {}
@@ -210,4 +210,4 @@ def load(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, met
     state["optimizer_changes"] = restore_settings(optimizer, own)
     # Nothing returned is a view of the file (RNG states: small), so it is unmapped once the
     # loaded dicts are gone, when this returns.
-    return onefile.unmapped(state, mapped, {})
+    return shards.unmapped(state, mapped, {})

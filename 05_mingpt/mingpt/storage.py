@@ -5,7 +5,7 @@ writes, and an object store's errors as one line.
     write_bytes_atomic(url, data)                    # readers see the old bytes or the new
     storage_error(url, error)                        # "what happened; the fix", or None
 
-snapshot.py decides what is written (onefile.py, shards.py and their commit); this module how.
+snapshot.py decides what is written (shards.py and its commit); this module how.
 s3fs reads the endpoint and credentials from the usual AWS_* environment variables.
 """
 import contextlib
