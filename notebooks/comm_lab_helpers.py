@@ -208,9 +208,10 @@ def hooks(rank: int, world_size: int, names: list[str], steps: int = 40,
     return rows
 
 
-def _under_backward(model: DDP, rank: int) -> tuple[float, float, float]:
+def _under_backward(model: DDP, rank: int) -> tuple[float, float, float, float]:
     """One profiled backward: (all-reduce ms, the share of it under the backward, backward
-    ms). gloo runs each all-reduce on a thread of its own (its `gloo:all_reduce` events); the
+    ms, where in the backward the first all-reduce started: 0 at its start, 1 at its end).
+    gloo runs each all-reduce on a thread of its own (its `gloo:all_reduce` events); the
     backward spans its first to its last autograd function."""
     x, y = _batch(rank, 8)
     with torch.profiler.profile() as profile:
@@ -229,22 +230,27 @@ def _under_backward(model: DDP, rank: int) -> tuple[float, float, float]:
             merged.append([lo, hi])
     total = sum(hi - lo for lo, hi in merged)
     under = sum(max(0.0, min(hi, end) - max(lo, start)) for lo, hi in merged)
-    return total / 1e3, under / total, (end - start) / 1e3
+    return total / 1e3, under / total, (end - start) / 1e3, (merged[0][0] - start) / (end - start)
 
 
 def overlap(rank: int, world_size: int, caps: list[float], n_embd: int = 256,
-            profiles: int = 3) -> list[dict]:
-    """For each bucket_cap_mb, DDP's backward profiled `profiles` times: how long gloo's
-    threads spent in all-reduces, and how much of that lay under the backward pass rather
-    than after it (the median profile's: the two processes share 2 cores, and a profile now
-    and then catches one of them waiting for a core)."""
+            profiles: int = 5) -> list[dict]:
+    """For each bucket_cap_mb, DDP's backward profiled `profiles` times (the median
+    profile's figures): how long gloo's threads spent in all-reduces, how much of that lay
+    under the backward pass rather than after it, and how far into the backward the first
+    all-reduce started. The first two are times, which other processes on the machine's
+    cores stretch (a rank kept waiting holds its peer's all-reduces open; a backward
+    preempted in its last function seems to cover the all-reduce that started there); where
+    the first all-reduce starts is the buckets' doing: the backward has produced the
+    gradients of a first bucket (small buckets: early) or of every parameter (one: at its
+    end)."""
     rows = []
     for cap in caps:
         model = DDP(_gpt(n_embd, 4), bucket_cap_mb=cap)
         _train(model, 2, 8, rank)  # past DDP's first step, which lays its buckets out again
         runs = sorted((_under_backward(model, rank) for _ in range(profiles)),
-                      key=lambda run: run[1])
-        total, share, backward = runs[len(runs) // 2]
+                      key=lambda run: run[3])
+        total, share, backward, first = runs[len(runs) // 2]
         rows.append({"bucket_cap_mb": cap, "all-reduce ms": total, "under backward": share,
-                     "backward ms": backward})
+                     "backward ms": backward, "first starts": first})
     return rows
