@@ -228,14 +228,16 @@ def snapshot_at(whole: str, resumed: str, step: int) -> None:
     """A copy of the snapshot at URL `whole` as it stood after `step` (a step directory that
     keep_last kept), to URL `resumed`: its other step directories left out, `latest` naming
     that step. fsspec, so local paths and s3:// alike."""
+    with mingpt_imported() as m:
+        name, latest = m["shards"].step_dir(step), m["shards"].LATEST
     fs, source = fsspec.core.url_to_fs(whole)
-    target, name = fsspec.core.url_to_fs(resumed)[1], f"step_{step:08d}"
+    target = fsspec.core.url_to_fs(resumed)[1]
     for path in fs.find(source):
         rest = path[len(source) + 1:]
         if rest.startswith(f"{name}/"):
             fs.makedirs(f"{target}/{rest}".rsplit("/", 1)[0], exist_ok=True)
             fs.copy(path, f"{target}/{rest}")
-    fs.pipe_file(f"{target}/latest", name.encode())
+    fs.pipe_file(f"{target}/{latest}", name.encode())
 
 
 def read_snapshot(path: Path) -> dict:

@@ -23,7 +23,6 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from mingpt import errors, shards, snapshot, storage
 from mingpt.log import print0
-from mingpt.optim import inner
 from mingpt.parallel.strided import checkpointable
 
 
@@ -53,17 +52,13 @@ class AsyncSaver(Saver):
     def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict,
              before_commit: Callable[[], None] | None = None) -> None:
         self.finish()  # the one before: written, agreed and committed first
-        name = shards.step_dir(state["step"])
-        errors.save_part(self.url, snapshot.move_file_on_rank_0)
-        errors.save_part(self.url, shards.clear_step, name)
-        state, extra = shards.with_meetings(optimizer, state)  # snapshot.save's
+        name, state, written = snapshot.begin_save(self.url, model, optimizer, state)
         # Returns once this rank's shards are copied to host memory (DCP's staging); the
         # staging process writes them, its own gloo group planning with the other ranks'.
         # (The first call starts that process: it imports __main__ again, hence main.py's
         # `if __name__ == "__main__":` guard.)
         future = dcp.async_save(
-            checkpointable(shards.dcp_state(model, inner(optimizer), extra)),  # save's
-            storage_writer=storage.writer(f"{self.url}/{name}"),
+            checkpointable(written), storage_writer=storage.writer(f"{self.url}/{name}"),
             async_checkpointer_type=AsyncCheckpointerType.PROCESS)
         self.pending = (future, name, state)
         if before_commit:  # while the shards are being written (faults.py: FAULT_AT_SAVE)

@@ -206,6 +206,15 @@ def load_sharded(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimi
                    optim_state_dict=state["optim"])
 
 
+def whole_model(model_config: dict, name: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A whole GPT of `model_config` on the CPU and the saver's kind of optimizer over it (its
+    groups and their order, as build_optimizer builds them): what a one-file snapshot's state
+    dicts fit."""
+    from mingpt.model import GPT, GPTConfig  # noqa: PLC0415 (only these rare paths)
+    whole = GPT(GPTConfig(**model_config))
+    return whole, build_optimizer(whole, "ddp", 1e-3, name=name)
+
+
 def whole_state(model_config: dict, weights: dict, optimized: dict, name: str = "adamw",
                 extra: dict | None = None) -> dict:
     """dcp_state's dict from the state dicts of a whole model and its optimizer on the CPU (a
@@ -213,11 +222,8 @@ def whole_state(model_config: dict, weights: dict, optimized: dict, name: str = 
     parameter number, in the order the whole model's optim_groups gives, and DCP names
     parameters: so they go into a whole model and optimizer as they were saved, whose named
     state dicts come back. One more whole copy while it lasts."""
-    from mingpt.model import GPT, GPTConfig  # noqa: PLC0415 (only these rare paths)
-    whole = GPT(GPTConfig(**model_config))
+    whole, adamw = whole_model(model_config, name)
     whole.load_state_dict(weights)
-    # The saver's kind of optimizer (its groups and state), as build_optimizer builds it.
-    adamw = build_optimizer(whole, "ddp", 1e-3, name=name)
     adamw.load_state_dict(optimized)  # the saved groups, decay and lrs included
     model_sd, optim_sd = get_state_dict(whole, adamw)
     return {"model": model_sd, "optim": optim_sd, **({"replicas": extra} if extra else {})}
@@ -258,9 +264,7 @@ def load_sharded_weights(url: str, model: torch.nn.Module) -> None:
 def read_whole(url: str, model_config: dict, name: str = "adamw") -> tuple[dict, dict]:
     """A snapshot's weights and optimizer state, whole, on this one process: the state dicts
     of a whole model and its optimizer (whole_state's inverse; xla_main.py's resume)."""
-    from mingpt.model import GPT, GPTConfig  # noqa: PLC0415 (only xla_main.py needs this)
-    whole = GPT(GPTConfig(**model_config))
-    adamw = build_optimizer(whole, "ddp", 1e-3, name=name)
+    whole, adamw = whole_model(model_config, name)
     with warnings.catch_warnings():  # without a process group DCP reads every shard here
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
         load_sharded(url, whole, adamw, no_dist=True)

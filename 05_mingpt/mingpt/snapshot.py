@@ -139,6 +139,19 @@ def save(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, sta
     and the optimizer's state dicts on the CPU (xla_main.py: from the XLA devices' shards).
     SaveError (one line, the same on every rank) when the storage fails on any rank; nothing
     was committed then."""
+    name, state, written = begin_save(url, model, optimizer, state, gather)
+    errors.save_part(url, shards.write_shards, name, written)
+    # dcp.save is collective: it returns only once every rank's shards are written and rank 0
+    # (its coordinator) has written .metadata, so the step directory is complete here.
+    errors.save_part(url, shards.commit_sharded, name, state, before_commit, keep_last)
+
+
+def begin_save(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict,
+               gather: Callable | None = None) -> tuple[str, dict, dict]:
+    """What a save, blocking or asynchronous (savers.py), does before its write: an older
+    one-file snapshot at `url` moved aside and a cut-off save of this step removed, each part
+    agreed by every rank. Returns the step directory's name, the train state to commit (marked
+    where the replica groups' meetings are written) and the state dicts DCP writes."""
     state, extra = shards.with_meetings(optimizer, state)
     optimizer = inner(optimizer)  # not a wrapper's step, which all-reduces across groups
     name = shards.step_dir(state["step"])
@@ -150,10 +163,7 @@ def save(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, sta
     written = shards.whole_state(state["model_config"], *gather(model, optimizer),
                                  state.get("optimizer_name", "adamw"), extra) if gather \
         else shards.dcp_state(model, optimizer, extra)
-    errors.save_part(url, shards.write_shards, name, written)
-    # dcp.save is collective: it returns only once every rank's shards are written and rank 0
-    # (its coordinator) has written .metadata, so the step directory is complete here.
-    errors.save_part(url, shards.commit_sharded, name, state, before_commit, keep_last)
+    return name, state, written
 
 
 def move_file_on_rank_0(url: str) -> None:
