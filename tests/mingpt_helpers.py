@@ -3,6 +3,8 @@ parsers for the trainer's log lines, and the warm worlds of spawned gloo ranks."
 import contextlib
 import importlib
 import json
+import multiprocessing
+import os
 import re
 import shutil
 import subprocess
@@ -58,16 +60,43 @@ def copy_mingpt(dest: Path) -> Path:
         "__pycache__", "runs", "outputs")))
 
 
-def spawn_world(worker: Callable, world: int, out: Path, *args: object) -> list[dict | None]:
-    """One warm world: `worker(rank, store, out, text, *args)` in `world` spawned processes,
-    which pay torch's and hydra's imports once and then run every check of a test file
-    (join_world makes the group; `text` is 40,000 characters of the usual text: fast to read,
-    the same vocabulary). Each rank's out/rank{r}.json where it wrote one, else None. Any
-    rank's failure, an abort at exit too, raises here (mp.start_processes)."""
+# Warm worlds are forks of multiprocessing's fork server: one process per test worker that
+# imports torch and the libraries every rank uses once (PRELOAD) and starts no thread, so a
+# fork of it is safe. A rank then starts in a fraction of a second; a spawned one imported
+# all of it again (about 4 s of CPU each, 8 ranks sharing 2 cores). 05's dry run starts the
+# same server with its own preload when it runs first in a worker: the ranks import the rest.
+PRELOAD = ["torch", "torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.fsdp",
+           "torch.distributed.pipelining", "torch.utils.tensorboard", "hydra", "fsspec"]
+
+
+def start_world(worker: Callable, world: int, *args: object, spawn: bool = False) -> None:
+    """`worker(rank, *args)` in `world` processes, forked from the fork server (or spawned:
+    `spawn`, for a check of what a fresh interpreter reads at start, such as the kernel set);
+    each with this process's environment, as a spawned process would have (the server's is
+    the one it started with). Any rank's failure, an abort at exit too, raises here."""
+    if spawn:
+        mp.start_processes(worker, args=args, nprocs=world, start_method="spawn")
+        return
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    mp.start_processes(_in_environment, args=(dict(os.environ), worker, *args), nprocs=world,
+                       start_method="forkserver")
+
+
+def _in_environment(rank: int, environ: dict, worker: Callable, *args: object) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    worker(rank, *args)
+
+
+def spawn_world(worker: Callable, world: int, out: Path, *args: object,
+                spawn: bool = False) -> list[dict | None]:
+    """One warm world: `worker(rank, store, out, text, *args)` in `world` processes
+    (start_world), which run every check of a test file (join_world makes the group; `text`
+    is 40,000 characters of the usual text: fast to read, the same vocabulary). Each rank's
+    out/rank{r}.json where it wrote one, else None."""
     text = out / "input.txt"
     text.write_text((REPO / "05_mingpt/data/input.txt").read_text()[:40_000])
-    mp.start_processes(worker, args=(str(out / "store"), str(out), str(text), *args),
-                       nprocs=world, start_method="spawn")
+    start_world(worker, world, str(out / "store"), str(out), str(text), *args, spawn=spawn)
     files = [out / f"rank{rank}.json" for rank in range(world)]
     return [json.loads(f.read_text()) if f.is_file() else None for f in files]
 

@@ -29,10 +29,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401  imported before any group exists (test_teardown.py)
-import torch.multiprocessing as mp
 
 from conftest import in_process
-from mingpt_helpers import MINGPT, mingpt_imported
+from mingpt_helpers import MINGPT, mingpt_imported, start_world
 
 # A model small enough for 8 processes on 2 cores; dropout 0 (cp requires it).
 BASE = ["gpt_config.model_type=null", "gpt_config.n_layer=2", "gpt_config.n_head=2",
@@ -139,8 +138,7 @@ def _real_worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("world", sorted(LAYOUTS))
 def test_dry_run_equals_the_real_run(m, tmp_path, world):
-    mp.start_processes(_real_worker, args=(world, str(tmp_path / "store"), str(tmp_path)),
-                       nprocs=world, start_method="spawn")
+    start_world(_real_worker, world, world, str(tmp_path / "store"), str(tmp_path))
     real = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     wrong = []
     for name, overrides in LAYOUTS[world].items():

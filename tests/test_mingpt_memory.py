@@ -15,10 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401  imported before any group exists (test_teardown.py)
-import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
-from mingpt_helpers import MINGPT, mingpt_imported
+from mingpt_helpers import MINGPT, mingpt_imported, start_world
 
 CPU = torch.device("cpu")
 # Odd sizes on purpose: 11 rows of wte and 3 * 18 of c_attn do not split evenly over 2 ranks,
@@ -249,8 +248,7 @@ def _two_rank_worker(rank: int, store_path: str, out_dir: str, methods: list[str
 
 def test_two_ranks_hold_the_predicted_shards(m, tmp_path):
     methods = available_methods(m)
-    mp.start_processes(_two_rank_worker, args=(str(tmp_path / "store"), str(tmp_path), methods),
-                       nprocs=2, start_method="spawn")  # any failure, an abort at exit too, raises
+    start_world(_two_rank_worker, 2, str(tmp_path / "store"), str(tmp_path), methods)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     # The dry run's plan of both ranks of each layout (tp: both ranks in one TP group).
     plans = m["model_size"].predict(

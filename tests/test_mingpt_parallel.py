@@ -11,12 +11,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401  imported before any group exists (test_teardown.py)
-import torch.multiprocessing as mp
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mingpt_helpers import U, assert_close_ulps, mingpt_imported
+from mingpt_helpers import U, assert_close_ulps, mingpt_imported, start_world
 
 CPU = torch.device("cpu")
 VOCAB, BLOCK = 11, 8
@@ -265,8 +264,7 @@ def _two_rank_worker(rank: int, store_path: str, out_dir: str) -> None:
 
 
 def test_two_ranks_average_gradients_only_on_the_synced_micro_step(tmp_path):
-    mp.start_processes(_two_rank_worker, args=(str(tmp_path / "store"), str(tmp_path)),
-                       nprocs=2, start_method="spawn")  # any failure, an abort at exit too, raises
+    start_world(_two_rank_worker, 2, str(tmp_path / "store"), str(tmp_path))
     for rank in (0, 1):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         ddp, fsdp = result["ddp"], result["fsdp"]

@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import PYTHON, TORCHRUN, run
@@ -29,6 +28,7 @@ from mingpt_helpers import (
     copy_mingpt,
     mingpt_imported,
     script_in_process,
+    start_world,
     tiny,
 )
 from step_helpers import node_envs, peer_process
@@ -273,10 +273,9 @@ def _one_rank_raises(rank: int, store: str, folder: str) -> None:
 
 def test_any_exception_in_a_save_or_a_build_is_agreed_by_every_rank(tmp_path):
     """Only OSError and DCP's CheckpointException were agreed in a save, only ValueError in
-    main.py's build: any other exception left the peers waiting (mp.start_processes raises
+    main.py's build: any other exception left the peers waiting (start_world raises
     if any rank fails or hangs past the timeout)."""
-    mp.start_processes(_one_rank_raises, args=(str(tmp_path / "store"), str(tmp_path)),
-                       nprocs=2, start_method="spawn")
+    start_world(_one_rank_raises, 2, str(tmp_path / "store"), str(tmp_path))
     said = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     assert said[0] == said[1]
     save, build = said[0]

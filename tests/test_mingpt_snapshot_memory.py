@@ -20,14 +20,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401  imported before any group exists (test_teardown.py)
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from mingpt_helpers import MINGPT, mingpt_imported
+from mingpt_helpers import MINGPT, mingpt_imported, start_world
 
 CPU = torch.device("cpu")
 CONFIG = dict(model_type=None, n_layer=2, n_head=2, n_embd=16, vocab_size=11, block_size=8,
@@ -146,7 +145,7 @@ def _qkv_worker(rank: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def qkv_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("qkv")
-    mp.start_processes(_qkv_worker, args=(str(out),), nprocs=2, start_method="spawn")
+    start_world(_qkv_worker, 2, str(out))
     return out, [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 

@@ -16,7 +16,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401  imported before any group exists (test_teardown.py)
-import torch.multiprocessing as mp
 import yaml
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.device_mesh import DeviceMesh
@@ -34,6 +33,7 @@ from mingpt_helpers import (
     real_step,
     retrace,
     spawn_world,
+    start_world,
     tiny,
     train_losses,
     val_losses,
@@ -342,7 +342,7 @@ def test_parity_holds_on_other_cpu_kernels(tmp_path, monkeypatch):
     kernels = other_cpu_kernels()
     for name, value in kernels.items():
         monkeypatch.setenv(name, value)
-    result = spawn_world(_other_kernels_worker, 2, tmp_path)[0]
+    result = spawn_world(_other_kernels_worker, 2, tmp_path, spawn=True)[0]
     # The variable was read: the kernels differed from this process's.
     assert result["capability"] == kernels["ATEN_CPU_CAPABILITY"].upper(), result["capability"]
     ddp, ddp_weights = train_losses(result["ddp"]), torch.load(tmp_path / "ddp.pt")
@@ -463,8 +463,7 @@ def test_fsdp_tp_on_a_2x2_mesh_saves_the_global_weights_and_loads_its_shards(tmp
     steps of tensor_parallel's gather and cut run on more than one rank. The four spawned
     processes (tests/mesh_2x2_worker.py, which imports only what it needs: four processes
     share two cores) train one step, save, and load the snapshot back into other weights."""
-    mp.start_processes(mesh_2x2_worker.main, args=(str(tmp_path),), nprocs=4,
-                       start_method="spawn")
+    start_world(mesh_2x2_worker.main, 4, str(tmp_path))
     for rank in range(4):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert result == {"shards_equal": True, "moments_equal": True}, (rank, result)
