@@ -19,7 +19,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 import sample
-from mingpt import config, distributed, dry_run, errors, forensics, profiling, snapshot, storage
+from mingpt import config, distributed, errors, forensics, profiling, snapshot, storage
 from mingpt.data import data_module
 from mingpt.errors import fail
 from mingpt.log import print0, print_versions
@@ -156,8 +156,9 @@ def main(argv: list[str]) -> None:
         if show:
             print(OmegaConf.to_yaml(cfg).rstrip())
             return
-        if cfg.trainer_config.dry_run:  # plan N ranks in this process on a fake group
-            dry_run.run(cfg)  # (and train nothing)
+        if cfg.trainer_config.dry_run:  # plan N ranks in this process on a fake group, and
+            from mingpt import dry_run  # noqa: PLC0415 (train nothing; imported only here)
+            dry_run.run(cfg)
             return
     except ValueError as e:
         fail(e)

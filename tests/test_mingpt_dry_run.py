@@ -95,7 +95,7 @@ WORK_GAPS = {
 
 @pytest.fixture(scope="module")
 def m():
-    with mingpt_imported("main") as modules:
+    with mingpt_imported("main", "dry_run") as modules:
         yield modules
 
 
@@ -143,9 +143,9 @@ def test_dry_run_equals_the_real_run(m, tmp_path, world):
     wrong = []
     for name, overrides in LAYOUTS[world].items():
         cfg = m["config"].load([*BASE, *overrides, f"trainer_config.dry_run={world}"])
-        lay, plans = m["main"].dry_run.plan(cfg)
+        lay, plans = m["dry_run"].plan(cfg)
         # Each representative rank planned, at least one: the comparison is not vacuous.
-        ranks = sorted(m["main"].dry_run.representative_ranks(lay))
+        ranks = sorted(m["dry_run"].representative_ranks(lay))
         assert ranks and sorted(plans) == ranks, (name, sorted(plans), ranks)
         for rank, planned in plans.items():
             measured = json.loads(json.dumps(planned))  # as JSON keeps it (tuple keys, ints)

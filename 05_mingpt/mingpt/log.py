@@ -14,7 +14,6 @@ import hydra
 import omegaconf
 import torch
 import torch.distributed as dist
-from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 from mingpt.memory import model_state_bytes, peak_memory_mb, reset_peak_memory
@@ -74,8 +73,10 @@ class TrainLog:
         # gradients and optimizer state exist) and every rank's setup peak (start_training).
         self.model_state: dict[str, int] | None = None
         self.setup_peak_mb: list[float] = []
-        self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard")) \
-            if dist.get_rank() == 0 else None
+        self.writer = None  # TensorBoard's, on rank 0 only: the other ranks never import it
+        if dist.get_rank() == 0:
+            from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415
+            self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
 
     def add(self, loss: torch.Tensor, tokens: int) -> None:
         """One micro-step's loss (a device tensor: no host sync) and its tokens."""
