@@ -375,10 +375,9 @@ def plan_ranks(jobs: list[tuple[DictConfig, GPTConfig, int, int]],
     `if __name__ == "__main__":` guard multiprocessing needs) ends the dry run with an error,
     never a wait."""
     # The fork server imports this module (and torch with it) once; each rank's process is
-    # a fork of that server, so it starts without importing torch again. torch._dynamo too:
-    # FakeTensorMode imports it (with triton and more: about 1.2 s), which every rank's
-    # process paid anew before (the dry-run tests' plans took twice as long). Importing it
-    # starts no thread, so the server stays safe to fork.
+    # a fork of that server, so it starts without importing torch again, nor torch._dynamo
+    # (with triton and more), which FakeTensorMode imports. Importing them starts no thread,
+    # so the server stays safe to fork.
     if getattr(multiprocessing.current_process(), "_inheriting", False):
         # This process is a child re-running an unguarded script's top level (the flag is the
         # one multiprocessing's own check reads). Stop before making a pool: its locks would be
