@@ -1,5 +1,5 @@
 """Shared pieces of the 05_mingpt trainer tests: a private copy of the folder, tiny overrides,
-parsers for the trainer's log lines, and the warm worlds of spawned gloo ranks."""
+parsers for the trainer's log lines, and the warm worlds of gloo ranks (start_world)."""
 import contextlib
 import importlib
 import json

@@ -127,14 +127,14 @@ CAPABILITY_THEN_SCRIPT = (
     " sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
 
 
-# Imported by `import main` before: every launch and every restart after a kill paid them.
+# What only some processes of a run use: the dry run's counters (torch's flop counter, triton
+# with it) and TensorBoard (rank 0's writer, log.TrainLog, imports it where it makes it).
 LAZY = ("mingpt.dry_run", "torch.utils.flop_counter", "triton", "torch.utils.tensorboard")
 
 
 def test_main_py_imports_only_what_every_run_uses(mingpt):
-    """The dry run's counters (torch's flop counter, triton with it) are imported by a dry run
-    alone, TensorBoard by rank 0 where it makes its writer (the one rank that writes events):
-    a run's other ranks never import them (bench/README.md: the start-up's cost)."""
+    """`import main`, which every rank of every launch and every restart pays, imports none
+    of LAZY (bench/README.md: the start-up's cost)."""
     probe = "import sys, main; print(sorted(m for m in sys.argv[1:] if m in sys.modules))"
     assert run([PYTHON, "-c", probe, *LAZY], cwd=mingpt).stdout == "[]\n"
 
