@@ -4,11 +4,14 @@ import contextlib
 import importlib
 import json
 import multiprocessing
+import multiprocessing.connection
 import os
 import re
+import runpy
 import shutil
 import subprocess
 import sys
+import time
 import warnings
 from collections.abc import Callable
 from datetime import timedelta
@@ -20,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import REPO, in_process
+from conftest import REPO, child_env, free_port, in_process
 
 MINGPT = REPO / "05_mingpt"
 
@@ -86,6 +89,77 @@ def _in_environment(rank: int, environ: dict, worker: Callable, *args: object) -
     os.environ.clear()
     os.environ.update(environ)
     worker(rank, *args)
+
+
+class Job:
+    """`torchrun --standalone --nproc_per_node=NPROC SCRIPT ARGV` in `cwd`, as its ranks see
+    it, for checks of what the script does rather than of torchrun: each rank forked from the
+    fork server (start_world's), with the variables a launcher sets (RANK, LOCAL_RANK,
+    WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), `env` and conftest.child_env's
+    (one thread, CPU only), running SCRIPT as `python SCRIPT ARGV` runs it. Their output, line
+    by line, in `log`. As torchrun's agent does, the first rank to fail stops the others; the
+    job's returncode is that rank's exit status, else 0. A Popen's poll, wait and returncode,
+    so a test can wait for one job's line while another runs."""
+
+    def __init__(self, cwd: Path, script: str, argv: list[str], nproc: int, log: Path,
+                 **env: str) -> None:
+        self.log, self.returncode = log, None
+        environ = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                            WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), **env)
+        multiprocessing.set_forkserver_preload(PRELOAD)
+        context = multiprocessing.get_context("forkserver")
+        self.ranks = [context.Process(target=_job_rank, daemon=False,
+                                      args=(rank, environ, str(cwd), script, argv, str(log)))
+                      for rank in range(nproc)]
+        log.touch()
+        for rank in self.ranks:
+            rank.start()
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            codes = [rank.exitcode for rank in self.ranks]
+            failed = [code for code in codes if code not in (None, 0)]
+            if failed:
+                for rank in self.ranks:  # torchrun's agent: one failed worker ends the job
+                    rank.kill()
+                    rank.join()
+                self.returncode = failed[0]
+            elif None not in codes:
+                self.returncode = 0
+        return self.returncode
+
+    def wait(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while self.poll() is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise subprocess.TimeoutExpired(self.log.name, timeout)
+            multiprocessing.connection.wait([r.sentinel for r in self.ranks if r.is_alive()],
+                                            timeout=left)
+        return self.returncode
+
+    def kill(self) -> None:
+        for rank in self.ranks:
+            rank.kill()
+        self.wait(60)
+
+
+def _job_rank(rank: int, environ: dict, cwd: str, script: str, argv: list[str],
+              log: str) -> None:
+    """One rank of a Job: `python SCRIPT ARGV` in a fork of the fork server."""
+    os.environ.clear()
+    os.environ.update(environ, RANK=str(rank), LOCAL_RANK=str(rank))
+    torch.set_num_threads(int(environ["OMP_NUM_THREADS"]))  # the server read it at its start
+    os.chdir(cwd)
+    sys.path.insert(0, cwd)  # as `python SCRIPT` puts the script's folder first
+    sys.argv = [script, *argv]
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    # Line by line, as PYTHONUNBUFFERED gives a launched rank: tests wait for a line.
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (the process's own)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    runpy.run_path(script, run_name="__main__")
 
 
 def spawn_world(worker: Callable, world: int, out: Path, *args: object,

@@ -1,6 +1,6 @@
 """05_mingpt's replica groups that meet every H steps (trainer_config.ft_sync=local_sgd or
-diloco, mingpt/parallel/diloco.py, torchft's LocalSGD and DiLoCo): each group a torchrun job,
-joined by torchft's lighthouse, as in test_mingpt_torchft.py.
+diloco, mingpt/parallel/diloco.py, torchft's LocalSGD and DiLoCo): each group a job of main.py's
+ranks, joined by torchft's lighthouse, as in test_mingpt_torchft.py.
 
 - DiLoCo whose outer optimizer only averages (outer_lr 1, no momentum) is local_sgd: the same
   weights within the rounding of one subtraction more per meeting (derived below).

@@ -1,5 +1,6 @@
 """05_mingpt's replica groups (trainer_config.ft_replicas, mingpt/parallel/ft.py, torchft):
-two groups, each its own torchrun job, joined by torchft's lighthouse.
+two groups, each a job of main.py's ranks (torchrun's, forked: mingpt_helpers.Job), joined by
+torchft's lighthouse.
 
 - Without a fault they train as DDP over two processes does, bit for bit: the same rows, and
   the mean of two gradients ((a + b) / 2 here, a / 2 + b / 2 in DDP: halving is exact).
@@ -23,8 +24,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TORCHRUN, child_env, run
+from conftest import TORCHRUN, run
 from mingpt_helpers import (
+    Job,
     assert_refused,
     copy_mingpt,
     mingpt_imported,
@@ -67,31 +69,24 @@ class Lighthouse:
 
 
 def group(mingpt: Path, lighthouse: Lighthouse, g: int, *args: str, log: str | None = None,
-          run_name: str | None = None, groups: int = 2, nproc: int = 1,
-          **env: str) -> subprocess.Popen:
-    """Replica group `g` of `groups`: a torchrun job of `nproc` processes, as
-    FAULT_TOLERANCE.md starts it, in runs/<run_name> (ft<g>); its output in <log>.log
-    (run_name's; a failed test's folder keeps every group's whole log)."""
+          run_name: str | None = None, groups: int = 2, nproc: int = 1, **env: str) -> Job:
+    """Replica group `g` of `groups`: `torchrun --standalone --nproc_per_node=NPROC main.py`
+    as FAULT_TOLERANCE.md starts it, its ranks forked (mingpt_helpers.Job: the claims here are
+    the groups', not torchrun's; the restarts below launch torchrun itself), in
+    runs/<run_name> (ft<g>); its output in <log>.log (run_name's; a failed test's folder keeps
+    every group's whole log)."""
     run_name = run_name or f"ft{g}"
-    cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", "main.py",
-           *tiny(*args, *COMMON, f"trainer_config.ft_replicas={groups}",
-                 f"trainer_config.ft_replica_group={g}", f"run_name={run_name}")]
-    path = mingpt / f"{log or run_name}.log"
-    with open(path, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=mingpt, stdout=out, stderr=subprocess.STDOUT,
-                                env=child_env(
-                                    TORCHFT_LIGHTHOUSE=f"http://localhost:{lighthouse.port}",
-                                    **env))
-    proc.log = path
-    return proc
+    argv = tiny(*args, *COMMON, f"trainer_config.ft_replicas={groups}",
+                f"trainer_config.ft_replica_group={g}", f"run_name={run_name}")
+    return Job(mingpt, "main.py", argv, nproc, mingpt / f"{log or run_name}.log",
+               TORCHFT_LIGHTHOUSE=f"http://localhost:{lighthouse.port}", **env)
 
 
-def finish(proc: subprocess.Popen, timeout: float = 400) -> str:
+def finish(proc: Job, timeout: float = 400) -> str:
     try:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
-        proc.wait()
         pytest.fail(f"a replica group did not finish:\n{proc.log.read_text()[-4000:]}")
     return proc.log.read_text()
 
@@ -130,7 +125,7 @@ def test_two_groups_train_as_ddp_over_two_processes_bit_for_bit(tmp_path):
         outs[0][-3000:]
 
 
-def wait_for(line: str, *procs: subprocess.Popen, timeout: float = 300) -> None:
+def wait_for(line: str, *procs: Job, timeout: float = 300) -> None:
     """Until every one of `procs` has printed `line` (each still running)."""
     deadline = time.monotonic() + timeout
     while not all(line in p.log.read_text() for p in procs):
@@ -177,7 +172,7 @@ def test_a_killed_group_rejoins_without_a_restart_and_all_end_with_the_same_weig
         meet.touch()
         second, kept = finish(again), finish(survivor)
         finish(killed)
-    assert killed.returncode != 0  # its torchrun: the worker died, no restart asked for
+    assert killed.returncode == -9  # the worker killed itself (SIGKILL), no restart asked for
     assert again.returncode == 0, second[-4000:]
     assert survivor.returncode == 0, kept[-4000:]
     # The survivor took no peer's state (both started together, at step 0) and trained to the
