@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from bpe_fixture import write_tokenizer
-from conftest import in_process
+from conftest import PYTHON, in_process, run
 from mingpt_helpers import (
     MINGPT,
     assert_close_ulps,
@@ -169,6 +170,28 @@ def test_export_holds_the_snapshots_weights_bit_for_bit(mods, trained, layout):
     assert set(back) == set(state)
     for name, tensor in state.items():
         assert back[name].dtype == torch.float32 and torch.equal(back[name], tensor), name
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_one_pt_file_from_torchs_converter_holds_the_weights(mods, trained, layout, tmp_path):
+    """The README's one-file export: torch's own converter (format_utils' dcp_to_torch) of the
+    step directory `latest` names writes one torch.save file that loads with
+    weights_only=True; its "model" is the snapshot's whole model, bit for bit, whatever the
+    layout spread over the ranks (the command once, for the layout that splits the most; the
+    others through the function it calls). train_state.pt beside it holds the config."""
+    snapshot = trained[layout][0]
+    step, out = snapshot / (snapshot / "latest").read_text(), tmp_path / "model.pt"
+    if layout == "fsdp_tp":
+        run([PYTHON, "-m", "torch.distributed.checkpoint.format_utils", "dcp_to_torch",
+             str(step), str(out)])
+    else:
+        dcp_to_torch_save(step, out)
+    whole = torch.load(out, weights_only=True)["model"]
+    ours = our_model(mods, snapshot)[0].state_dict()
+    assert sorted(whole) == sorted(ours)
+    assert [k for k, v in ours.items() if not torch.equal(whole[k], v)] == []
+    config = torch.load(step / "train_state.pt", weights_only=True)["model_config"]
+    assert (config["n_layer"], config["n_embd"]) == (2, 32)
 
 
 # How far transformers' logits may be from ours: derived from fp32 rounding, not measured.
