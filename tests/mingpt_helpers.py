@@ -144,6 +144,21 @@ class Job:
         self.wait(60)
 
 
+def run_job(cwd: Path, nproc: int, *args: str, timeout: float = 400, **env: str) -> str:
+    """`torchrun --standalone --nproc_per_node=NPROC main.py ARGS` in `cwd` run to its end as
+    a Job, for a run whose claim is the run's, not torchrun's: its log (stdout and stderr,
+    runs/<run_name>.log beside main.py); a failure or a run past `timeout` fails the test."""
+    name = next(a.split("=", 1)[1] for a in args if a.startswith("run_name="))
+    job = Job(cwd, "main.py", list(args), nproc, cwd / f"{name}.log", **env)
+    try:
+        job.wait(timeout)
+    except subprocess.TimeoutExpired:
+        job.kill()
+    out = job.log.read_text()
+    assert job.returncode == 0, out[-4000:]
+    return out
+
+
 def _job_rank(rank: int, environ: dict, cwd: str, script: str, argv: list[str],
               log: str) -> None:
     """One rank of a Job: `python SCRIPT ARGV` in a fork of the fork server."""
@@ -159,7 +174,9 @@ def _job_rank(rank: int, environ: dict, cwd: str, script: str, argv: list[str],
     # Line by line, as PYTHONUNBUFFERED gives a launched rank: tests wait for a line.
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (the process's own)
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-    runpy.run_path(script, run_name="__main__")
+    # An absolute __file__, as Python gives `python SCRIPT`: a process it spawns (DCP's
+    # staging process) imports the script again from there.
+    runpy.run_path(os.path.join(cwd, script), run_name="__main__")
 
 
 def spawn_world(worker: Callable, world: int, out: Path, *args: object,

@@ -24,7 +24,14 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import TORCHRUN, run
-from mingpt_helpers import assert_refused, copy_mingpt, mingpt_imported, snapshot_weights, tiny
+from mingpt_helpers import (
+    assert_refused,
+    copy_mingpt,
+    mingpt_imported,
+    run_job,
+    snapshot_weights,
+    tiny,
+)
 from test_mingpt_torchft import COMMON, Lighthouse, finish, group, snapshot, wait_for
 
 
@@ -168,14 +175,13 @@ def test_a_diloco_group_killed_mid_interval_resumes_its_snapshot_bit_for_bit(tmp
             "trainer_config.ft_sync_every=4")
     with Lighthouse(tmp_path, min_replicas=1) as lighthouse:
         env = {"TORCHFT_LIGHTHOUSE": f"http://localhost:{lighthouse.port}"}
-        for name, fault in (("killed", {"FAULT_AT_STEP": "5"}), ("whole", {})):
-            out = run([TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1",
-                       "main.py", *tiny(*args, f"run_name={name}", *COMMON[:2],
-                                        "trainer_config.collective_timeout_s=30")],
-                      cwd=mingpt, **env, **fault).stdout
-            if fault:
-                assert "FAULT_AT_STEP=5: killing this worker" in out, out[-3000:]
-                assert "resumed from" in out and f"at step {resumed}" in out, out[-3000:]
+        given = (*args, *COMMON[:2], "trainer_config.collective_timeout_s=30")
+        out = run([TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1",
+                   "main.py", *tiny(*given, "run_name=killed")], cwd=mingpt, FAULT_AT_STEP="5",
+                  **env).stdout
+        assert "FAULT_AT_STEP=5: killing this worker" in out, out[-3000:]
+        assert "resumed from" in out and f"at step {resumed}" in out, out[-3000:]
+        run_job(mingpt, 2, *tiny(*given, "run_name=whole"), **env)  # the run never killed
     killed, whole = (snapshot_weights(mingpt / "runs" / n) for n in ("killed", "whole"))
     assert [k for k in whole if not torch.equal(killed[k], whole[k])] == []
     a, b = (snapshot(mingpt, n)["replicas"] for n in ("killed", "whole"))

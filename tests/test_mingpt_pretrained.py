@@ -19,6 +19,7 @@ from mingpt_helpers import (
     copy_mingpt,
     mingpt_imported,
     read_snapshot,
+    run_job,
     script_in_process,
     tiny,
     val_losses,
@@ -265,20 +266,19 @@ def test_finetune_from_pretrained_ddp_fsdp_and_resume_slowest(mods, mingpt, gpt2
     # Every run starts from the stand-in's weights; two gloo processes each.
     args = (*FINETUNE, f"gpt_config.init_from={gpt2_dir}")
     torchrun = [TORCHRUN, "--standalone", "--nproc_per_node=2"]
-    ddp = run([*torchrun, "main.py", *tiny("run_name=ft_ddp", *args)], cwd=mingpt)
-    assert f"weights from {gpt2_dir}" in ddp.stdout
-    assert "model: 41,120 parameters (2 layers, 2 heads, 32 wide, vocab 457, block 32)" \
-        in ddp.stdout
+    ddp = run_job(mingpt, 2, *tiny("run_name=ft_ddp", *args))  # torchrun's ranks, forked
+    assert f"weights from {gpt2_dir}" in ddp
+    assert "model: 41,120 parameters (2 layers, 2 heads, 32 wide, vocab 457, block 32)" in ddp
     # Step 0 evaluates the loaded weights: Hugging Face's loss on the same windows, as the log
     # rounds it (half a unit of its 4th decimal) after the two computations' rounding (logits
     # within 64 ulps, test_init_from_a_directory_gives_hugging_face_logits; the loss, a mean
     # of positive terms, likewise: 64 U of it, 2.4e-5 at 6.26). Measured: 3.7e-5, the log's
     # rounding (unrounded, in TensorBoard: equal), under ATEN_CPU_CAPABILITY=default,
     # avx2 and avx512.
-    val = val_losses(ddp.stdout)
+    val = val_losses(ddp)
     assert abs(val[0] - expected) <= LOG_UNIT / 2 + 64 * U * expected, (val, expected)
     assert val[4] < val[0]  # and training lowers it
-    assert "sample:\n" in ddp.stdout  # decoded with the BPE tokenizer
+    assert "sample:\n" in ddp  # decoded with the BPE tokenizer
     # FSDP: the whole model is loaded, then fully_shard turns its weights into DTensors (on
     # one process here: a launch less; 2-rank sharding is test_mingpt_train's): the same start.
     # (05's modules are imported from the repository: its relative data paths mean the

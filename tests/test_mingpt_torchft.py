@@ -31,6 +31,7 @@ from mingpt_helpers import (
     copy_mingpt,
     mingpt_imported,
     read_snapshot,
+    run_job,
     snapshot_weights,
     tiny,
 )
@@ -114,8 +115,7 @@ def test_two_groups_train_as_ddp_over_two_processes_bit_for_bit(tmp_path):
         outs = [finish(p) for p in procs]
     for p, out in zip(procs, outs, strict=True):
         assert p.returncode == 0, out[-4000:]
-    run([TORCHRUN, "--standalone", "--nproc_per_node=2", "main.py",
-         *tiny(*args, *COMMON, "run_name=ddp")], cwd=mingpt)
+    run_job(mingpt, 2, *tiny(*args, *COMMON, "run_name=ddp"))
     ft0, ft1, ddp = (snapshot(mingpt, n) for n in ("ft0", "ft1", "ddp"))
     assert (ft0["step"], ft1["step"]) == (6, 6)
     assert same(ft0, ft1) == [] and same(ft0, ddp) == []
@@ -198,14 +198,13 @@ def test_a_group_killed_under_fsdp_restarts_from_its_own_snapshot_bit_for_bit(tm
             "trainer_config.distributed_method=fsdp", "trainer_config.ft_replicas=1")
     with Lighthouse(tmp_path, min_replicas=1) as lighthouse:
         env = {"TORCHFT_LIGHTHOUSE": f"http://localhost:{lighthouse.port}"}
-        for name, fault in (("killed", {"FAULT_AT_STEP": "5"}), ("whole", {})):
-            out = run([TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1",
-                       "main.py", *tiny(*args, f"run_name={name}", *COMMON[:2],
-                                        "trainer_config.collective_timeout_s=30")],
-                      cwd=mingpt, **env, **fault).stdout
-            if fault:
-                assert "FAULT_AT_STEP=5: killing this worker" in out, out[-3000:]
-                assert "resumed from" in out and "at step 4" in out, out[-3000:]
+        given = (*args, *COMMON[:2], "trainer_config.collective_timeout_s=30")
+        out = run([TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1",
+                   "main.py", *tiny(*given, "run_name=killed")], cwd=mingpt, FAULT_AT_STEP="5",
+                  **env).stdout
+        assert "FAULT_AT_STEP=5: killing this worker" in out, out[-3000:]
+        assert "resumed from" in out and "at step 4" in out, out[-3000:]
+        run_job(mingpt, 2, *tiny(*given, "run_name=whole"), **env)
     killed, whole = (snapshot_weights(mingpt / "runs" / n) for n in ("killed", "whole"))
     assert [k for k in whole if not torch.equal(killed[k], whole[k])] == []
 
