@@ -154,6 +154,7 @@ def run_job(cwd: Path, nproc: int, *args: str, timeout: float = 400, **env: str)
         job.wait(timeout)
     except subprocess.TimeoutExpired:
         job.kill()
+        pytest.fail(f"{name} ran past {timeout} s:\n{job.log.read_text()[-4000:]}")
     out = job.log.read_text()
     assert job.returncode == 0, out[-4000:]
     return out
@@ -167,6 +168,11 @@ def _job_rank(rank: int, environ: dict, cwd: str, script: str, argv: list[str],
     torch.set_num_threads(int(environ["OMP_NUM_THREADS"]))  # the server read it at its start
     os.chdir(cwd)
     sys.path.insert(0, cwd)  # as `python SCRIPT` puts the script's folder first
+    # The folder's own modules, as a fresh interpreter imports them, whatever the server
+    # holds (the dry run has it preload mingpt.dry_run, which it finds when it was started in
+    # a folder that has mingpt: not the tests', but the purge does not rely on that).
+    for name in [name for name in sys.modules if is_mingpt_module(name)]:
+        del sys.modules[name]
     sys.argv = [script, *argv]
     fd = os.open(log, os.O_WRONLY | os.O_APPEND)
     os.dup2(fd, 1)
