@@ -143,6 +143,17 @@ class Job:
             rank.kill()
         self.wait(60)
 
+    def finish(self, timeout: float = 400) -> str:
+        """Its log once every rank has ended; a job past `timeout` is killed and fails the
+        test, with the log's tail."""
+        try:
+            self.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"{self.log.name}: the job ran past {timeout} s:\n"
+                        f"{self.log.read_text()[-4000:]}")
+        return self.log.read_text()
+
 
 def run_job(cwd: Path, nproc: int, *args: str, timeout: float = 400, **env: str) -> str:
     """`torchrun --standalone --nproc_per_node=NPROC main.py ARGS` in `cwd` run to its end as
@@ -150,12 +161,7 @@ def run_job(cwd: Path, nproc: int, *args: str, timeout: float = 400, **env: str)
     runs/<run_name>.log beside main.py); a failure or a run past `timeout` fails the test."""
     name = next(a.split("=", 1)[1] for a in args if a.startswith("run_name="))
     job = Job(cwd, "main.py", list(args), nproc, cwd / f"{name}.log", **env)
-    try:
-        job.wait(timeout)
-    except subprocess.TimeoutExpired:
-        job.kill()
-        pytest.fail(f"{name} ran past {timeout} s:\n{job.log.read_text()[-4000:]}")
-    out = job.log.read_text()
+    out = job.finish(timeout)
     assert job.returncode == 0, out[-4000:]
     return out
 

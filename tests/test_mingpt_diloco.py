@@ -23,16 +23,14 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import TORCHRUN, run
 from mingpt_helpers import (
     assert_refused,
     copy_mingpt,
     mingpt_imported,
-    run_job,
     snapshot_weights,
     tiny,
 )
-from test_mingpt_torchft import COMMON, Lighthouse, finish, group, snapshot, wait_for
+from test_mingpt_torchft import Lighthouse, group, killed_and_whole, snapshot, wait_for
 
 
 def groups(mingpt, lighthouse, name: str, *args: str, n: int = 2, nproc: int = 1,
@@ -40,7 +38,7 @@ def groups(mingpt, lighthouse, name: str, *args: str, n: int = 2, nproc: int = 1
     """`n` replica groups of `nproc` processes each, run to the end: their logs."""
     procs = [group(mingpt, lighthouse, g, *args, run_name=f"{name}{g}", groups=n,
                    nproc=nproc, **env) for g in range(n)]
-    outs = [finish(p) for p in procs]
+    outs = [p.finish() for p in procs]
     for p, out in zip(procs, outs, strict=True):
         assert p.returncode == 0, out[-4000:]
     return outs
@@ -174,14 +172,7 @@ def test_a_diloco_group_killed_mid_interval_resumes_its_snapshot_bit_for_bit(tmp
             f"trainer_config.distributed_method={method}", "trainer_config.ft_replicas=1",
             "trainer_config.ft_sync_every=4")
     with Lighthouse(tmp_path, min_replicas=1) as lighthouse:
-        env = {"TORCHFT_LIGHTHOUSE": f"http://localhost:{lighthouse.port}"}
-        given = (*args, *COMMON[:2], "trainer_config.collective_timeout_s=30")
-        out = run([TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1",
-                   "main.py", *tiny(*given, "run_name=killed")], cwd=mingpt, FAULT_AT_STEP="5",
-                  **env).stdout
-        assert "FAULT_AT_STEP=5: killing this worker" in out, out[-3000:]
-        assert "resumed from" in out and f"at step {resumed}" in out, out[-3000:]
-        run_job(mingpt, 2, *tiny(*given, "run_name=whole"), **env)  # the run never killed
+        killed_and_whole(mingpt, lighthouse, args, resumed)
     killed, whole = (snapshot_weights(mingpt / "runs" / n) for n in ("killed", "whole"))
     assert [k for k in whole if not torch.equal(killed[k], whole[k])] == []
     a, b = (snapshot(mingpt, n)["replicas"] for n in ("killed", "whole"))
@@ -236,8 +227,8 @@ def test_a_group_killed_mid_interval_rejoins_at_the_next_meeting_bit_for_bit(tmp
                 again.log.read_text()[-3000:]
             time.sleep(0.2)  # polling the lighthouse's log: its line ends the wait
         meet.touch()
-        second, kept = finish(again), finish(survivor)
-        finish(killed)
+        second, kept = again.finish(), survivor.finish()
+        killed.finish()
     assert again.returncode == 0, second[-4000:]
     assert survivor.returncode == 0, kept[-4000:]
     assert [s for s, _ in met(kept)] == [10, 20, 30, 40], kept[-3000:]

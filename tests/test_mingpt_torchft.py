@@ -83,13 +83,17 @@ def group(mingpt: Path, lighthouse: Lighthouse, g: int, *args: str, log: str | N
                TORCHFT_LIGHTHOUSE=f"http://localhost:{lighthouse.port}", **env)
 
 
-def finish(proc: Job, timeout: float = 400) -> str:
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        pytest.fail(f"a replica group did not finish:\n{proc.log.read_text()[-4000:]}")
-    return proc.log.read_text()
+def killed_and_whole(mingpt: Path, lighthouse: Lighthouse, args: tuple, resumed: int) -> None:
+    """One group of two processes of `args`, twice: killed before step 5 and restarted by
+    torchrun (runs/killed: it resumes its snapshot of step `resumed`), and never killed
+    (runs/whole, a Job: the reference)."""
+    env = {"TORCHFT_LIGHTHOUSE": f"http://localhost:{lighthouse.port}"}
+    given = (*args, *COMMON[:2], "trainer_config.collective_timeout_s=30")
+    out = run([TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1", "main.py",
+               *tiny(*given, "run_name=killed")], cwd=mingpt, FAULT_AT_STEP="5", **env).stdout
+    assert "FAULT_AT_STEP=5: killing this worker" in out, out[-3000:]
+    assert "resumed from" in out and f"at step {resumed}" in out, out[-3000:]
+    run_job(mingpt, 2, *tiny(*given, "run_name=whole"), **env)
 
 
 def snapshot(mingpt: Path, run_name: str) -> dict:
@@ -112,7 +116,7 @@ def test_two_groups_train_as_ddp_over_two_processes_bit_for_bit(tmp_path):
     # would take step 0 alone and the other copy its state: right, but not DDP's run).
     with Lighthouse(tmp_path, min_replicas=2) as lighthouse:
         procs = [group(mingpt, lighthouse, g, *args) for g in (0, 1)]
-        outs = [finish(p) for p in procs]
+        outs = [p.finish() for p in procs]
     for p, out in zip(procs, outs, strict=True):
         assert p.returncode == 0, out[-4000:]
     run_job(mingpt, 2, *tiny(*args, *COMMON, "run_name=ddp"))
@@ -170,9 +174,9 @@ def test_a_killed_group_rejoins_without_a_restart_and_all_end_with_the_same_weig
                 again.log.read_text()[-3000:]
             time.sleep(0.2)
         meet.touch()
-        second, kept = finish(again), finish(survivor)
-        finish(killed)
-    assert killed.returncode == -9  # the worker killed itself (SIGKILL), no restart asked for
+        second, kept = again.finish(), survivor.finish()
+        killed.finish()
+    assert killed.returncode == -signal.SIGKILL  # the worker killed itself, no restart asked for
     assert again.returncode == 0, second[-4000:]
     assert survivor.returncode == 0, kept[-4000:]
     # The survivor took no peer's state (both started together, at step 0) and trained to the
@@ -197,14 +201,7 @@ def test_a_group_killed_under_fsdp_restarts_from_its_own_snapshot_bit_for_bit(tm
     args = ("trainer_config.max_steps=6", "trainer_config.save_every=2",
             "trainer_config.distributed_method=fsdp", "trainer_config.ft_replicas=1")
     with Lighthouse(tmp_path, min_replicas=1) as lighthouse:
-        env = {"TORCHFT_LIGHTHOUSE": f"http://localhost:{lighthouse.port}"}
-        given = (*args, *COMMON[:2], "trainer_config.collective_timeout_s=30")
-        out = run([TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1",
-                   "main.py", *tiny(*given, "run_name=killed")], cwd=mingpt, FAULT_AT_STEP="5",
-                  **env).stdout
-        assert "FAULT_AT_STEP=5: killing this worker" in out, out[-3000:]
-        assert "resumed from" in out and "at step 4" in out, out[-3000:]
-        run_job(mingpt, 2, *tiny(*given, "run_name=whole"), **env)
+        killed_and_whole(mingpt, lighthouse, args, 4)
     killed, whole = (snapshot_weights(mingpt / "runs" / n) for n in ("killed", "whole"))
     assert [k for k in whole if not torch.equal(killed[k], whole[k])] == []
 
