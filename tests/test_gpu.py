@@ -3,19 +3,20 @@
 The rest of the suite forces the CPU (CUDA_VISIBLE_DEVICES=""); these tests give the GPUs back.
 `tests/gpu_pass.sh OUT_DIR` runs this file with `python main.py` and the GPU benchmark.
 
-Last run (tests/gpu_pass.sh, 2026-11-28): one NVIDIA H200, torch 2.11.0+cu130 (the machine's
-own; the series pins 2.14.1), 14 passed in 82 s: step 02 with NCCL, step 03's resume, the killed
-worker of steps 03 and 04, ddp and fsdp in bf16, fsdp offload with fp16 and clipping, AdamW's
-step counts on resume, fsdp built on meta (with and without offload), nn.DataParallel on one
-GPU, the memory snapshot with the profile and the CUDA-event breakdown, the out-of-memory
-snapshot, and the NCCL Flight Recorder dump; then, in a second run, the benchmark's profile
-(test_bench_profiles_where_the_gpu_time_goes, 15 cases in all). Never run on GPUs, needing two
-or more (10 skipped): step 02's second node, tp and fsdp_tp, cp, zero's resume, pp's two
-schedules, the experts' all-to-all, nn.DataParallel's replicas, and the communication lab's
-NCCL rows. On the CPU under torch 2.11
-(not on GPUs), two of those failed inside torch: pp (2.11's pipelining called the stage's
-forward with a keyword `arg_mbs`) and fsdp_tp (2.11's DTensor could not order a `_StridedShard`
-placement); under 2.14.1 both pass on the CPU (test_mingpt_pipeline.py, test_mingpt_layouts.py).
+Last run (2026-11-29, the code of 7904bb3: this file with `-n 4` and `python main.py`, as
+tests/gpu_pass.sh runs them): one NVIDIA H200, torch 2.11.0+cu130 (the machine's own; the series
+pins 2.14.1), 15 passed, 10 skipped in 92 s; `python main.py` val 1.7323. The 15: step 02 with
+NCCL, step 03's resume, the killed worker of steps 03 and 04, ddp and fsdp in bf16, fsdp offload
+with fp16 and clipping, AdamW's step counts on resume, fsdp built on meta (with and without
+offload), nn.DataParallel on one GPU, the memory snapshot with the profile and the CUDA-event
+breakdown, the out-of-memory snapshot, the NCCL Flight Recorder dump, and the benchmark's profile
+(test_bench_profiles_where_the_gpu_time_goes). The GPT-2 124M figures in bench/README.md are from
+2026-11-28's run of the script. Never run on GPUs, needing two or more (10 skipped): step 02's
+second node, tp and fsdp_tp, cp, zero's resume, pp's two schedules, the experts' all-to-all,
+nn.DataParallel's replicas, and the communication lab's NCCL rows. On the CPU under torch 2.11 (not
+on GPUs), two of those failed inside torch: pp (2.11's pipelining called the stage's forward with a
+keyword `arg_mbs`) and fsdp_tp (2.11's DTensor could not order a `_StridedShard` placement); under
+2.14.1 both pass on the CPU (test_mingpt_pipeline.py, test_mingpt_layouts.py).
 """
 import os
 import re
