@@ -11,9 +11,10 @@ the grid in tests/README.md is this module's output (a test compares them), so i
 
 A cell says what the config does with the two features on together: "✔" where a warm world of
 gloo ranks trains them together, stops, resumes and ends bit for bit as a run that never
-stopped (test_feature_matrix.py, RUNNABLE); "·" where the config takes the pair but no test
-runs the two together yet; "Rn" where it is refused, the one `error:` line (n: its number below
-the grid); "—" for two values of one key. The diagonal is the feature alone.
+stopped (test_feature_matrix.py, RUNNABLE), or, for the replica groups' features (REPLICAS),
+two groups of GROUP ranks do (test_feature_matrix_groups.py); "·" where the config takes the
+pair but no test runs the two together yet; "Rn" where it is refused, the one `error:` line (n:
+its number below the grid); "—" for two values of one key. The diagonal is the feature alone.
 """
 import os
 import sys
@@ -89,11 +90,17 @@ SETTINGS = {
     "dry_run_profile": "the machine a dry run predicts step time for (with dry_run)",
 }
 WORLD = 4  # torchrun's WORLD_SIZE for the checks that need one
+# Replica groups are separate jobs (torchrun's, one per group), each with its own WORLD_SIZE:
+# their pairs run as GROUPS groups of GROUP ranks, the same WORLD ranks in all, and the config
+# judges them at a group's size.
+REPLICAS = ("ft_replicas", "local_sgd", "diloco")
+GROUPS, GROUP = 2, 2
 # The features a warm world of WORLD gloo ranks trains in this process's tests: each accepted
 # pair of them runs there (in one of runs()), stops, resumes and ends bit for bit
-# (test_feature_matrix.py; s3 against a moto server, init_from with a stand-in GPT-2). The
-# others are proven alone by their own files (ft_replicas, local_sgd, diloco, dry_run) or need
-# what a CPU lacks (dp, memory_snapshot; compile: minutes of inductor on a CPU).
+# (test_feature_matrix.py; s3 against a moto server, init_from with a stand-in GPT-2); each
+# accepted pair of one of them with one of REPLICAS runs in replica groups (runs(groups=True)).
+# The others are proven alone by their own files (dry_run) or need what a CPU lacks (dp,
+# memory_snapshot; compile: minutes of inductor on a CPU).
 RUNNABLE = ("grad_accum", "zero", "fsdp", "bf16", "activation_checkpointing", "tp_size",
             "cp_size", "ep_size", "pp_size", "dropout", "experts", "cpu_offload", "muon",
             "rotary", "qk_norm", "relu2", "untied_head", "fp16", "profile", "async_save", "s3",
@@ -140,12 +147,18 @@ def base_config(config, cache: dict = {}):  # noqa: B006 (a cache)
     return cache[id(config)]
 
 
-def verdict(config, overrides: list[str]) -> str | None:
-    """None where main.py's config takes `overrides` on WORLD ranks, else its one line:
+def world(*names: str) -> int:
+    """The WORLD_SIZE the config sees with the features `names` on: a replica group's with
+    any of REPLICAS, else WORLD."""
+    return GROUP if set(names) & set(REPLICAS) else WORLD
+
+
+def verdict(config, overrides: list[str], size: int = WORLD) -> str | None:
+    """None where main.py's config takes `overrides` on `size` ranks, else its one line:
     config.load's checks (validate) on its composition of BASE, done once, with the overrides
     put in (test_mingpt_strategies.configure's way: hydra's composition is the slow part)."""
     old = os.environ.get("WORLD_SIZE")
-    os.environ["WORLD_SIZE"] = str(WORLD)
+    os.environ["WORLD_SIZE"] = str(size)
     try:
         cfg = base_config(config).copy()
         for override in overrides:
@@ -179,27 +192,35 @@ def grid(config, cache: dict = {}) -> tuple[list[str], dict[tuple[str, str], str
     if id(config) not in cache:
         on = features(config)
         names = list(on)
-        cache[id(config)] = names, {(a, b): verdict(config, overrides(on, a, b))
+        cache[id(config)] = names, {(a, b): verdict(config, overrides(on, a, b), world(a, b))
                                     for i, a in enumerate(names) for b in names[i:]
                                     if not same_key(a, b)}
     return cache[id(config)]
 
 
-def method(config, *names: str) -> str:
-    """trainer_config.distributed_method with the features `names` on."""
+def method(config, *names: str) -> tuple[str, str]:
+    """trainer_config.distributed_method and how replica groups meet (ft_sync) with the
+    features `names` on: what a run must share with a pair it holds."""
     given = dict(arg.split("=", 1) for arg in overrides(features(config), *names))
-    return given.get("trainer_config.distributed_method",
-                     base_config(config).trainer_config.distributed_method)
+    t = base_config(config).trainer_config
+    return (given.get("trainer_config.distributed_method", t.distributed_method),
+            given.get("trainer_config.ft_sync", t.ft_sync))
 
 
-def proven_pairs(config) -> list[tuple[str, str]]:
-    """The pairs of RUNNABLE features the config takes: what the warm world runs."""
+def proven_pairs(config, groups: bool = False) -> list[tuple[str, str]]:
+    """The pairs of RUNNABLE features the config takes (what the warm world runs), or with
+    `groups` those of one of REPLICAS with one of RUNNABLE or REPLICAS (what the replica
+    groups run)."""
     names, cells = grid(config)
-    return [(a, b) for (a, b), line in cells.items()
-            if line is None and a in RUNNABLE and b in RUNNABLE]
+    if not groups:
+        return [(a, b) for (a, b), line in cells.items()
+                if line is None and a in RUNNABLE and b in RUNNABLE]
+    return [(a, b) for (a, b), line in cells.items() if line is None
+            and {a, b} & set(REPLICAS) and {a, b} <= set(RUNNABLE) | set(REPLICAS)]
 
 
-def runs(config, cache: dict = {}) -> list[tuple[str, ...]]:  # noqa: B006 (a cache)
+def runs(config, groups: bool = False,
+         cache: dict = {}) -> list[tuple[str, ...]]:  # noqa: B006 (a cache)
     """Runs that together train every proven pair (and so every feature of them), each run
     turning several features on at once: all-pairs testing's covering runs, built greedily.
     Seeded by the first pair no run holds yet, a run takes, one at a time, the feature that
@@ -207,17 +228,20 @@ def runs(config, cache: dict = {}) -> list[tuple[str, ...]]:  # noqa: B006 (a ca
     takes the whole run on WORLD ranks under the seed's flavour: every pair lies in a run,
     under the flavour it has alone (plain ddp stays plain ddp), and a feature leaves the runs
     once its pairs are held (so BASE's AdamW trains in the later runs, muon in the first).
-    Computed once per config module (`cache`): the world and the covering test read them."""
-    if id(config) not in cache:
-        cache[id(config)] = _cover(config)
-    return cache[id(config)]
+    With `groups`: the replica groups' runs (proven_pairs(groups=True)), each with one of
+    REPLICAS, judged at a group's size. Computed once per config module (`cache`): the worlds
+    and the covering test read them."""
+    if (id(config), groups) not in cache:
+        cache[id(config), groups] = _cover(config, groups)
+    return cache[id(config), groups]
 
 
-def _cover(config) -> list[tuple[str, ...]]:
+def _cover(config, groups: bool) -> list[tuple[str, ...]]:
     """runs(), computed."""
     names, cells = grid(config)
     on = features(config)
-    pairs = set(proven_pairs(config))
+    pairs = set(proven_pairs(config, groups))
+    among = RUNNABLE + REPLICAS if groups else RUNNABLE
     flavour = {pair: method(config, *pair) for pair in pairs}  # what a run must share with it
     left = [pair for pair in cells if pair in pairs]  # the grid's order
 
@@ -230,12 +254,12 @@ def _cover(config) -> list[tuple[str, ...]]:
         run, kind = sorted(set(seed), key=names.index), flavour[seed]
         held = {p for p in left if flavour[p] == kind}
         while True:
-            gains = {n: sum(pair(n, r) in held for r in run) for n in RUNNABLE if n not in run
-                     and all(pair(n, r) in pairs and not same_key(n, r) for r in run)}
+            gains = {n: sum(pair(n, r) in held for r in run) for n in among if n not in run
+                     and all(cells.get(pair(n, r), "") is None for r in run)}
             for name in sorted(gains, key=lambda n: -gains[n]):
                 trial = [*run, name]
                 if gains[name] and method(config, *trial) == kind \
-                        and verdict(config, overrides(on, *trial)) is None:
+                        and verdict(config, overrides(on, *trial), world(*trial)) is None:
                     run = trial
                     break
             else:
@@ -261,7 +285,8 @@ def markdown(config) -> str:
                 continue
             line = cells.get((a, b), cells.get((b, a)))
             if line is None:
-                row.append("·" if a not in RUNNABLE or b not in RUNNABLE else "✔")
+                held = {*proven_pairs(config), *proven_pairs(config, groups=True)}
+                row.append("✔" if (a, b) in held or (b, a) in held else "·")
                 continue
             if line not in reasons:
                 reasons.append(line)

@@ -165,16 +165,20 @@ def world(tmp_path_factory, config, s3_env, pretrained):  # noqa: F811 (s3_env: 
         yield out, runs
 
 
-def test_the_runs_hold_every_pair_under_its_own_flavour(config):
-    """Every pair the grid marks ✔ lies in a run the config takes on WORLD ranks, under the
-    pair's own flavour (a pair of two features that name none runs under plain ddp, as
-    alone)."""
+@pytest.mark.parametrize("groups", [False, True], ids=["world", "groups"])
+def test_the_runs_hold_every_pair_under_its_own_flavour(config, groups):
+    """Every pair the grid marks ✔ lies in a run the config takes on WORLD ranks (a replica
+    group's pairs: on a group's GROUP ranks), under the pair's own flavour (a pair of two
+    features that name none runs under plain ddp, as alone; a replica group's, under its own
+    ft_sync)."""
     on = feature_matrix.features(config)
-    runs = feature_matrix.runs(config)
+    runs = feature_matrix.runs(config, groups)
     for names in runs:
-        assert feature_matrix.verdict(config, feature_matrix.overrides(on, *names)) is None
+        assert feature_matrix.verdict(config, feature_matrix.overrides(on, *names),
+                                      feature_matrix.world(*names)) is None
+        assert bool(set(names) & set(feature_matrix.REPLICAS)) == groups, names
     held = [(set(names), feature_matrix.method(config, *names)) for names in runs]
-    for pair in feature_matrix.proven_pairs(config):
+    for pair in feature_matrix.proven_pairs(config, groups):
         flavour = feature_matrix.method(config, *pair)
         assert any(set(pair) <= names and kind == flavour for names, kind in held), pair
 
@@ -194,31 +198,34 @@ def test_every_runnable_pair_resumes_bit_for_bit(world, config):
 
 
 def test_every_run_exports_its_weights_or_is_refused_in_one_line(world, config, tmp_path):
-    """export_hf.py on each run's final snapshot (any layout, on S3 too): GPT-2's files whose
-    every tensor, mapped back by pretrained.py's import, is the snapshot's bit for bit; or,
-    where the run has what GPT-2 cannot hold, the one line that says which (experts first,
-    then the model options in model.OPTIONS's order, export_hf.check_representable's)."""
     out, runs = world
     with mingpt_imported("export_hf", "pretrained") as m:
         for names in runs:
-            url = location(names, out / "+".join(names) / "resumed")
-            target = tmp_path / "+".join(names)
-            proc = script_in_process(m["export_hf"], Path(m["export_hf"].__file__).parent, url,
-                                     str(target))
-            options = [key for key in m["model"].OPTIONS if key in names]
-            given = feature_matrix.overrides(feature_matrix.features(config), *names)
-            moe = any(arg.startswith("gpt_config.n_expert=") for arg in given)  # ep_size's too
-            if moe or options:
-                what = "a mixture of experts" if moe else \
-                    f"a model with gpt_config.{options[0]}=true"
-                errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-                assert proc.returncode == 2 and len(errors) == 1, proc.stderr
-                assert errors[0].startswith(f"error: {url} holds {what}") and \
-                    "which GPT-2 (GPT2LMHeadModel) cannot represent" in errors[0], errors
-                assert not target.exists()
-                continue
-            assert proc.returncode == 0, (names, proc.stderr)
-            back = exported_weights(m["pretrained"], target, block_size=32)
-            ours = weights_at(url)
-            assert set(back) == set(ours), names
-            assert [k for k in ours if not torch.equal(back[k], ours[k])] == [], names
+            check_export(m, config, names, location(names, out / "+".join(names) / "resumed"),
+                         tmp_path / "+".join(names))
+
+
+def check_export(m: dict, config, names: tuple[str, ...], url: str, target: Path) -> None:
+    """export_hf.py on the snapshot at `url` of a run of `names` (any layout, on S3 too):
+    GPT-2's files in `target` whose every tensor, mapped back by pretrained.py's import, is
+    the snapshot's bit for bit; or, where the run has what GPT-2 cannot hold, the one line that
+    says which (experts first, then the model options in model.OPTIONS's order,
+    export_hf.check_representable's). `m`: export_hf and pretrained imported."""
+    proc = script_in_process(m["export_hf"], Path(m["export_hf"].__file__).parent, url,
+                             str(target))
+    options = [key for key in m["model"].OPTIONS if key in names]
+    given = feature_matrix.overrides(feature_matrix.features(config), *names)
+    moe = any(arg.startswith("gpt_config.n_expert=") for arg in given)  # ep_size's too
+    if moe or options:
+        what = "a mixture of experts" if moe else f"a model with gpt_config.{options[0]}=true"
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert proc.returncode == 2 and len(errors) == 1, proc.stderr
+        assert errors[0].startswith(f"error: {url} holds {what}") and \
+            "which GPT-2 (GPT2LMHeadModel) cannot represent" in errors[0], errors
+        assert not target.exists()
+        return
+    assert proc.returncode == 0, (names, proc.stderr)
+    back = exported_weights(m["pretrained"], target, block_size=32)
+    ours = weights_at(url)
+    assert set(back) == set(ours), names
+    assert [k for k in ours if not torch.equal(back[k], ours[k])] == [], names
