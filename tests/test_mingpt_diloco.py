@@ -8,7 +8,7 @@ ranks, joined by torchft's lighthouse, as in test_mingpt_torchft.py.
   and with ft_fragments=2 half of it at each meeting, twice as often.
 - DiLoCo with H = 10 follows the groups that meet every step (DDP over the same processes,
   test_mingpt_torchft.py): the loss within the bound measured and explained below.
-- A group of two ddp or fsdp processes killed mid-interval and restarted by torchrun resumes
+- A group of two fsdp processes killed mid-interval and restarted by torchrun resumes
   its snapshot (the last meeting's weights, the outer momentum, which fragment meets next)
   and ends as the run never killed, bit for bit.
 - A group killed mid-interval and started again joins at the next meeting: it receives the
@@ -148,31 +148,23 @@ def test_diloco_every_10_steps_sends_a_tenth_and_follows_the_groups_that_meet_ev
 LOSS_GAP = 0.5
 
 
-# An asynchronous save is committed at the next one: killed before step 5, the run resumes
-# step 2's (committed by step 4's save), which is inside an interval too.
-DILOCO = ("trainer_config.ft_sync=diloco", "trainer_config.ft_fragments=2")
-
-
-# Blocking saves (ddp) and DCP's background ones (fsdp): the same format, which
-# test_feature_matrix.py resumes both ways alike; the meetings' state is proven here.
-@pytest.mark.parametrize("method, more, resumed", [
-    ("ddp", DILOCO, 3), ("fsdp", (*DILOCO, "trainer_config.async_save=true"), 2)])
-def test_a_diloco_group_killed_mid_interval_resumes_its_snapshot_bit_for_bit(tmp_path, method,
-                                                                            more, resumed):
-    """One group of two processes (ft_replicas=1: its meetings are with itself, but the
+# Blocking saves (ddp) resume mid-interval in test_feature_matrix_groups.py (diloco's runs,
+# two groups, the outer momentum used after the resume); here, the kill and torchrun's restart.
+def test_a_diloco_group_killed_mid_interval_resumes_its_snapshot_bit_for_bit(tmp_path):
+    """One group of two fsdp processes (ft_replicas=1: its meetings are with itself, but the
     outer step, its momentum and the fragments' turns are all there), H = 4 in two fragments,
-    a snapshot every 3 steps (inside an interval), killed before step 5, restarted by
-    torchrun: it resumes step 3's snapshot and ends as the run never killed, bit for bit, the
-    meetings' state in DCP's shards too (fsdp's written in the background: async_save, step
-    2's, committed by step 4's save). (Not local_sgd: one
-    group's average is its own weights, so a one-group run cannot tell where its interval
-    stood.)"""
+    a snapshot every 2 steps written in the background (async_save: each committed at the
+    next save), killed before step 5, restarted by torchrun: it resumes step 2's snapshot
+    (committed by step 4's save; inside an interval) and ends as the run never killed, bit
+    for bit, the meetings' state in DCP's shards too. (Not local_sgd: one group's average is
+    its own weights, so a one-group run cannot tell where its interval stood.)"""
     mingpt = copy_mingpt(tmp_path)
-    args = (*more, f"trainer_config.save_every={resumed}", "trainer_config.max_steps=8",
-            f"trainer_config.distributed_method={method}", "trainer_config.ft_replicas=1",
-            "trainer_config.ft_sync_every=4")
+    args = ("trainer_config.ft_sync=diloco", "trainer_config.ft_fragments=2",
+            "trainer_config.async_save=true", "trainer_config.save_every=2",
+            "trainer_config.max_steps=8", "trainer_config.distributed_method=fsdp",
+            "trainer_config.ft_replicas=1", "trainer_config.ft_sync_every=4")
     with Lighthouse(tmp_path, min_replicas=1) as lighthouse:
-        killed_and_whole(mingpt, lighthouse, args, resumed)
+        killed_and_whole(mingpt, lighthouse, args, 2)
     killed, whole = (snapshot_weights(mingpt / "runs" / n) for n in ("killed", "whole"))
     assert [k for k in whole if not torch.equal(killed[k], whole[k])] == []
     a, b = (snapshot(mingpt, n)["replicas"] for n in ("killed", "whole"))

@@ -16,8 +16,8 @@ torchft's lighthouse.
 """
 import re
 import signal
-import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -42,23 +42,28 @@ COMMON = ("trainer_config.grad_clip=0", "trainer_config.sample_tokens=0",
           "trainer_config.save_every=0", "trainer_config.collective_timeout_s=30")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 class Lighthouse:
-    """torchft's lighthouse on a free port, for the block's replica groups."""
+    """torchft's lighthouse, for the block's replica groups: on a port the OS gives it (port 0),
+    read from its first line once it listens. (A port picked beforehand and bound later could
+    be taken in between: a lighthouse under load once found it in use, and its groups timed out
+    asking it for a quorum.)"""
 
     def __init__(self, tmp: Path, min_replicas: int) -> None:
-        self.port = free_port()
-        self.path = tmp / f"lighthouse{self.port}.log"
-        self.log = open(self.path, "w")  # noqa: SIM115 (closed in __exit__)
+        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (closed in __exit__)
+            "w", prefix="lighthouse", suffix=".log", dir=tmp, delete=False)
+        self.path = Path(self.log.name)
         # join_timeout: how long a quorum waits for a group that heartbeats but has not asked
         self.proc = subprocess.Popen(
             [LIGHTHOUSE, "--min_replicas", str(min_replicas), "--join_timeout_ms", "1000",
-             "--bind", f"[::]:{self.port}"], stdout=self.log, stderr=subprocess.STDOUT)
+             "--bind", "[::]:0"], stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while not (bound := re.search(r"Lighthouse listening on: \S+:(\d+)",
+                                      self.path.read_text())):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.__exit__()
+                pytest.fail(f"the lighthouse did not start:\n{self.path.read_text()[-2000:]}")
+            time.sleep(0.05)  # polling its log: what ends the wait is its line, not the time
+        self.port = int(bound[1])
 
     def __enter__(self) -> "Lighthouse":
         return self
