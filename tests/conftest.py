@@ -68,8 +68,8 @@ def pytest_configure(config: pytest.Config) -> None:
 # each file's time beside its budget (pytest_terminal_summary): a report, not a failure.
 BUDGETS = {
     "test_xla.py": 230,  # 132 s with .venv-xla built; a fresh clone's run builds it first
+    "test_feature_matrix_groups.py": 295,  # 236 s at 7c4cbc8
     "test_mingpt_hang.py": 255,
-    "test_feature_matrix_groups.py": 225,
     "test_notebooks.py": 215,
     "test_mingpt_bench.py": 195,
     "test_mingpt_train.py": 150,
