@@ -274,6 +274,7 @@ def _cover(config, groups: bool) -> list[tuple[str, ...]]:
 def markdown(config) -> str:
     """The grid as tests/README.md shows it: a row per feature, the refusals numbered below."""
     names, cells = grid(config)
+    held = {*proven_pairs(config), *proven_pairs(config, groups=True)}
     reasons: list[str] = []
     rows = ["| | " + " | ".join(f"`{n}`" for n in names) + " |",
             "|---" * (len(names) + 1) + "|"]
@@ -285,7 +286,6 @@ def markdown(config) -> str:
                 continue
             line = cells.get((a, b), cells.get((b, a)))
             if line is None:
-                held = {*proven_pairs(config), *proven_pairs(config, groups=True)}
                 row.append("✔" if (a, b) in held or (b, a) in held else "·")
                 continue
             if line not in reasons:

@@ -25,7 +25,13 @@ import pytest
 
 import feature_matrix
 from mingpt_helpers import MINGPT, REPO, Job, mingpt_imported, snapshot_at, weights_at
-from test_feature_matrix import case_overrides, check_export, config, location, pretrained  # noqa: F401 (fixtures: the config, GPT-2)
+from test_feature_matrix import (
+    case_overrides,
+    check_export,
+    config,  # noqa: F401 (a fixture: mingpt/config.py)
+    location,
+    pretrained,  # noqa: F401 (a fixture: init_from's GPT-2)
+)
 from test_mingpt_s3 import s3_env  # noqa: F401 (a fixture: the moto server and its bucket)
 from test_mingpt_torchft import Lighthouse
 

@@ -22,11 +22,10 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent.parent  # 05_mingpt/
-sys.path.insert(0, str(HERE))
-from mingpt.devices import free_port  # noqa: E402  (05_mingpt/ is on the path only now)
 
 BIN = Path(sys.executable).parent  # torchrun and torchft_lighthouse, beside this Python
 # The model and run: small enough for 400 steps on 2 cores in about half a minute per run.
@@ -35,7 +34,9 @@ MODEL = ["gpt_config.model_type=null", "gpt_config.n_layer=2", "gpt_config.n_hea
          "trainer_config.max_steps=400", "trainer_config.warmup_steps=20",
          "trainer_config.log_every=100", "trainer_config.eval_every=0",
          "trainer_config.eval_batches=20", "trainer_config.save_every=0",
-         "trainer_config.sample_tokens=0", "trainer_config.grad_clip=0"]
+         "trainer_config.sample_tokens=0", "trainer_config.grad_clip=0",
+         # DiLoCo's inner optimizer, and the table's (main.py's default is Muon since)
+         "optimizer_config.name=adamw"]
 # test_mingpt_diloco.py's run (tests/mingpt_helpers.py TINY, 40 steps), for --test.
 TEST = ["gpt_config.model_type=null", "gpt_config.n_layer=2", "gpt_config.n_head=2",
         "gpt_config.n_embd=32", "gpt_config.block_size=32", "trainer_config.batch_size=8",
@@ -43,7 +44,7 @@ TEST = ["gpt_config.model_type=null", "gpt_config.n_layer=2", "gpt_config.n_head
         "trainer_config.log_every=5", "trainer_config.eval_every=0",
         "trainer_config.eval_batches=4", "trainer_config.save_every=0",
         "trainer_config.sample_tokens=0", "trainer_config.grad_clip=0",
-        "gpt_config.dropout=0.1", "optimizer_config.lr=3e-3",
+        "gpt_config.dropout=0.1", "optimizer_config.name=adamw", "optimizer_config.lr=3e-3",
         "optimizer_config.betas=[0.9,0.95]"]
 
 
@@ -66,12 +67,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def train(groups: int, overrides: list[str], folder: Path) -> dict:
     """One run of `groups` replica groups: group 0's loss, bytes and meetings."""
     # min_replicas: every meeting waits for all the groups (none meets alone and copies).
-    port = free_port()
+    # Port 0: the OS gives the lighthouse a free one, which its first line names (a port
+    # picked here and bound by it later could be taken in between).
     with open(folder / "lighthouse.log", "w") as log:
         lighthouse = subprocess.Popen(
             [BIN / "torchft_lighthouse", "--min_replicas", str(groups), "--join_timeout_ms",
-             "1000", "--bind", f"[::]:{port}"], stdout=log, stderr=subprocess.STDOUT)
+             "1000", "--bind", "[::]:0"], stdout=log, stderr=subprocess.STDOUT)
     try:
+        while not (bound := re.search(r"Lighthouse listening on: \S+:(\d+)",
+                                      (folder / "lighthouse.log").read_text())):
+            if lighthouse.poll() is not None:
+                sys.exit(f"error: torchft_lighthouse did not start:\n"
+                         f"{(folder / 'lighthouse.log').read_text()[-2000:]}")
+            time.sleep(0.05)  # until its line: it listens within a second
+        port = bound[1]
         # Every group a torchrun job of one process, all at once (FAULT_TOLERANCE.md's way);
         # each its own run_dir and log file (a pipe read one group after the other would
         # fill up and stop the group whose turn had not come, and so the others' quorum).
