@@ -1,5 +1,6 @@
 """Every pair of 05_mingpt's features runs together or is refused in one line
-(tests/feature_matrix.py builds the pairs from the config schema).
+(tests/feature_matrix.py builds the pairs from the config schema; the replica groups' pairs
+run in test_feature_matrix_groups.py).
 
 - Every config key is a feature or a setting, so a new key joins the grid, and the grid in
   tests/README.md is the matrix's own output.
