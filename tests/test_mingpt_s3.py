@@ -51,7 +51,13 @@ def s3_env():
            "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint,
            "NO_PROXY": "127.0.0.1", "no_proxy": "127.0.0.1"}
     direct.open(urllib.request.Request(f"{endpoint}/mingpt", method="PUT"))  # the bucket
+    # fsspec keeps one S3FileSystem per set of arguments for the life of the process, and it
+    # keeps the endpoint it was made with: without this, a test file that reads snapshots in
+    # this process after another file's server had gone (both in one xdist worker) asked the
+    # dead one ("Could not connect to the endpoint URL").
+    s3fs.S3FileSystem.clear_instance_cache()
     yield env
+    s3fs.S3FileSystem.clear_instance_cache()
     server.terminate()
     server.wait(timeout=30)
 
