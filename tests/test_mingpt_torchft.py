@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TORCHRUN, run
+from conftest import PYTHON, TORCHRUN, run
 from mingpt_helpers import (
     Job,
     assert_refused,
@@ -36,17 +36,17 @@ from mingpt_helpers import (
     tiny,
 )
 
-LIGHTHOUSE = str(Path(TORCHRUN).with_name("torchft_lighthouse"))
+LIGHTHOUSE = [PYTHON, str(Path(__file__).with_name("lighthouse.py"))]  # torchft_lighthouse
 # Clipping is per group before the average (ft.py): off, so the run compares with DDP's.
 COMMON = ("trainer_config.grad_clip=0", "trainer_config.sample_tokens=0",
           "trainer_config.save_every=0", "trainer_config.collective_timeout_s=30")
 
 
 class Lighthouse:
-    """torchft's lighthouse, for the block's replica groups: on a port the OS gives it (port 0),
-    read from its first line once it listens. (A port picked beforehand and bound later could
-    be taken in between: a lighthouse under load once found it in use, and its groups timed out
-    asking it for a quorum.)"""
+    """torchft's lighthouse (lighthouse.py), for the block's replica groups: on a port the OS
+    gives it (port 0), read from its first line once it listens. (A port picked beforehand and
+    bound later could be taken in between: a lighthouse under load once found it in use, and
+    its groups timed out asking it for a quorum.)"""
 
     def __init__(self, tmp: Path, min_replicas: int) -> None:
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (closed in __exit__)
@@ -54,7 +54,7 @@ class Lighthouse:
         self.path = Path(self.log.name)
         # join_timeout: how long a quorum waits for a group that heartbeats but has not asked
         self.proc = subprocess.Popen(
-            [LIGHTHOUSE, "--min_replicas", str(min_replicas), "--join_timeout_ms", "1000",
+            [*LIGHTHOUSE, "--min_replicas", str(min_replicas), "--join_timeout_ms", "1000",
              "--bind", "[::]:0"], stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while not (bound := re.search(r"Lighthouse listening on: \S+:(\d+)",
