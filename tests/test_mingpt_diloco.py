@@ -8,9 +8,10 @@ ranks, joined by torchft's lighthouse, as in test_mingpt_torchft.py.
   and with ft_fragments=2 half of it at each meeting, twice as often.
 - DiLoCo with H = 10 follows the groups that meet every step (DDP over the same processes,
   test_mingpt_torchft.py): the loss within the bound measured and explained below.
-- A group of two fsdp processes killed mid-interval and restarted by torchrun resumes
-  its snapshot (the last meeting's weights, the outer momentum, which fragment meets next)
-  and ends as the run never killed, bit for bit.
+- A group that resumes its snapshot mid-interval (the last meeting's weights, the outer
+  momentum, which fragment meets next; fsdp, asynchronous saves) ends as the run that never
+  stopped, bit for bit: test_feature_matrix_groups.py's diloco runs. A group killed and
+  restarted by torchrun: test_mingpt_torchft.py.
 - A group killed mid-interval and started again joins at the next meeting: it receives the
   weights, AdamW, the last meeting's weights and the outer momentum from its peer, and both
   end with the same weights and outer momentum, bit for bit.
@@ -30,7 +31,7 @@ from mingpt_helpers import (
     snapshot_weights,
     tiny,
 )
-from test_mingpt_torchft import Lighthouse, group, killed_and_whole, snapshot, wait_for
+from test_mingpt_torchft import Lighthouse, group, snapshot, wait_for
 
 
 def groups(mingpt, lighthouse, name: str, *args: str, n: int = 2, nproc: int = 1,
@@ -146,32 +147,6 @@ def test_diloco_every_10_steps_sends_a_tenth_and_follows_the_groups_that_meet_ev
 # bound holds the worst of them with room for another CPU's rounding, which moves a 40-step
 # loss by far less; both runs start at ln(65) = 4.17 and the every-step one ends near 3.2.
 LOSS_GAP = 0.5
-
-
-# Blocking saves (ddp) resume mid-interval in test_feature_matrix_groups.py (diloco's runs,
-# two groups, the outer momentum used after the resume); here, the kill and torchrun's restart.
-def test_a_diloco_group_killed_mid_interval_resumes_its_snapshot_bit_for_bit(tmp_path):
-    """One group of two fsdp processes (ft_replicas=1: its meetings are with itself, but the
-    outer step, its momentum and the fragments' turns are all there), H = 4 in two fragments,
-    a snapshot every 2 steps written in the background (async_save: each committed at the
-    next save), killed before step 5, restarted by torchrun: it resumes step 2's snapshot
-    (committed by step 4's save; inside an interval) and ends as the run never killed, bit
-    for bit, the meetings' state in DCP's shards too. (Not local_sgd: one group's average is
-    its own weights, so a one-group run cannot tell where its interval stood.)"""
-    mingpt = copy_mingpt(tmp_path)
-    args = ("trainer_config.ft_sync=diloco", "trainer_config.ft_fragments=2",
-            "trainer_config.async_save=true", "trainer_config.save_every=2",
-            "trainer_config.max_steps=8", "trainer_config.distributed_method=fsdp",
-            "trainer_config.ft_replicas=1", "trainer_config.ft_sync_every=4")
-    with Lighthouse(tmp_path, min_replicas=1) as lighthouse:
-        killed_and_whole(mingpt, lighthouse, args, 2)
-    killed, whole = (snapshot_weights(mingpt / "runs" / n) for n in ("killed", "whole"))
-    assert [k for k in whole if not torch.equal(killed[k], whole[k])] == []
-    a, b = (snapshot(mingpt, n)["replicas"] for n in ("killed", "whole"))
-    # The meetings so far, and the groups' steps in them (one group: 4 and 4).
-    assert a.pop("meetings").tolist() == b.pop("meetings").tolist() == [4, 4]
-    assert sorted(a) == sorted(b) and any(k.startswith("momentum/") for k in a)
-    assert [k for k in a if not torch.equal(a[k], b[k])] == []
 
 
 def test_two_groups_of_two_fsdp_processes_meet_shard_by_shard(tmp_path):
