@@ -41,7 +41,7 @@ BASE = ["gpt_config.model_type=null", "gpt_config.n_layer=2", "gpt_config.n_head
         "optimizer_config.name=adamw"]  # AdamW unless a layout names muon (below)
 # world size -> layouts (their overrides): ddp, zero, fsdp, tp, pp, cp and pp in bf16 at 2;
 # FSDP and TP with Muon, DDP with its fp16 hook at 2; FSDP x TP, FSDP x PP, DDP x PP in bf16,
-# DDP x PP x CP and ZeRO x PP at 4;
+# DDP x PP x CP, ZeRO x PP and TP x PP at 4;
 # FSDP x TP x PP at 8.
 LAYOUTS = {
     2: {"ddp": ["trainer_config.distributed_method=ddp"],
@@ -68,7 +68,11 @@ LAYOUTS = {
         "ddp_pp_cp": ["trainer_config.distributed_method=ddp", "trainer_config.pp_size=2",
                       "trainer_config.cp_size=2"],
         # ZeRO's plain stages: the pipeline's one all-reduce, each owner's broadcasts
-        "zero_pp": ["trainer_config.distributed_method=zero", "trainer_config.pp_size=2"]},
+        "zero_pp": ["trainer_config.distributed_method=zero", "trainer_config.pp_size=2"],
+        # tp beside a pipeline with dp 1: the real step's tp collectives went through another
+        # group of the tp ranks, counted as "world" (dry_run.group_axes now knows it by ranks)
+        "tp_pp": ["trainer_config.distributed_method=fsdp", "trainer_config.tp_size=2",
+                  "trainer_config.pp_size=2"]},
     8: {"fsdp_tp_pp": ["trainer_config.distributed_method=fsdp", "trainer_config.tp_size=2",
                        "trainer_config.pp_size=2"]},
 }
@@ -89,7 +93,7 @@ WORK_GAPS = {
     **dict.fromkeys(("fsdp", "fsdp_tp", "fsdp_muon", "ddp_fp16"), ("flops", "dtensor_ops")),
     # Open: the dry run counts more FLOPs than the real step (Newton-Schulz under TP; TP
     # with a pipeline).
-    "tp_muon": ("dtensor_ops",), "fsdp_tp_pp": (),
+    "tp_muon": ("dtensor_ops",), "fsdp_tp_pp": (), "tp_pp": (),
 }
 
 

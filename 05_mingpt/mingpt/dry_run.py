@@ -73,7 +73,7 @@ class CommCounter(TorchDispatchMode):
 
     def __init__(self, axes: dict[str, str]) -> None:
         super().__init__()
-        self.axes = axes  # process group name -> axis ("dp", "tp", ...)
+        self.axes = axes  # process group name, or its ranks -> axis ("dp", "tp", ...)
         # (axis, kind) -> [calls, bytes sent, bytes received, largest buffer, group size]
         self.counts: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0, 0, 0])
 
@@ -112,8 +112,8 @@ class CommCounter(TorchDispatchMode):
         elif name == "reduce_scatter_":
             tensors = tensors[len(tensors) // (n + 1):]  # the inputs, one per rank
         payload = sum(t.numel() * t.element_size() for t in tensors)
-        self.add(self.axes.get(group.group_name, "world"), kind, n, payload,
-                 receive=name == "recv_")
+        axis = self.axes.get(group.group_name) or self.axes.get(ranks_of(group), "world")
+        self.add(axis, kind, n, payload, receive=name == "recv_")
 
     def add(self, axis: str, kind: str, n: int, payload: int, receive: bool = False) -> None:
         """One op of `kind` over `n` ranks moving `payload` bytes (the whole buffer)."""
@@ -148,16 +148,22 @@ class CommCounter(TorchDispatchMode):
     ddp_buckets = 0
 
 
-def group_axes(model: torch.nn.Module) -> dict[str, str]:
-    """Process group name -> axis name, for the mesh parallelize() built."""
+def ranks_of(group: dist.ProcessGroup) -> tuple[int, ...]:
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def group_axes(model: torch.nn.Module) -> dict[str | tuple[int, ...], str]:
+    """Process group name, and its ranks, -> axis name, for the mesh parallelize() built. By
+    ranks too: a real run's DTensors may reach an axis through another group of the same
+    ranks (tp beside a pipeline, with dp 1), which the dry run's fake group does not."""
     mesh = unwrap(model).mesh
     # dp_cp first: where dp is 1 it is the cp group itself, which the mesh's name then labels.
     names = (["dp_cp"] if "cp" in mesh.mesh_dim_names else []) + list(mesh.mesh_dim_names)
-    axes = {mesh[name].get_group().group_name: name for name in names}
+    groups = [(mesh[name].get_group(), name) for name in names]
     pipeline = getattr(unwrap(model), "pipeline", None)
     if pipeline is not None and pipeline.tied_group is not None:
-        axes[pipeline.tied_group.group_name] = "pp"  # the tied embedding's pair, across stages
-    return axes
+        groups.append((pipeline.tied_group, "pp"))  # the tied embedding's pair, across stages
+    return {key: name for group, name in groups for key in (group.group_name, ranks_of(group))}
 
 
 def representative_ranks(lay: layout.Layout) -> list[int]:
