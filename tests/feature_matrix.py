@@ -12,8 +12,10 @@ the grid in tests/README.md is this module's output (a test compares them), so i
 A cell says what the config does with the two features on together: "✔" where a warm world of
 gloo ranks trains them together, stops, resumes and ends bit for bit as a run that never
 stopped (test_feature_matrix.py, RUNNABLE), or, for the replica groups' features (REPLICAS),
-two groups of GROUP ranks do (test_feature_matrix_groups.py); "·" where the config takes the
-pair but no test runs the two together yet; "Rn" where it is refused, the one `error:` line (n:
+two groups of GROUP ranks do (test_feature_matrix_groups.py), or, for dry_run, where the dry
+run of a covering run with the other feature on plans what its real step holds and sends
+(test_mingpt_dry_run.py, dry_runs); "·" where the config takes the pair but no test runs the
+two together yet; "Rn" where it is refused, the one `error:` line (n:
 its number below the grid); "—" for two values of one key. The diagonal is the feature alone.
 """
 import os
@@ -99,12 +101,36 @@ GROUPS, GROUP = 2, 2
 # pair of them runs there (in one of runs()), stops, resumes and ends bit for bit
 # (test_feature_matrix.py; s3 against a moto server, init_from with a stand-in GPT-2); each
 # accepted pair of one of them with one of REPLICAS runs in replica groups (runs(groups=True)).
-# The others are proven alone by their own files (dry_run) or need what a CPU lacks (dp,
+# The others plan rather than train (dry_run: dry_runs below) or need what a CPU lacks (dp,
 # memory_snapshot; compile: minutes of inductor on a CPU).
 RUNNABLE = ("grad_accum", "zero", "fsdp", "bf16", "activation_checkpointing", "tp_size",
             "cp_size", "ep_size", "pp_size", "dropout", "experts", "cpu_offload", "muon",
             "rotary", "qk_norm", "relu2", "untied_head", "fp16", "profile", "async_save", "s3",
             "init_from", "fp16_hook")
+
+# dry_run's pairs: the dry run of each covering run (runs()) plans, on every rank it plans,
+# what the real step holds and sends with the same features on: model state, activations and
+# bytes per axis, to the byte (test_mingpt_dry_run.py). But for these, which the dry run takes
+# and plans without that check: init_from (the released weights' sizes: the network), and a
+# MoE model's experts (n_expert, ep_size), whose routing, and so the bytes each expert's rank
+# receives and keeps for backward, depends on the tokens and weights (DRY_RUN.md, Open).
+DRY_UNCHECKED = ("init_from", "experts", "ep_size")
+
+
+def dry_runs(config) -> list[tuple[str, ...]]:
+    """The covering runs that test_mingpt_dry_run.py plans dry and measures for real: runs()
+    without DRY_UNCHECKED, each once."""
+    kept = [tuple(n for n in names if n not in DRY_UNCHECKED) for names in runs(config)]
+    return list(dict.fromkeys(names for names in kept if names))
+
+
+def dry_pairs(config) -> list[tuple[str, str]]:
+    """dry_run with each feature of dry_runs(), where the config takes the two together, and
+    alone (test_mingpt_dry_run.py's layouts)."""
+    names, cells = grid(config)
+    pairs = [tuple(sorted(("dry_run", n), key=names.index))
+             for n in dict.fromkeys(["dry_run", *(n for run in dry_runs(config) for n in run)])]
+    return [pair for pair in pairs if cells.get(pair, "") is None]
 
 
 def schema_keys(config) -> dict[str, tuple[str, object]]:
@@ -274,7 +300,7 @@ def _cover(config, groups: bool) -> list[tuple[str, ...]]:
 def markdown(config) -> str:
     """The grid as tests/README.md shows it: a row per feature, the refusals numbered below."""
     names, cells = grid(config)
-    held = {*proven_pairs(config), *proven_pairs(config, groups=True)}
+    held = {*proven_pairs(config), *proven_pairs(config, groups=True), *dry_pairs(config)}
     reasons: list[str] = []
     rows = ["| | " + " | ".join(f"`{n}`" for n in names) + " |",
             "|---" * (len(names) + 1) + "|"]

@@ -15,8 +15,9 @@ the same numbers for every rank it plans:
   the other ops, the DTensor ops and the bytes the other ops touch, exactly: the same ops run
   on tensors of the same shapes.
 
-One spawn of W processes per world size runs every layout of that size. A layout a real run
-refuses is refused by the dry run with the same one `error:` line."""
+One spawn of W processes per world size runs every layout of that size; one more, of 4, the
+feature matrix's covering runs (tests/README.md's grid, dry_run's row: the plan, not the
+work). A layout a real run refuses is refused by the dry run with the same one `error:` line."""
 import importlib
 import json
 import os
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401  imported before any group exists (test_teardown.py)
 
+import feature_matrix
 from conftest import in_process
 from mingpt_helpers import MINGPT, mingpt_imported, start_world
 
@@ -103,9 +105,10 @@ def m():
         yield modules
 
 
-def _real_worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
-    """One rank of a real gloo run: each layout of this world size built as main.py builds
-    it, one step counted by dry_run.measure_step."""
+def _real_worker(rank: int, world: int, store_path: str, out_dir: str,
+                 layouts: dict[str, list[str]] | None = None) -> None:
+    """One rank of a real gloo run: each layout of this world size (or of `layouts`) built as
+    main.py builds it, one step counted by dry_run.measure_step."""
     torch.set_num_threads(1)  # W processes share 2 cores
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank,
                             world_size=world, timeout=timedelta(seconds=120))
@@ -115,7 +118,7 @@ def _real_worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
         "mingpt.distributed")}
     parallel, dry_run = m["parallel"], m["dry_run"]
     results = {}
-    for name, overrides in LAYOUTS[world].items():
+    for name, overrides in (layouts or LAYOUTS[world]).items():
         cfg = m["config"].load([*BASE, *overrides])
         t, o = cfg.trainer_config, cfg.optimizer_config
         gpt_config = dry_run.model_config(cfg)
@@ -162,6 +165,36 @@ def test_dry_run_equals_the_real_run(m, tmp_path, world):
         # Something is counted on every axis the layout has: the check is not vacuous.
         assert set(real[0][name]["comm"]), name
         assert all(real[r][name]["parameters"] > 0 for r in range(world))
+    assert not wrong, "\n".join(f"{w[:3]}: dry {w[3]}, real {w[4]}" for w in wrong)
+
+
+# --- dry_run with every other feature ---------------------------------------------------------
+# The plan, not the work: the work's gaps are the layouts' above (WORK_GAPS), which these runs
+# share, and Muon's and FSDP2's paths add ops on real tensors that fake ones skip.
+PLAN_KEYS = tuple(key for key in KEYS if key != "work")
+
+
+def test_the_dry_run_plans_each_run_of_the_feature_matrix_as_it_steps(m, tmp_path):
+    """tests/README.md's grid, dry_run's row: each covering run of the feature matrix
+    (feature_matrix.dry_runs: its features on, with this file's small model) planned dry on
+    feature_matrix.WORLD ranks holds and sends, on every rank it plans, what its real step
+    does, to the byte."""
+    on = feature_matrix.features(m["config"])
+    world = feature_matrix.WORLD
+    layouts = {"+".join(names): [arg for arg in feature_matrix.overrides(on, *names)
+                                 if arg not in feature_matrix.BASE]
+               for names in feature_matrix.dry_runs(m["config"])}
+    start_world(_real_worker, world, world, str(tmp_path / "store"), str(tmp_path), layouts)
+    real = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    wrong = []
+    for name, overrides in layouts.items():
+        cfg = m["config"].load([*BASE, *overrides, f"trainer_config.dry_run={world}"])
+        _, plans = m["dry_run"].plan(cfg)
+        assert plans, name
+        for rank, planned in plans.items():
+            measured = json.loads(json.dumps(planned))  # as JSON keeps it
+            wrong += [(name, rank, key, measured[key], real[rank][name][key])
+                      for key in PLAN_KEYS if measured[key] != real[rank][name][key]]
     assert not wrong, "\n".join(f"{w[:3]}: dry {w[3]}, real {w[4]}" for w in wrong)
 
 
