@@ -174,6 +174,8 @@ def test_dry_run_equals_the_real_run(m, tmp_path, world):
 PLAN_KEYS = tuple(key for key in KEYS if key != "work")
 
 
+# 58 s alone on 2 cores; beside another test worker, about twice that: room for a slower one.
+@pytest.mark.timeout(600)
 def test_the_dry_run_plans_each_run_of_the_feature_matrix_as_it_steps(m, tmp_path):
     """tests/README.md's grid, dry_run's row: each covering run of the feature matrix
     (feature_matrix.dry_runs: its features on, with this file's small model) planned dry on
