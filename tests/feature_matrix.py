@@ -15,8 +15,8 @@ stopped (test_feature_matrix.py, RUNNABLE), or, for the replica groups' features
 two groups of GROUP ranks do (test_feature_matrix_groups.py), or, for dry_run, where the dry
 run of a covering run with the other feature on plans what its real step holds and sends
 (test_mingpt_dry_run.py, dry_runs); "·" where the config takes the pair but no test runs the
-two together yet; "Rn" where it is refused, the one `error:` line (n:
-its number below the grid); "—" for two values of one key. The diagonal is the feature alone.
+two together yet; "Rn" where it is refused, the one `error:` line (n: its number below the
+grid); "—" for two values of one key. The diagonal is the feature alone.
 """
 import os
 import sys
