@@ -106,9 +106,9 @@ def m():
 
 
 def _real_worker(rank: int, world: int, store_path: str, out_dir: str,
-                 layouts: dict[str, list[str]] | None = None) -> None:
-    """One rank of a real gloo run: each layout of this world size (or of `layouts`) built as
-    main.py builds it, one step counted by dry_run.measure_step."""
+                 layouts: dict[str, list[str]]) -> None:
+    """One rank of a real gloo run: each of `layouts` built as main.py builds it, one step
+    counted by dry_run.measure_step."""
     torch.set_num_threads(1)  # W processes share 2 cores
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank,
                             world_size=world, timeout=timedelta(seconds=120))
@@ -118,7 +118,7 @@ def _real_worker(rank: int, world: int, store_path: str, out_dir: str,
         "mingpt.distributed")}
     parallel, dry_run = m["parallel"], m["dry_run"]
     results = {}
-    for name, overrides in (layouts or LAYOUTS[world]).items():
+    for name, overrides in layouts.items():
         cfg = m["config"].load([*BASE, *overrides])
         t, o = cfg.trainer_config, cfg.optimizer_config
         gpt_config = dry_run.model_config(cfg)
@@ -141,14 +141,15 @@ def _real_worker(rank: int, world: int, store_path: str, out_dir: str,
     m["distributed"].release()
 
 
-# 8 processes on 2 cores beside other test workers took over 300 s (load average 16 to 20).
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("world", sorted(LAYOUTS))
-def test_dry_run_equals_the_real_run(m, tmp_path, world):
-    start_world(_real_worker, world, world, str(tmp_path / "store"), str(tmp_path))
+def dry_against_real(m, tmp_path: Path, world: int, layouts: dict[str, list[str]],
+                     keys: tuple[str, ...]) -> list[tuple]:
+    """Each of `layouts` run for real on `world` gloo ranks (one spawn) and planned dry: for
+    every rank the dry run plans, (layout, rank, key, dry, real) where `keys` differ (the work
+    only in the counts WORK_GAPS still holds equal)."""
+    start_world(_real_worker, world, world, str(tmp_path / "store"), str(tmp_path), layouts)
     real = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     wrong = []
-    for name, overrides in LAYOUTS[world].items():
+    for name, overrides in layouts.items():
         cfg = m["config"].load([*BASE, *overrides, f"trainer_config.dry_run={world}"])
         lay, plans = m["dry_run"].plan(cfg)
         # Each representative rank planned, at least one: the comparison is not vacuous.
@@ -156,7 +157,7 @@ def test_dry_run_equals_the_real_run(m, tmp_path, world):
         assert ranks and sorted(plans) == ranks, (name, sorted(plans), ranks)
         for rank, planned in plans.items():
             measured = json.loads(json.dumps(planned))  # as JSON keeps it (tuple keys, ints)
-            for key in KEYS:
+            for key in keys:
                 dry, got = measured[key], real[rank][name][key]
                 if key == "work" and name in WORK_GAPS:  # the counts that still agree
                     dry, got = ({k: w[k] for k in WORK_GAPS[name]} for w in (dry, got))
@@ -165,6 +166,14 @@ def test_dry_run_equals_the_real_run(m, tmp_path, world):
         # Something is counted on every axis the layout has: the check is not vacuous.
         assert set(real[0][name]["comm"]), name
         assert all(real[r][name]["parameters"] > 0 for r in range(world))
+    return wrong
+
+
+# 8 processes on 2 cores beside other test workers took over 300 s (load average 16 to 20).
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("world", sorted(LAYOUTS))
+def test_dry_run_equals_the_real_run(m, tmp_path, world):
+    wrong = dry_against_real(m, tmp_path, world, LAYOUTS[world], KEYS)
     assert not wrong, "\n".join(f"{w[:3]}: dry {w[3]}, real {w[4]}" for w in wrong)
 
 
@@ -182,21 +191,10 @@ def test_the_dry_run_plans_each_run_of_the_feature_matrix_as_it_steps(m, tmp_pat
     feature_matrix.WORLD ranks holds and sends, on every rank it plans, what its real step
     does, to the byte."""
     on = feature_matrix.features(m["config"])
-    world = feature_matrix.WORLD
     layouts = {"+".join(names): [arg for arg in feature_matrix.overrides(on, *names)
                                  if arg not in feature_matrix.BASE]
                for names in feature_matrix.dry_runs(m["config"])}
-    start_world(_real_worker, world, world, str(tmp_path / "store"), str(tmp_path), layouts)
-    real = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
-    wrong = []
-    for name, overrides in layouts.items():
-        cfg = m["config"].load([*BASE, *overrides, f"trainer_config.dry_run={world}"])
-        _, plans = m["dry_run"].plan(cfg)
-        assert plans, name
-        for rank, planned in plans.items():
-            measured = json.loads(json.dumps(planned))  # as JSON keeps it
-            wrong += [(name, rank, key, measured[key], real[rank][name][key])
-                      for key in PLAN_KEYS if measured[key] != real[rank][name][key]]
+    wrong = dry_against_real(m, tmp_path, feature_matrix.WORLD, layouts, PLAN_KEYS)
     assert not wrong, "\n".join(f"{w[:3]}: dry {w[3]}, real {w[4]}" for w in wrong)
 
 
