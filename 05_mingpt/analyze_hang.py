@@ -3,22 +3,11 @@
     python analyze_hang.py runs/<run_name>/flight_recorder     # or runs/<run_name>
     python analyze_hang.py runs/<run_name> --full              # also torch's analyzer in full
 
-When a collective times out, every rank writes its Flight Recorder dump (torch's format:
-rank<N>) and where it was (where<N>.json: its stack, the start time of its recent steps) into
-runs/<run_name>/flight_recorder (mingpt/forensics.py; on NCCL torch's watchdog writes the
-dumps itself). This prints, in a few lines:
-
-- torch's own analyzer (torch.distributed.flight_recorder, the `torchfrtrace` command): the
-  first collective that not all ranks joined, or whose sizes differ, with its stack;
-- per step, the first one where the ranks' collectives differ: a rank that made none (it
-  stalled) or that left one out and went on (its later collectives then pair with the others'
-  earlier ones, off by one, which torch's analyzer cannot see: the sequence numbers agree);
-- per process group (each mesh dimension: pp, dp, tp, cp; the world), point-to-point ops too:
-  where a member is behind the others, and the rank that stopped first, named with the axis,
-  the operation each of its peers waits for it in, and the step;
-- where each rank was when it stopped, and why it stopped.
-
-The dumps are pickles: read only those of your own runs.
+The dumps are mingpt/forensics.py's (DEBUGGING.md). This prints torch's own analyzer's finding
+(`torchfrtrace`), the first step whose collectives differ between ranks (a rank that stalled,
+or left one out and went on: off by one, which torch's analyzer cannot see), per process group
+who is behind and the rank that stopped first, and where each rank was. The dumps are pickles:
+read only those of your own runs.
 """
 import argparse
 import contextlib
@@ -60,12 +49,10 @@ def load(folder: str) -> tuple[dict[int, dict], dict[int, dict]]:
 def gloo_pg_config(details: dict, groups: dict[str, dict] | None = None) -> bool:
     """Make gloo's dumps readable by torch's analyzer; True if anything changed.
 
-    torch 2.14 keys a gloo dump's pg_config by '' (an empty group name) while its entries name
-    their group ('0', 'default_pg'), so the analyzer's lookup fails (KeyError: ('0', 0)). Each
-    group the entries name gets its ranks, as NCCL's dumps have them: from `groups` (what
-    where<N>.json names, group_table), else those of that '' entry. That entry holds the
-    ranks of one group only (the last one made: with a mesh, a dimension's), and the analyzer
-    given one group's wrong ranks used up 14 GB of memory here before it was stopped."""
+    torch 2.14 keys a gloo dump's pg_config by '' while its entries name their group, so the
+    analyzer's lookup fails (KeyError: ('0', 0)). Each group named gets its ranks from `groups`
+    (group_table), else from that '' entry, which holds one group's ranks only: the analyzer
+    given a group's wrong ranks runs out of memory."""
     changed = False
     for dump in details.values():
         config = dump["pg_config"]
@@ -95,8 +82,7 @@ def captured(logger_name: str) -> Iterator[io.StringIO]:
 
 
 def torch_analysis(folder: str, groups: dict[str, dict] | None = None) -> tuple[list[str], str]:
-    """torch's analyzer on the folder: its report's lines, and how it ran (as is, or with the
-    gloo dumps' pg_config rewritten)."""
+    """torch's analyzer on the folder: its report's lines, and how it ran."""
     # The analyzer's logger adds its stderr handler when first made: make it now, so that the
     # capture below replaces it (the import warns that tabulate is missing: not our concern).
     from torch.distributed.flight_recorder.components.fr_logger import FlightRecorderLogger
@@ -126,10 +112,7 @@ def torch_analysis(folder: str, groups: dict[str, dict] | None = None) -> tuple[
 
 def describe(entry: dict) -> str:
     """'#17 all_reduce [[28576]] Float': sequence number, op, input sizes and dtypes."""
-    # "gloo:all_reduce", "nccl:all_reduce": the op, without the backend's prefix
-    op = entry["profiling_name"].split(":")[-1]
-    dtypes = ",".join(sorted(set(entry.get("input_dtypes") or [])))
-    return f"#{entry['collective_seq_id']} {op} {entry['input_sizes']} {dtypes}".rstrip()
+    return f"#{entry['collective_seq_id']} {op_name(entry)}"
 
 
 def signature(entry: dict) -> tuple:
@@ -148,8 +131,7 @@ def step_of(entry: dict, marks: list) -> int | None:
 
 
 def collectives(dump: dict) -> dict[int, dict]:
-    """{sequence number: entry} of a rank's collectives in the default group (point-to-point
-    ops and other groups' collectives, such as DETAIL's own checks, left out)."""
+    """{sequence number: entry} of a rank's collectives in the default group."""
     return {e["collective_seq_id"]: e for e in dump["entries"]
             if not e.get("is_p2p") and e.get("pg_id", 0) == 0}
 
@@ -199,8 +181,8 @@ def step_differences(dumps: dict[int, dict], wheres: dict[int, dict]) -> list[st
 
 
 def sequence_differences(dumps: dict[int, dict]) -> list[str]:
-    """The last collective of each rank, by sequence number (who is behind, and in what), and
-    the first number at which the ranks' collectives differ in op, sizes or dtypes."""
+    """Each rank's last collective (who is behind, in what), and the first sequence number at
+    which the ranks' collectives differ."""
     seqs = {r: collectives(d) for r, d in sorted(dumps.items())}
     newest = max((max(c, default=0) for c in seqs.values()), default=0)
     lines = []
@@ -231,8 +213,8 @@ def step_name(entry: dict, marks: list) -> str:
 
 
 def group_table(dumps: dict[int, dict], wheres: dict[int, dict]) -> dict[str, dict]:
-    """{group name: {"axis", "ranks"}} of every process group the files name: where<N>.json's
-    groups (gloo: their ranks, and the mesh dimensions each serves), NCCL's pg_config."""
+    """{group name: {"axis", "ranks"}} of every process group where<N>.json or NCCL's
+    pg_config names."""
     table: dict[str, dict] = {}
     for where in wheres.values():
         for name, info in (where.get("groups") or {}).items():
@@ -246,9 +228,8 @@ def group_table(dumps: dict[int, dict], wheres: dict[int, dict]) -> dict[str, di
                 table[name] = {"ranks": json.loads(ranks) if isinstance(ranks, str) else ranks,
                                "axes": [], "desc": info.get("desc", "")}
     for info in table.values():
-        # A DeviceMesh names its groups mesh_<dimension>: pp, dp, tp, cp. Where the files
-        # name the dimensions a group serves (a dimension over every rank reuses the
-        # default group), those; the default group alone is the world.
+        # The dimensions the files name for a group, else a DeviceMesh's mesh_<dimension>
+        # name; the default group alone is the world.
         desc = info["desc"]
         info["axis"] = "/".join(info["axes"]) or (
             desc.removeprefix("mesh_") if desc.startswith("mesh_") else
@@ -257,9 +238,8 @@ def group_table(dumps: dict[int, dict], wheres: dict[int, dict]) -> dict[str, di
 
 
 def operations(dump: dict | None, where: dict | None) -> list[dict]:
-    """Every operation a rank issued, in every group, oldest first: its dump's entries (NCCL's
-    include the point-to-point ones) and the sends and receives forensics recorded (gloo's
-    recorder keeps none)."""
+    """Every operation a rank issued, in every group, oldest first: its dump's entries and the
+    point-to-point ops forensics recorded (gloo's recorder keeps none)."""
     ops = list(dump["entries"]) if dump else []
     ops += (where or {}).get("p2p", [])
     return sorted(ops, key=lambda e: e["time_created_ns"])
@@ -274,15 +254,14 @@ def number(entry: dict) -> tuple[str, int]:
 
 def op_name(entry: dict) -> str:
     """'all_reduce [[4, 8]] Float', 'send 0->1 [[4, 8]] Float' (group ranks in the arrow)."""
-    op = entry["profiling_name"].split(":", 1)[-1]
+    op = entry["profiling_name"].split(":", 1)[-1]  # without the backend's "gloo:", "nccl:"
     dtypes = ",".join(sorted(set(entry.get("input_dtypes") or [])))
     return f"{op} {entry['input_sizes']} {dtypes}".rstrip()
 
 
 def axis_stalls(dumps: dict[int, dict], wheres: dict[int, dict]) -> list[str]:
-    """Per process group (an axis of the mesh: pp, dp, tp, cp, or the world), how far each
-    member got; then the rank that stopped first, on each axis where its peers wait for it:
-    the operation they wait in and its step."""
+    """Per process group (a mesh axis, or the world), how far each member got; then the rank
+    that stopped first, and the operation its peers wait for it in."""
     table = group_table(dumps, wheres)
     ranks = sorted(set(dumps) | set(wheres))
     ops = {r: operations(dumps.get(r), wheres.get(r)) for r in ranks}
@@ -325,11 +304,9 @@ def axis_stalls(dumps: dict[int, dict], wheres: dict[int, dict]) -> list[str]:
     lines.append(f"  {agree} more: every member at the same operation")
     if not behind:
         return ["by process group:", *lines]
-    # The rank that stopped first: of those behind somewhere, one that waits on nobody (ahead
-    # of no member of any group: a rank blocked in an operation a peer never issued is behind
-    # the stall too, and under load its newest operation may be the older one); of those, the
-    # one whose newest operation is the oldest (the others went on into operations that waited
-    # for it).
+    # The rank that stopped first: of those behind somewhere, one ahead of no member of any
+    # group (a rank blocked in an operation a peer never issued is behind the stall too); of
+    # those, the one whose newest operation is the oldest (the others went on to wait for it).
     first = [r for r in behind if r not in ahead] or list(behind)
     stalled = min(first, key=lambda r: ops[r][-1]["time_created_ns"] if ops[r] else 0)
     findings = []

@@ -4,18 +4,10 @@
     python export_hf.py s3://bucket/run1/snapshot hf/my-gpt   # AWS_* variables as for training
     python main.py gpt_config.init_from=hf/my-gpt gpt_config.model_type=null ...  # train on
 
-OUT_DIR gets config.json (a GPT2Config), model.safetensors (fp32) and generation_config.json,
-and for BPE data the tokenizer the data was prepared with (GPT2Tokenizer's tokenizer.json and
-tokenizer_config.json, and GPT-2's vocab.json and merges.txt). For character data there is no
-tokenizer: token i is the i-th character of `characters` in config.json (README: GPT-2 weights
-and BPE data).
-
-Any snapshot loads: DCP reads its shards into one whole model on this one process, whatever
-the layout and the number of ranks that wrote it (an older run's one file is memory-mapped).
-The names map one to one onto GPT-2's (the model was laid out for that); only the four Conv1D
-weights are transposed, one tensor at a time, so the weights are in memory at most once beyond
-the read itself. A model GPT-2 cannot compute (no biases, parts GPT-2 has not) and an OUT_DIR
-that is not empty are refused in one `error:` line, with nothing written.
+OUT_DIR gets config.json, model.safetensors (fp32), generation_config.json and a BPE run's
+tokenizer; a char model's token i is the i-th character of `characters` in config.json
+(README: GPT-2 weights and BPE data). Any layout's snapshot loads whole into this one process.
+A model GPT-2 cannot compute and an OUT_DIR that is not empty are refused in one `error:` line.
 """
 import argparse
 import os
@@ -117,17 +109,15 @@ def read_weights(url: str, kind: str, state: dict, config: GPTConfig) -> dict[st
 
 
 def to_gpt2_names(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """GPT2LMHeadModel's state dict from ours, emptying `weights` as it goes: the inverse of
-    pretrained.hf_to_ours. Conv1D keeps (in, out) where Linear keeps (out, in), so those four
-    weights are transposed, each into its own contiguous tensor (safetensors writes contiguous
-    tensors only) while the original is let go: at most one of them is held twice."""
+    """GPT2LMHeadModel's state dict from ours (pretrained.hf_to_ours's inverse), emptying
+    `weights` as it goes: at most one transposed Conv1D weight is held twice."""
     hf = {}
     for name in list(weights):
         tensor = weights.pop(name)
         if name == "lm_head.weight":
             continue  # tied: GPT2LMHeadModel saves wte's only and ties the head on load
         if name.endswith(CONV1D):
-            tensor = tensor.t().contiguous()
+            tensor = tensor.t().contiguous()  # safetensors writes contiguous tensors only
         # blocks.3.attn.c_attn.weight -> transformer.h.3.attn.c_attn.weight
         key = f"h.{name.removeprefix('blocks.')}" if name.startswith("blocks.") else name
         hf[f"transformer.{key}"] = tensor
@@ -184,9 +174,7 @@ def gpt2_tokenizer(meta: dict):
 
 def export(url: str, out_dir: str) -> Path:
     """Write the snapshot at `url` to `out_dir` as save_pretrained does; return the directory.
-
-    Everything goes into a new directory beside OUT_DIR, renamed to OUT_DIR once complete: a
-    failure halfway leaves no OUT_DIR behind, and an empty OUT_DIR is replaced only then."""
+    Written beside it, then renamed: a failure halfway leaves no OUT_DIR behind."""
     out = check_out_dir(out_dir)
     kind, state = read_train_state(url)
     model_config, meta = state["model_config"], state["data_meta"]
@@ -217,9 +205,8 @@ def export(url: str, out_dir: str) -> Path:
         model.save_pretrained(tmp, state_dict=weights)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)  # tokenizer.json and tokenizer_config.json
-            # And GPT-2's own vocab.json + merges.txt (tokenizers' BPE writes them), which
-            # transformers 5 no longer saves: older versions, tiktoken (prepare.py,
-            # sample.py --init_from) and other tools read those.
+            # And GPT-2's vocab.json + merges.txt, which transformers 5 no longer saves: older
+            # versions, tiktoken (prepare.py, sample.py --init_from) and other tools read them.
             tokenizer.backend_tokenizer.model.save(str(tmp))
         os.replace(tmp, out)  # an empty OUT_DIR is replaced; one filled meanwhile: OSError
     except OSError as e:  # a full disk, say

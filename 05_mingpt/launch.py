@@ -4,10 +4,9 @@
     python launch.py "trainer_config.distributed_method=fsdp" trainer_config.precision=bf16
     python launch.py --nproc 2 --max_restarts 3 trainer_config.max_steps=2000
 
-Everything that is not a launch.py option is passed on to main.py as a hydra override. The
-process is replaced by `python -m torch.distributed.run` (torchrun), so signals and the exit
-code are torchrun's own. The notebooks (../notebooks/nbutils.py) start their runs with the same
-functions: `on_cpu`, `process_count`, `worker_env` and `torchrun_command`.
+Everything that is not a launch.py option is passed on to main.py. The process becomes
+torchrun (exec), so signals and the exit code are torchrun's own. The notebooks
+(../notebooks/nbutils.py) start their runs with the same functions.
 """
 import argparse
 import os
@@ -46,8 +45,7 @@ def process_count(nproc: int | None, cpu: bool) -> int:
 
 def worker_env(nproc: int, cpu: bool, env: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment for torchrun and its workers: `env` (default: ours), and on a CPU the
-    thread count, unless the caller set it. (A restarted worker group needs no setting: each
-    attempt forms its group on keys of its own, mingpt/restarts.py.)"""
+    thread count, unless the caller set it."""
     env = dict(os.environ if env is None else env)
     if cpu:
         # Processes sharing the CPU: each gets its share of the cores. Not a thread per core in

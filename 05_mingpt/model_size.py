@@ -2,20 +2,13 @@
 with --memory, what one rank holds in training under each layout.
 
     python model_size.py                      # every preset, GPT-2 vocabulary and context
-    python model_size.py --preset gpt2-xl     # one preset
-    python model_size.py --vocab_size 65 --block_size 256
+    python model_size.py --preset gpt2-xl --vocab_size 65 --block_size 256
     python model_size.py --memory --preset gpt2-medium --vocab_size 65 --block_size 256 \
         --world_size 2 --tp_size 2 --batch_size 4   # rank 0's bytes per layout
-    python model_size.py --memory --preset gpt-mini --block_size 2048 --cp_size 4  # and cp
-    python model_size.py --memory --preset gpt-micro-moe --vocab_size 65 --world_size 4
-        # and a MoE preset's experts over ep_size 2, 4 (MOE.md)
 
-The models are built on the `meta` device: modules get shapes but no storage, so counting the
-parameters of the 1.5B-parameter gpt2-xl takes no memory and no time. --memory keeps no
-formulas of its own: it asks the dry run (mingpt/dry_run.py, DRY_RUN.md) to plan rank 0 of
-each layout, which runs the real layout code and one training step on fake tensors and
-counts what the rank holds; tests/test_mingpt_dry_run.py holds those counts equal to real
-runs', and bench/bench_memory.py compares them with measured peaks.
+The models are built on the `meta` device: shapes but no storage, so gpt2-xl costs no memory.
+--memory keeps no formulas of its own: the dry run (mingpt/dry_run.py, DRY_RUN.md) plans rank 0
+of each layout with the real layout code and one training step on fake tensors.
 """
 import argparse
 import sys
@@ -23,6 +16,7 @@ import sys
 import torch
 from omegaconf import DictConfig
 
+from mingpt.errors import one_line_errors
 from mingpt.model import GPT, PRESETS, GPTConfig
 from mingpt.parallel import STRATEGIES as REGISTRY
 
@@ -32,14 +26,6 @@ from mingpt.parallel import STRATEGIES as REGISTRY
 BYTES_TRAIN_SNAPSHOT = 12
 BYTES_FP32 = 4
 BYTES_BF16 = 2
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse that reports a bad argument as one `error: ...` line instead of usage + error."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)  # argparse's code for a usage error; a bad model config exits 1
 
 
 def positive_int(text: str) -> int:
@@ -54,7 +40,9 @@ def positive_int(text: str) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = ArgumentParser(description="Parameter count and snapshot size of the GPT presets.")
+    # A bad argument: one `error:` line and exit status 2; a bad model config exits 1.
+    parser = one_line_errors(argparse.ArgumentParser(
+        description="Parameter count and snapshot size of the GPT presets."))
     parser.add_argument("--vocab_size", type=positive_int, default=50257,
                         help="vocabulary size (default: GPT-2's BPE, 50257)")
     parser.add_argument("--block_size", type=positive_int, default=1024,
@@ -163,10 +151,9 @@ def model_overrides(model: GPT) -> list[str]:
 
 def layout_config(model: GPT, overrides: list[str], world_size: int, batch_size: int,
                   microbatches: int | None = None) -> DictConfig:
-    """main.py's checked config for `model` under `overrides` on world_size ranks, one
-    micro-step of batch_size sequences per data-parallel rank, AdamW unless the overrides name
-    another optimizer (the tables here count AdamW's state); ValueError (one line) where a
-    real run of it would be refused."""
+    """main.py's checked config for `model` under `overrides` on world_size ranks, one micro-step
+    of batch_size sequences per data-parallel rank, AdamW unless the overrides name another;
+    ValueError (one line) where a real run of it would be refused."""
     from mingpt import config  # noqa: PLC0415
     # Micro-batches for a pipeline: 4 where they divide the batch (1f1b), fewer otherwise.
     microbatches = microbatches or next(m for m in (4, 2, 1) if batch_size % m == 0)
@@ -181,12 +168,10 @@ def predict(model: GPT, layouts: dict[str, list[str]], world_size: int, batch_si
             ranks: tuple[int, ...] = (0,), microbatches: int | None = None,
             keep_refusals: bool = False, configs: dict[str, DictConfig] | None = None
             ) -> dict[str, dict[int, dict | ValueError]]:
-    """What `ranks` hold and send in a training step of `model` (built on the meta device)
-    under each layout (name -> main.py overrides), `batch_size` sequences per data-parallel
-    rank: the dry run's plan (mingpt/dry_run.py), one process per rank, all layouts at once.
-    ValueError (one line) where a layout does not fit the model or the world size; with
-    keep_refusals, that ValueError in the plan's place (the others are planned). `configs`,
-    where given, receives each planned layout's config (name -> main.py's checked config)."""
+    """What `ranks` hold and send in a training step of `model` (on the meta device) under each
+    layout (name -> main.py overrides): the dry run's plans, all layouts at once. ValueError
+    (one line) where a layout does not fit; with keep_refusals, that ValueError in the plan's
+    place. `configs`, where given, receives each planned layout's config."""
     # The import is here: the size table needs none of the distributed machinery.
     from mingpt import config, dry_run  # noqa: PLC0415
     # Every (layout, rank) is one job for the dry run's pool: all of them planned at once, two
@@ -246,10 +231,8 @@ MEMORY_KEYS = ("parameters", "gradients", "optimizer", "model state", "buffers",
 
 def step_rate(cfg: DictConfig, args: argparse.Namespace, plan: dict, profile: dict
               ) -> tuple[float, float]:
-    """(predicted step in seconds, tokens per second) of a layout (its config: predict's
-    `configs`) from rank 0's plan (mingpt/step_time.py; rank 0 stands for every rank, its
-    pipeline stage for every stage): tokens/s compares layouts whose ranks share a batch
-    (tp, cp, pp) with those that do not."""
+    """(predicted step in seconds, tokens per second) of a layout's config from rank 0's plan
+    (mingpt/step_time.py): tokens/s compares layouts whose ranks share a batch with others."""
     from mingpt import step_time  # noqa: PLC0415
     from mingpt.parallel import layout  # noqa: PLC0415
     t = cfg.trainer_config
@@ -260,10 +243,9 @@ def step_rate(cfg: DictConfig, args: argparse.Namespace, plan: dict, profile: di
 
 def memory_rows(model: GPT, args: argparse.Namespace) -> tuple[list[dict[str, object]],
                                                                  list[str]]:
-    """Rank 0's bytes under every layout that fits (one row each), and a line for each
-    that does not (its own reason: the config's checks, or the layout code's, as TP's heads
-    or a pipeline's micro-batches). With a machine profile (--machine), each layout's
-    predicted step and tokens/s too, the fastest first; else a line says why not."""
+    """Rank 0's bytes under every layout that fits (one row each), and a line for each that
+    does not; with a machine profile (--machine), each one's predicted step and tokens/s too,
+    the fastest first."""
     from mingpt import ROOT, step_time  # noqa: PLC0415
     configs: dict[str, DictConfig] = {}
     plans = predict(model, memory_layouts(model, args), args.world_size, args.batch_size,

@@ -4,19 +4,11 @@
     python prepare.py a.txt b.txt --out data/mine --tokenizer ~/models/gpt2 --workers 8
     python prepare.py --hf_dataset ~/owt_saved --text_column text --out data/owt
 
-Inputs are UTF-8 text files (each one document) or a Hugging Face dataset (a directory written
-by `save_to_disk`, or anything `datasets.load_dataset` reads from a local path or its cache;
-each row one document). Every document ends with `<|endoftext|>`. The first `--train_fraction`
-of the input (by bytes, or by rows) trains, the rest validates: a positional split, as for the
-char data. Encoding runs in `--workers` processes, chunk by chunk; the position after every
-written chunk is saved, so an interrupted run continues where it stopped. meta.json, written
-last, marks a finished preparation.
-
-The tokenizer (`--tokenizer`) is GPT-2's byte-level BPE, run by tiktoken, built from either
-- a directory holding `vocab.json` + `merges.txt` (what `save_pretrained` writes for any GPT-2
-  model or tokenizer) or OpenAI's `encoder.json` + `vocab.bpe`, or
-- a Hugging Face model id (`gpt2`, the default): its files from the Hugging Face cache, else
-  tiktoken's own `gpt2` encoding (TIKTOKEN_CACHE_DIR, or a download from openaipublic).
+Inputs are UTF-8 text files or a Hugging Face dataset's rows, each one document ending with
+`<|endoftext|>`. The first `--train_fraction` of the input trains, the rest validates. Encoding
+runs in `--workers` processes, chunk by chunk; the position after every written chunk is saved,
+so an interrupted run continues where it stopped. meta.json, written last, marks the end. The
+tokenizer is GPT-2's byte-level BPE, run by tiktoken (mingpt/data/bpe.py: load_tokenizer).
 """
 import argparse
 import json
@@ -34,7 +26,7 @@ from mingpt.data.bpe import fingerprint, load_tokenizer
 from mingpt.errors import one_line_errors
 
 # Where a text may be cut into chunks without changing its tokens: after a newline that sits
-# between two visible ASCII characters. GPT-2's pre-tokenizer (bpe_dataset.GPT2_PATTERN) makes
+# between two visible ASCII characters. GPT-2's pre-tokenizer (bpe.GPT2_PATTERN) makes
 # that newline a piece of its own whether the text goes on or ends there; a cut inside a run
 # of whitespace would not (`\s+(?!\S)` matches differently at the end of a text).
 SAFE_CUT = re.compile(rb"[\x21-\x7e]\n(?=[\x21-\x7e])")
@@ -63,8 +55,7 @@ _WORKER: dict = {}  # each worker process's tokenizer, loaded once by _init_work
 
 
 def _init_worker(spec: str) -> None:
-    # By name: each worker builds its own Encoding once (from the files, or tiktoken's cache)
-    # instead of receiving one with every chunk.
+    # By name: each worker builds its own Encoding once, instead of receiving one per chunk.
     _WORKER["enc"] = load_tokenizer(spec)
 
 
@@ -79,10 +70,8 @@ def last_safe_cut(data: bytes) -> int:
 
 def file_chunks(paths: list[str], split_at: tuple[int, int], chunk_bytes: int,
                 start: list[int]) -> Iterator[tuple[str, list[int], list[tuple]]]:
-    """(split, position after, pieces) for the text files from position [file, byte] on.
-
-    Chunks end at safe cuts (SAFE_CUT), at the train/val boundary `split_at` and at file ends.
-    """
+    """(split, position after, pieces) for the text files from position [file, byte] on; chunks
+    end at safe cuts (SAFE_CUT), at the train/val boundary `split_at` and at file ends."""
     for index in range(start[0], len(paths)):
         offset = start[1] if index == start[0] else 0
         size = os.path.getsize(paths[index])
@@ -198,9 +187,7 @@ def prepare(out: str, tokenizer: str = "gpt2", files: list[str] | None = None, d
             column: str = "text", train_fraction: float = 0.9, workers: int = 1,
             chunk_bytes: int = 1 << 22, source: str = "") -> dict:
     """Encode `files` (or `dataset`) into out/train.bin, out/val.bin, out/meta.json; the meta.
-
-    Resumes from out/prepare_state.json when the inputs and settings are those it recorded.
-    """
+    Resumes from out/prepare_state.json when the inputs and settings are those it recorded."""
     from tqdm import tqdm
 
     out_dir = Path(out)

@@ -1,17 +1,13 @@
 """Generate text from a trained snapshot.
 
-Any layout's snapshot loads into one plain model: DCP gathers its shards, whose tensors are
-global (unsharded) in GPT-2's layout, into this one process (an older run's one file too).
-
     python sample.py --prompt "ROMEO:" --num_tokens 300 --temperature 0.8 --top_k 20
     python sample.py --snapshot runs/<run_name>/snapshot --prompt "O God, O God!"
     python sample.py --snapshot s3://bucket/run1/snapshot   # AWS_* variables as for training
     python sample.py --init_from gpt2 --prompt "Hello, I'm a language model,"  # GPT-2 itself
 
-Without --snapshot it uses the newest runs/*/snapshot under the current directory. The
-vocabulary comes from the snapshot itself, so the text file is not needed (BPE snapshots name
-their tokenizer, which must still be where prepare.py found it). Nothing in a snapshot runs
-as it loads: tensors are read with weights_only=True, DCP's pickles as plain data.
+Without --snapshot it uses the newest runs/*/snapshot here. Any layout's snapshot loads into
+one plain model; its vocabulary is the snapshot's (a BPE snapshot names its tokenizer's files).
+Nothing in a snapshot runs as it loads: weights_only=True, DCP's pickles as plain data.
 """
 import argparse
 import glob
@@ -36,10 +32,7 @@ def generate_text(model: torch.nn.Module, meta: dict, prompt: str, num_tokens: i
                   temperature: float = 1.0, top_k: int | None = None, seed: int = 0,
                   device: torch.device | None = None) -> str:
     """The prompt and `num_tokens` generated tokens, decoded with the snapshot's vocabulary.
-
-    With FSDP every rank must call this (each forward gathers the sharded weights); the same
-    seed on every rank makes them all generate the same text.
-    """
+    With FSDP every rank calls it (each forward gathers the weights), with the same seed."""
     device = device or pick_device(0)
     data = data_module(meta["kind"])  # the vocabulary is the snapshot's: meta has it
     idx = torch.tensor([data.encode(prompt, meta)], dtype=torch.long, device=device)  # (1, T)
@@ -55,10 +48,8 @@ def generate_text(model: torch.nn.Module, meta: dict, prompt: str, num_tokens: i
 
 def after_training(cfg: DictConfig, model: torch.nn.Module, meta: dict,
                    device: torch.device) -> None:
-    """main.py's end-of-run sample: trainer_config.sample_tokens tokens after a newline,
-    printed by rank 0. Every rank generates (FSDP needs all of them for each forward), but a
-    pipeline's stages are spread over the ranks: rank 0 reads the whole model back from the
-    final snapshot instead, and the other ranks need not hold it."""
+    """main.py's end-of-run sample, printed by rank 0. Every rank generates (FSDP's forward
+    needs them all), but a pipeline's stages are spread: rank 0 reads the final snapshot."""
     plain = unwrap(model)
     if getattr(plain, "pipeline", None) is not None:
         if dist.get_rank() != 0:
@@ -73,10 +64,8 @@ def after_training(cfg: DictConfig, model: torch.nn.Module, meta: dict,
 
 
 def load_model(path: str, device: torch.device) -> tuple[GPT, dict]:
-    """Rebuild the model from the config stored in the snapshot, and load its weights.
-
-    Works for any data kind (the notebooks load image models with it); returns the data meta.
-    """
+    """The model the snapshot's config describes, with its weights, and the data meta (any
+    data kind: the notebooks load image models with it)."""
     kind = snapshot.snapshot_kind(path)
     if kind is None:
         raise ValueError(f"no snapshot at {path}")

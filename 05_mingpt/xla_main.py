@@ -4,11 +4,8 @@
     PJRT_DEVICE=TPU python xla_main.py trainer_config.precision=bf16   # every chip of a TPU VM
     python xla_main.py --cfg job ...                             # print the config, train nothing
 
-One process drives every XLA device (SPMD: torch_xla's recommended way to scale, and the only
-one that works on CPU devices, where multi-process all-reduce times out), with the parameters
-sharded over all of them (mingpt/xla.py). Training is main.py's Trainer (loop, evaluation, logs,
-snapshots) with XLA's hooks; the config is gpt2_train_cfg.yaml with main.py's overrides; the
-snapshot is main.py's (gathered to the CPU first), so sample.py reads it. Environment: XLA.md.
+One process drives every XLA device (SPMD), the parameters sharded over all of them
+(mingpt/xla.py); main.py's config, Trainer and snapshot format, with XLA's hooks (XLA.md).
 """
 import platform
 import sys
@@ -47,8 +44,7 @@ def load_config(overrides: list[str]) -> DictConfig:
             f"{METHOD} with xla_main.py (SPMD FSDP over every XLA device)", t.distributed_method)
     require(t.device == "auto", "trainer_config.device",
             "auto with xla_main.py (PJRT_DEVICE picks the XLA device)", t.device)
-    # fp16 needs a loss scaler (torch's is CUDA's and the CPU's); bf16, what TPUs and
-    # Trainium compute fast, needs none.
+    # fp16 needs a loss scaler (torch's is CUDA's and the CPU's); bf16 needs none.
     require(t.precision in ("fp32", "bf16"), "trainer_config.precision",
             "fp32 or bf16 with xla_main.py", t.precision)
     for key, why in (("cpu_offload", "FSDP2's option"), ("compile", "XLA compiles every step"),
@@ -66,8 +62,8 @@ def load_config(overrides: list[str]) -> DictConfig:
 
 
 def load_snapshot(url: str, model: GPT, meta: dict, match_keys: tuple) -> dict | None:
-    """A snapshot of xla_main.py into the CPU model; the rest of it (AdamW's state whole, by
-    parameter number, as load_optimizer takes it), or None."""
+    """A snapshot of xla_main.py into the CPU model; the rest of it (AdamW's state whole, as
+    load_optimizer takes it), or None."""
     kind = snapshot.snapshot_kind(url)
     if kind is None:
         return None

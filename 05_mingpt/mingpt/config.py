@@ -1,14 +1,9 @@
 """The configuration: composed once, checked once, every mistake one line that says what is allowed.
 
-    cfg = config.load(["trainer_config.max_steps=2000", "data_config=cifar10"])
-
-`load` composes `gpt2_train_cfg.yaml` with the command-line overrides through hydra's compose
-API, then checks every section against its schema: the dataclasses below for the trainer and
-the optimizer, the model's own `GPTConfig` for `gpt_config`, and the data module that
-`data_config.name` names for `data_config` (each data module declares its keys and checks).
-hydra's `@hydra.main` is not used: it prints its own errors over several lines, composes on
-every rank and writes files from every rank; here nothing is written until the config is valid,
-and only global rank 0 writes (main.py).
+`load(overrides)` composes `gpt2_train_cfg.yaml` with the overrides (hydra's compose API), then
+checks each section against its schema: the dataclasses below, the model's `GPTConfig`, and the
+checks of the data module that `data_config.name` names. Not `@hydra.main`: its errors span
+several lines, and it writes files from every rank; here only global rank 0 writes (main.py).
 """
 import os
 from dataclasses import dataclass, field, fields, make_dataclass
@@ -16,45 +11,26 @@ from dataclasses import dataclass, field, fields, make_dataclass
 import torch
 import torch.distributed as dist
 from hydra import compose, initialize_config_dir
-from hydra.errors import (
-    ConfigCompositionException,
-    HydraException,
-    MissingConfigException,
-    OverrideParseException,
-)
+from hydra import errors as hydra_errors
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from mingpt import ROOT
+from mingpt import ROOT, parallel
 from mingpt.data import KINDS, data_module
 from mingpt.errors import require
 from mingpt.model import GPTConfig, resolve_config
-from mingpt.parallel import (
-    STRATEGIES,
-    context,
-    dataparallel,
-    ddp,
-    expert,
-    ft,
-    layout,
-    pipeline,
-    tensor,
-)
-from mingpt.parallel.layout import Settings
-from mingpt.parallel.tensor import check_tp
+from mingpt.parallel import context, dataparallel, ddp, expert, ft, layout, pipeline, tensor
 from mingpt.precision import PRECISIONS
 
-HERE = ROOT  # 05_mingpt/: paths in the config are relative to it
 CONFIG_NAME = "gpt2_train_cfg"
 # The flavours and the shorthands for degrees (parallel/layout.py).
-DISTRIBUTED_METHODS = tuple(STRATEGIES)
+DISTRIBUTED_METHODS = tuple(parallel.STRATEGIES)
 DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass
 class TrainerKeys:
-    """Types of `trainer_config` beyond the layout's; the values and their meaning live in
-    gpt2_train_cfg.yaml."""
+    """Types of `trainer_config` beyond the layout's (values and meaning: gpt2_train_cfg.yaml)."""
 
     max_steps: int = MISSING
     batch_size: int = MISSING
@@ -89,13 +65,11 @@ class TrainerKeys:
     dry_run_profile: str = MISSING  # its machine: bench/comm_lab.py's JSON (step_time.py)
 
 
-# The layout's keys (the degrees tp_size, pp_size, cp_size, ..., precision, compile, ...) are
-# the fields of parallel.layout.Settings, which every axis's apply reads: an axis declares its
-# degree there, and here it only becomes a key of trainer_config, typed, with no default
-# (after the keys above, which keep their place in the printed config).
+# The layout's keys (tp_size, pp_size, ..., precision, compile) are parallel.layout.Settings'
+# fields, where each axis declares its degree: here each becomes a typed trainer_config key.
 TrainerConfig = make_dataclass(
     "TrainerConfig", [(name, hint, field(default=MISSING))
-                      for name, hint in Settings.__annotations__.items()
+                      for name, hint in layout.Settings.__annotations__.items()
                       if name not in TrainerKeys.__annotations__],
     bases=(TrainerKeys,))
 TrainerConfig.__module__ = __name__  # where pickle finds it (a dry run sends configs to ranks)
@@ -112,8 +86,7 @@ class OptimizerConfig:
     outer_momentum: float = MISSING
 
 
-# gpt_config: the model's own dataclass, less vocab_size (that always comes from the data),
-# plus init_from: where the starting weights come from is not architecture (pretrained.py).
+# gpt_config: GPTConfig's fields less vocab_size (from the data), plus init_from (pretrained.py).
 GPT_KEYS = (*(f.name for f in fields(GPTConfig) if f.name != "vocab_size"), "init_from")
 # optimizer_config.name: AdamW alone, or Muon for the blocks' matrices (mingpt/muon.py).
 OPTIMIZERS = ("adamw", "muon")
@@ -138,25 +111,21 @@ def _compose(overrides: list[str]) -> DictConfig:
     if hydra_keys:  # compose would drop them silently
         raise ValueError(f"{hydra_keys[0]}: hydra's own settings are not used here; the run "
                          "directory is run_dir=PATH (default runs/<run_name>)")
-    # The compose API, not @hydra.main: no outputs/ folder or log files from every rank, and
-    # errors come back as exceptions to turn into one line. An absolute config_dir works from
-    # any working directory; version_base=None takes this hydra's defaults without a warning.
-    with initialize_config_dir(config_dir=str(HERE), version_base=None):
+    # Paths in the config are relative to 05_mingpt/ (ROOT); version_base=None: no warning.
+    with initialize_config_dir(config_dir=str(ROOT), version_base=None):
         try:
             return compose(CONFIG_NAME, overrides=overrides)
-        except MissingConfigException as e:  # a config group option that does not exist
+        except hydra_errors.MissingConfigException as e:  # no such config group option
             options = ", ".join(e.options or [])
             group = (e.missing_cfg_file or "").rpartition("/")[0]
             raise ValueError(f"no config {e.missing_cfg_file}.yaml; {group} options: "
                              f"{options}") from None
-        except OverrideParseException as e:  # bad override syntax
+        except hydra_errors.OverrideParseException as e:  # bad override syntax
             raise ValueError(f"cannot parse the overrides: {str(e).splitlines()[0]}") from None
-        except ConfigCompositionException as e:
+        except hydra_errors.HydraException as e:
             key = getattr(e.__cause__, "full_key", None)
-            if key:  # overriding a key the config does not have
+            if key and isinstance(e, hydra_errors.ConfigCompositionException):  # unknown key
                 raise ValueError(f"unknown key {key}; {_allowed(key)}") from None
-            raise ValueError(" ".join(str(e).split())) from None
-        except HydraException as e:
             raise ValueError(" ".join(str(e).split())) from None
 
 
@@ -168,8 +137,6 @@ def validate(cfg: DictConfig) -> None:
     for name, schema in SECTIONS.items():
         if not isinstance(cfg.get(name), DictConfig):
             raise ValueError(f"{name} must be a group of keys, got {cfg.get(name)!r}")
-        # A structured merge rather than hand-written type checks: the dataclasses above stay
-        # the one place that says each key's type.
         try:  # type check: '3' -> 3 is fine, 'abc' for an int is not; unknown keys are rejected
             typed = OmegaConf.merge(OmegaConf.structured(schema),
                                     OmegaConf.to_container(cfg[name], resolve=False))
@@ -201,15 +168,11 @@ def validate(cfg: DictConfig) -> None:
     # Here rather than when the device is picked: before any process group or file exists.
     require(t.device != "cuda" or torch.cuda.is_available(), "trainer_config.device",
            "auto or cpu on a machine without a CUDA GPU", t.device)
-    # FSDP's offload, of the shards that every rank would otherwise hold whole.
     require(not t.cpu_offload or (t.distributed_method == "fsdp" and t.tp_size <= 1
                                   and t.pp_size <= 1), "trainer_config.cpu_offload",
             "False unless distributed_method=fsdp without tp_size or pp_size (it offloads FSDP "
             "shards)", t.cpu_offload)
     _check_debugging(t)
-    # TP's q/k/v shards reach DCP as pieces of the global tensor (parallel/strided.py), a
-    # description the staging copy of an asynchronous save does not keep: it wrote each
-    # rank's rows as the whole tensor, a snapshot no run could load (feature matrix, found).
     require(not t.async_save or t.tp_size <= 1, "trainer_config.async_save",
             "False with tp_size > 1 (its staging copy loses how TP's q/k/v shards lie in the "
             "global tensor: SNAPSHOTS.md)", t.async_save)
@@ -226,8 +189,7 @@ def validate(cfg: DictConfig) -> None:
     require(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optimizer_config.betas",
            "two numbers in [0, 1)", list(o.betas))
     data_name = cfg.data_config.get("name") if isinstance(cfg.data_config, DictConfig) else None
-    require(data_name in KINDS, "data_config.name", f"one of {', '.join(KINDS)}",
-           data_name)
+    require(data_name in KINDS, "data_config.name", f"one of {', '.join(KINDS)}", data_name)
     data_module(data_name).check_config(cfg.data_config)  # the data module's own keys
     gpt = cfg.gpt_config
     unknown = sorted(set(gpt.keys()) - set(GPT_KEYS))
@@ -243,25 +205,21 @@ def validate(cfg: DictConfig) -> None:
         from mingpt import pretrained  # noqa: PLC0415 (as model_config below)
         pretrained.check_architecture(init_from, settings)  # before a stand-in size fails it
         settings.update(model_type=None, n_layer=1, n_head=1, n_embd=1)  # checks them later
-    # The model's own check (presets, n_embd % n_head, dropout, ...); vocab_size is a stand-in
-    # here because it is only known once the data is read.
+    # The model's own check (presets, n_embd % n_head, ...); vocab_size is known only later.
     try:
         sizes = resolve_config(GPTConfig(**settings, vocab_size=1))
     except (TypeError, ValueError) as e:  # TypeError: e.g. a list where a number belongs
         raise ValueError(f"gpt_config: {e}") from None
     if t.tp_size and init_from is None:  # tp_size 0 (every rank): checked once ranks exist
         # Every TP rank computes n_head / tp_size heads and n_embd / tp_size MLP columns.
-        check_tp(sizes.n_head, sizes.n_embd, t.tp_size)
-    # Sequences split over cp_size ranks: the method, block_size, dropout (context.py).
-    context.check_config(t, sizes.block_size, sizes.dropout)
-    # Experts against the layout: ep_size divides n_expert; no TP plan for experts (expert.py).
-    expert.check_config(t, sizes.n_expert)
+        tensor.check_tp(sizes.n_head, sizes.n_embd, t.tp_size)
+    context.check_config(t, sizes.block_size, sizes.dropout)  # cp_size's (context.py)
+    expert.check_config(t, sizes.n_expert)  # ep_size divides n_expert, ... (expert.py)
 
 
 def _check_layout(t: DictConfig) -> None:
     """The layout: a flavour plus degrees (parallel/layout.py), each axis's own rules, and,
-    where torchrun has set WORLD_SIZE, the degrees against the world size: all before any
-    process group exists (parallelize checks the world size again, with the same lines)."""
+    where torchrun has set WORLD_SIZE, the degrees against it: before any process group exists."""
     for key in ("tp_size", "pp_size", "ep_size"):
         require(t[key] >= 0, f"trainer_config.{key}", "an integer >= 0 (0: every rank)", t[key])
     method = t.distributed_method
@@ -297,9 +255,8 @@ def _check_debugging(t: DictConfig) -> None:
 
 
 def command_line(argv: list[str], script: str) -> tuple[bool, list[str]]:
-    """(whether `--cfg job` leads, the key=value overrides) of a training script's arguments
-    (main.py, xla_main.py; each prints its own --help); ValueError (one line) for any other
-    option."""
+    """(whether `--cfg job` leads, the key=value overrides) of main.py's or xla_main.py's
+    arguments; ValueError (one line) for any other option."""
     show = argv[:2] == ["--cfg", "job"]
     overrides = argv[2:] if show else argv
     options = [arg for arg in overrides if arg.startswith("-")]
@@ -310,11 +267,8 @@ def command_line(argv: list[str], script: str) -> tuple[bool, list[str]]:
 
 
 def load(overrides: list[str]) -> DictConfig:
-    """The run's config from the command-line overrides, checked and with every value resolved.
-
-    run_dir becomes an absolute path (and so does the default snapshot_path inside it): every
-    rank, and every later look at the saved config, means the same folder.
-    """
+    """The run's config from the command-line overrides, checked and with every value resolved;
+    run_dir (and the default snapshot_path in it) absolute, so every rank means one folder."""
     cfg = _compose(overrides)
     try:
         cfg.run_dir = os.path.abspath(os.path.expanduser(str(cfg.run_dir)))
@@ -326,10 +280,8 @@ def load(overrides: list[str]) -> DictConfig:
 
 
 def model_config(cfg: DictConfig, meta: dict) -> tuple[GPTConfig, str | None]:
-    """The model's config and where its weights come from (gpt_config.init_from, or None).
-
-    The vocabulary and block size come from the data's meta, the rest from gpt_config; with
-    init_from, the pretrained model's sizes (pretrained.gpt_config_from checks they agree)."""
+    """The model's config (vocabulary and block size from the data's meta; with init_from, the
+    pretrained model's sizes) and where its weights come from (gpt_config.init_from, or None)."""
     settings = OmegaConf.to_container(cfg.gpt_config, resolve=True)
     init_from = settings.pop("init_from", None)
     if init_from:  # GPT-2 weights: transformers is imported only for them

@@ -1,8 +1,7 @@
 """Join and leave the process group: torchrun's when launched by it, else a group of one.
 
     device = setup(cfg.trainer_config.device)   # cuda:<LOCAL_RANK> + NCCL, or the CPU + gloo
-    ...                                         # train
-    release()                                   # every reference dropped, then destroyed
+    release()                                   # after training: every reference dropped
 """
 import gc
 import os
@@ -24,11 +23,9 @@ _torch_timeouts: dict[str, timedelta] = {}
 
 def setup(requested: str, cpu_offload: bool = False, collective_timeout_s: float | None = None,
           run_dir: str | None = None, flight_recorder_entries: int = 0) -> torch.device:
-    """Join the process group: torchrun's when launched by it, else a group of one.
-
-    A collective that waits longer than `collective_timeout_s` (None: torch's default, 30 min
-    for gloo, 10 for NCCL) raises instead of hanging; with `flight_recorder_entries`, torch's
-    Flight Recorder keeps that many collectives per rank for the dumps under `run_dir`."""
+    """Join the process group. A collective that waits longer than `collective_timeout_s`
+    (None: torch's default) raises; with `flight_recorder_entries`, torch's Flight Recorder
+    keeps that many collectives per rank for the dumps under `run_dir` (DEBUGGING.md)."""
     if run_dir is not None:
         forensics.configure(run_dir, flight_recorder_entries)  # read as the group is created
     timeout = timedelta(seconds=collective_timeout_s) if collective_timeout_s else None
@@ -39,12 +36,10 @@ def setup(requested: str, cpu_offload: bool = False, collective_timeout_s: float
     # CPU offload keeps FSDP's gradients in CPU memory: they need gloo beside NCCL.
     backend = backend_for(device, cpu_tensors_too=cpu_offload)
     if "RANK" in os.environ:  # torchrun set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
-        # On keys of this attempt's own in torchrun's shared store: a restarted worker must not
-        # find the killed attempt's addresses there (restarts.py, the steps' copy).
+        # On this attempt's own keys: a restarted worker must not find the killed attempt's.
         restarts.join_group(backend, timeout)
     else:
-        # `python main.py`: a one-process group (an in-memory store, no port), so DDP and
-        # FSDP run exactly the code they run under torchrun.
+        # `python main.py`: a one-process group (no port), so DDP and FSDP run as under torchrun.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timeout)
     if timeout is not None:
@@ -53,32 +48,25 @@ def setup(requested: str, cpu_offload: bool = False, collective_timeout_s: float
 
 
 def later_groups_wait(timeout: timedelta) -> None:
-    """Groups made after the default one (each DeviceMesh dimension: pp, dp, tp, cp; new_group)
-    wait `timeout` too, not torch's default for a new group (30 min on gloo, 10 on NCCL): a
-    rank stalled under a pipeline or TP would otherwise keep its peers waiting half an hour.
-
-    torch reads its default from distributed_c10d's module variables each time it makes a
-    group (_get_default_timeout); the strategies make their meshes without a timeout of
-    their own. release() puts torch's values back."""
+    """Groups made after the default one (each DeviceMesh dimension, new_group) wait `timeout`
+    too, not torch's default for a new group (30 min on gloo): torch reads it from
+    distributed_c10d's module variables at each new group. release() puts torch's back."""
     _torch_timeouts.setdefault("gloo", c10d.default_pg_timeout)
     _torch_timeouts.setdefault("nccl", c10d.default_pg_nccl_timeout)
     c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timeout
 
 
 def release() -> None:
-    """Drop every reference to the process group, then destroy it.
-
-    destroy_process_group joins gloo's worker threads only when it drops the group's last
-    reference, and a worker still freeing a collective's tensors as Python exits aborts the
-    finished run. Call it once main.train has returned: DDP or FSDP are then unreachable;
-    FSDP's modules form reference cycles (freed by gc.collect), and torch's DTensor caches
-    keep every DeviceMesh, whose registry holds the group, alive after the model is gone."""
-    # (type(), not isinstance: gc also finds dead weakref proxies, which isinstance reads)
+    """Drop every reference to the process group, then destroy it (once main.train returned):
+    destroy_process_group joins gloo's threads only with the group's last reference, and one
+    still at work as Python exits aborts the finished run. FSDP's modules form cycles (freed by
+    gc.collect), and DTensor's caches keep every DeviceMesh, whose registry holds the group."""
     forensics.disarm()  # the run is over: torch's own send/recv and SIGTERM again
     context.end_run()  # torch's context-parallel dispatch off (GPUs), its options restored
     if _torch_timeouts:  # what later_groups_wait changed
         c10d.default_pg_timeout = _torch_timeouts.pop("gloo")
         c10d.default_pg_nccl_timeout = _torch_timeouts.pop("nccl")
+    # type(), not isinstance: gc also finds dead weakref proxies, which isinstance reads.
     for mesh in [o for o in gc.get_objects() if issubclass(type(o), DeviceMesh)]:
         getattr(mesh, "_pg_registry", {}).clear()  # private: the mesh's own group references
     gc.collect()

@@ -1,27 +1,6 @@
-"""A dry run: what each rank of an N-rank job would hold and send, planned on one machine.
-
-    python main.py trainer_config.dry_run=1024 gpt_config.model_type=gpt2-medium \
-        trainer_config.distributed_method=fsdp trainer_config.tp_size=8 trainer_config.pp_size=4
-
-For a few ranks that stand for all (first, second and last pipeline stage; first and last
-data-parallel rank), `plan_rank` joins torch's fake process group as that rank of an N-rank
-world (its collectives return at once and move no data), builds the GPT as fake tensors
-(shapes without memory; a MoE model: real storage for the rank's own shards only), lays it
-out with the real `parallelize`, builds the real optimizer and runs one training step through
-the layout's runner: the trainer's forward_backward, clip and optimizer step. So a layout a real run
-refuses is refused here with the same line, and what is counted is what the real code does:
-
-- model state: memory.model_state_bytes of the rank's tensors after the step, as a real run
-  counts it (tests/test_mingpt_dry_run.py: equal to the byte on 2, 4 and 8 gloo processes);
-- communication: every collective and point-to-point op the step issues, by the axis of its
-  process group (CommCounter below; the same counter around a real run gives the same bytes);
-- activations: what autograd keeps for backward (memory.saved_activations: every saved
-  storage once, parameters left out), per micro-batch and at its peak over the step;
-- the predicted peak: model state + communication buffers + peak activations (DRY_RUN.md).
-
-The step's numbers are wrong (the weights are random, a pipeline stage receives garbage):
-only shapes and bytes are meant. DRY_RUN.md explains the table; bench/plan_pictures.py draws it.
-"""
+"""A dry run: what each rank of an N-rank job would hold and send, planned on one machine: a few
+ranks that stand for all each run one real training step on torch's fake process group, the
+model as fake tensors (shapes without memory), counted (DRY_RUN.md)."""
 import itertools
 import logging
 import multiprocessing
@@ -49,9 +28,7 @@ from mingpt.parallel.wrappers import unwrap
 CPU = torch.device("cpu")
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "broadcast", "send/recv")
 # The c10d ops (dist.* calls, FSDP2's own) and functional collectives (DTensor, TP, CP), by
-# what they move. Each rank's share assumes ring algorithms (NCCL's and gloo's for large
-# tensors): an all-gather or reduce-scatter of B bytes over n ranks sends and receives
-# B (n - 1) / n per rank, an all-reduce twice that, an all-to-all (n - 1) / n of its input.
+# what they move; each rank's share assumes ring algorithms (DRY_RUN.md gives them).
 _OPS = {
     "_allgather_base_": "all-gather", "allgather_": "all-gather",
     "allgather_into_tensor_coalesced_": "all-gather", "all_gather_into_tensor": "all-gather",
@@ -66,29 +43,24 @@ _OPS = {
 
 
 class CommCounter(TorchDispatchMode):
-    """Counts what this rank sends and receives, per (axis, kind): calls and bytes.
-
-    Sees every collective that goes through torch's dispatcher: FSDP2's, DTensor's, the
-    pipeline's send/recv, dist.* calls, and DDP's reducer's bucket all-reduces."""
+    """Calls and bytes this rank sends and receives per (axis, kind), as the dispatcher sees."""
 
     def __init__(self, axes: dict[str, str]) -> None:
         super().__init__()
         self.axes = axes  # process group name, or its ranks -> axis ("dp", "tp", ...)
         # (axis, kind) -> [calls, bytes sent, bytes received, largest buffer, group size]
         self.counts: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0, 0, 0])
+        self.ddp_buckets = 0  # DDP's bucket bytes (measure_step)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(issubclass(t, DTensor) for t in types):
-            # DTensor runs its op first; the collectives it issues inside (a norm's
-            # all-reduce, a redistribute) come back here on local tensors. Handled here
-            # instead, they would run with this mode off and go uncounted.
+            # Let DTensor run it: the collectives it issues inside come back here on local
+            # tensors (handled here instead, they would run with this mode off, uncounted).
             return NotImplemented
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        kind = _OPS.get(func._opname) if func.namespace in ("c10d", "_c10d_functional") \
-            else None
-        if kind is not None:
-            self._count(func._opname, kind, args)
+        if func.namespace in step_time.COLLECTIVES and func._opname in _OPS:
+            self._count(func._opname, _OPS[func._opname], args)
         return out
 
     def _count(self, name: str, kind: str, args: tuple) -> None:
@@ -96,10 +68,8 @@ class CommCounter(TorchDispatchMode):
         tensors = [a for a in flat if isinstance(a, torch.Tensor)]
         group = next((a for a in flat if isinstance(a, torch.ScriptObject)
                       and "ProcessGroup" in str(a._type())), None)
-        if group is not None:
-            group = dist.ProcessGroup.unbox(group)
-        else:  # a functional collective names its group
-            group = _resolve_process_group(args[-1])
+        group = dist.ProcessGroup.unbox(group) if group is not None \
+            else _resolve_process_group(args[-1])  # a functional collective names its group
         n = group.size()
         if name in ("_allgather_base_", "_reduce_scatter_base_", "alltoall_base_"):
             tensors = tensors[1:] if kind != "all-gather" else tensors[:1]  # (output, input)
@@ -128,8 +98,7 @@ class CommCounter(TorchDispatchMode):
         entry[4] = n
 
     def table(self) -> dict[str, dict[str, int]]:
-        """{axis: {"kind calls": n, "kind sent": bytes, "kind received": bytes,
-        "kind ranks": the group's size}}."""
+        """{axis: {"kind calls", "kind sent", "kind received" (bytes), "kind ranks": int}}."""
         out: dict[str, dict[str, int]] = defaultdict(dict)
         for (axis, kind), (calls, sent, received, _, n) in sorted(self.counts.items()):
             out[axis].update({f"{kind} calls": calls, f"{kind} sent": sent,
@@ -138,14 +107,10 @@ class CommCounter(TorchDispatchMode):
 
     def buffers(self) -> int:
         """The communication buffers a rank holds at once, at most: the largest all-gather
-        (FSDP: the block it runs) twice (the next one is prefetched), the largest
-        reduce-scatter input (one block's whole gradient), and every DDP bucket (DDP keeps
-        its gradients a second time in them)."""
+        twice (FSDP prefetches the next block), the largest reduce-scatter input, DDP's buckets."""
         largest = {kind: max((c[3] for (_, k), c in self.counts.items() if k == kind),
                              default=0) for kind in KINDS}
         return 2 * largest["all-gather"] + largest["reduce-scatter"] + self.ddp_buckets
-
-    ddp_buckets = 0
 
 
 def ranks_of(group: dist.ProcessGroup) -> tuple[int, ...]:
@@ -153,9 +118,8 @@ def ranks_of(group: dist.ProcessGroup) -> tuple[int, ...]:
 
 
 def group_axes(model: torch.nn.Module) -> dict[str | tuple[int, ...], str]:
-    """Process group name, and its ranks, -> axis name, for the mesh parallelize() built. By
-    ranks too: a real run's DTensors may reach an axis through another group of the same
-    ranks (tp beside a pipeline, with dp 1), which the dry run's fake group does not."""
+    """Process group name, and its ranks, -> axis name, for the mesh parallelize() built (by
+    ranks: a real run's tp beside a pipeline, dp 1, may use another group of the same ranks)."""
     mesh = unwrap(model).mesh
     # dp_cp first: where dp is 1 it is the cp group itself, which the mesh's name then labels.
     names = (["dp_cp"] if "cp" in mesh.mesh_dim_names else []) + list(mesh.mesh_dim_names)
@@ -167,9 +131,8 @@ def group_axes(model: torch.nn.Module) -> dict[str | tuple[int, ...], str]:
 
 
 def representative_ranks(lay: layout.Layout) -> list[int]:
-    """Ranks that stand for all: the first, second and last pipeline stage, each with its
-    first and last data-parallel rank (FSDP's last chunk is the shortest); cp and tp rank 0
-    (their shards are equal: config.py refuses uneven heads, context.py uneven chunks)."""
+    """Ranks that stand for all: the first, second and last pipeline stage, each with its first
+    and last data-parallel rank (FSDP's last chunk is the shortest); cp and tp shards are equal."""
     pp = sorted({0, min(1, lay.pp - 1), lay.pp - 1})
     dp = sorted({0, lay.dp - 1})
     # Rank r = ((pp_rank x dp + dp_rank) x cp + cp_rank) x tp + tp_rank (layout.py).
@@ -194,9 +157,7 @@ def plan_rank(cfg: DictConfig, gpt_config: GPTConfig, world: int, rank: int) -> 
 
 def measure_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, t: DictConfig,
                  micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
-    """One training step as the trainer runs it (runner.forward_backward, the clip, the
-    optimizer's step), counted: communication by axis, saved activations, model state.
-    Used on the fake group by the dry run and on a real one by its tests."""
+    """One training step as the trainer runs it, counted: comm, work, activations, model state."""
     step = runner(model, CPU, t.precision)
     counter, work = CommCounter(group_axes(model)), step_time.WorkCounter()
     scaler = torch.amp.GradScaler("cpu", enabled=False)
@@ -210,21 +171,16 @@ def measure_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, t: Di
                                   if p.requires_grad)
     state = memory.model_state_bytes(model, optimizer)
     forwards = len(micro_batches) * max(1, t.microbatches if hasattr(step, "stages") else 1)
-    result = {**state, "model state": sum(state.values()),
-              "buffers": counter.buffers(),
+    result = {**state, "model state": sum(state.values()), "buffers": counter.buffers(),
               "activations / micro-batch": acts["total"] // forwards,
               "peak activations": acts["peak"]}
     result["predicted peak"] = result["model state"] + result["buffers"] + acts["peak"]
-    result["comm"] = counter.table()
-    result["work"] = work.table()
-    return result
+    return {**result, "comm": counter.table(), "work": work.table()}
 
 
 def _ddp_on_fake(model: torch.nn.Module, comm_hook: str = "none") -> None:
-    """The fake backend's futures carry no value (torch 2.14), which DDP's reducer needs back
-    from its all-reduce: a hook that all-reduces each bucket as the reducer, or the run's
-    `comm_hook` (ddp.HOOKS), would (the same ops, which CommCounter counts; nothing moves)
-    and hands the bucket back itself. DDP takes one hook, so parallelize was given none."""
+    """The fake backend's futures carry no value, which DDP's reducer needs: a hook that issues
+    the same all-reduce (the run's `comm_hook`'s) and hands the bucket back itself."""
     if isinstance(model, DistributedDataParallel):
         dtype = ddp.COMPRESSED.get(comm_hook)
 
@@ -243,9 +199,7 @@ def _ddp_on_fake(model: torch.nn.Module, comm_hook: str = "none") -> None:
 
 
 def _to_empty(model: torch.nn.Module) -> None:
-    """model.to_empty(device="cpu"), keeping tied parameters tied: to_empty gives each module
-    its own new tensor, so GPT's wte and lm_head would become two weights (twice the bytes
-    of a real run's one)."""
+    """model.to_empty(device="cpu"), keeping tied parameters (wte, lm_head) one tensor."""
     places: dict[int, list[tuple[torch.nn.Module, str]]] = {}
     for module in model.modules():
         for name, p in module._parameters.items():
@@ -265,17 +219,13 @@ def _step(cfg: DictConfig, gpt_config: GPTConfig) -> dict:
     if gpt_config.n_expert:
         model, mode = _real_shards(cfg, gpt_config, settings), nullcontext()
     else:
-        # Fake tensors: shapes, dtypes and storages (views share one) without memory, and
-        # every op runs its shape rule instead of its kernel, so a rank of gpt2-xl plans in a
-        # second. The model is built whole as fake tensors (no memory either way), then laid
-        # out for real: the mesh is made of real tensors, which is why parallelize runs
-        # outside the mode (fake tensors carry their mode with them). The step runs inside it.
+        # Built whole as fake tensors, then laid out outside the mode: the mesh is made of
+        # real tensors (fake tensors carry their mode with them). The step runs inside it.
         mode = _PlanningMode(allow_non_fake_inputs=True)
         with mode:
             model = GPT(gpt_config)
         model = parallelize(model, CPU, t.distributed_method, **settings)
-    # From here on as the trainer would: DDP's buckets handed back on the fake group, the real
-    # optimizer (ZeRO's own for zero), one counted step.
+    # From here on as the trainer would: the real optimizer (ZeRO's own for zero), one step.
     _ddp_on_fake(model, t.comm_hook)
     o = cfg.optimizer_config
     optimizer = build_optimizer(model, t.distributed_method, o.lr, o.betas, o.weight_decay,
@@ -285,10 +235,8 @@ def _step(cfg: DictConfig, gpt_config: GPTConfig) -> dict:
 
 
 class _PlanningMode(FakeTensorMode):
-    """Fake tensors whose value, read back into Python (`.item()`, `int(t)`), is 0 where the
-    fake tensor has none (one made from a Python number, as AdamW's step count, keeps its
-    value): the step's numbers are garbage anyway. The one such read in a dense step is TP's
-    dropout seed (tensor.py), which only picks the masks' bits."""
+    """Fake tensors whose value, read back into Python (`.item()`), is 0 where the fake tensor
+    has none: in a dense step only TP's dropout seed (tensor.py), which picks the masks' bits."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default and \
@@ -298,18 +246,14 @@ class _PlanningMode(FakeTensorMode):
 
 
 def _real_shards(cfg: DictConfig, gpt_config: GPTConfig, settings: dict) -> torch.nn.Module:
-    """A mixture of experts routes by value: how many tokens go to each expert (the
-    all-to-all's split sizes) is read from the router's output, which a fake tensor does not
-    have. So here the model is laid out with real storage for the rank's own shards only
-    (random weights), and the step computes: the same counts, at a real step's cost for this
-    rank's share."""
+    """The model with real storage for the rank's own shards only: a mixture of experts reads
+    its all-to-all's split sizes from the router's values, which fake tensors lack."""
     t = cfg.trainer_config
     lay = layout.resolve(t.distributed_method, dist.get_world_size(), **layout.degrees(t))
     with torch.device("meta"):
         model = GPT(gpt_config)  # shapes only
     if lay.whole:
-        # Every rank holds the whole model (ddp, zero), and DDP's constructor reads real
-        # tensors: storage first.
+        # Every rank holds the whole model, and DDP's constructor reads real tensors.
         _to_empty(model)
     model = parallelize(model, CPU, t.distributed_method, **settings)
     # Storage for this rank's own shards only; swapped in place, so every reference the
@@ -337,8 +281,7 @@ def batches(t: DictConfig, gpt_config: GPTConfig) -> list[tuple[torch.Tensor, to
 
 
 def model_config(cfg: DictConfig) -> GPTConfig:
-    """The model a run of `cfg` builds: gpt_config with the data's vocabulary (its meta: the
-    char data's distinct characters, read from its text; no batches are made)."""
+    """The model a run of `cfg` builds, with the data's vocabulary (no batches are made)."""
     from mingpt import config  # noqa: PLC0415  (config imports the parallel package)
     from mingpt.data import data_module  # noqa: PLC0415
     _, _, meta = data_module(cfg.data_config.name).build_datasets(
@@ -350,9 +293,8 @@ def model_config(cfg: DictConfig) -> GPTConfig:
 
 def plan(cfg: DictConfig, gpt_config: GPTConfig | None = None,
          ranks: list[int] | None = None) -> tuple[layout.Layout, dict[int, dict]]:
-    """The layout of a trainer_config.dry_run-rank run and the plan of each of `ranks` (by
-    default the representative ones), for `gpt_config` (by default the model `cfg` builds);
-    ValueError (one line) where the data, the model or the layout does not fit."""
+    """The layout of a trainer_config.dry_run-rank run and the plan of each of `ranks` (default:
+    representative_ranks); ValueError (one line) where the data, model or layout does not fit."""
     t = cfg.trainer_config
     gpt_config = gpt_config or model_config(cfg)
     lay = layout.resolve(t.distributed_method, t.dry_run, **layout.degrees(t))
@@ -368,27 +310,13 @@ GUARD_NEEDED = ("a script that calls the dry run needs multiprocessing's "
 def plan_ranks(jobs: list[tuple[DictConfig, GPTConfig, int, int]],
                keep_refusals: bool = False) -> list[dict | ValueError]:
     """plan_rank(*job) for each job, two at a time, each in a process of its own; with
-    keep_refusals, a job the layout code refuses gives its ValueError in its place instead of
-    ending them all.
-
-    A process per rank, as in a real job: torch keeps what it learned about a mesh (DTensor's
-    sharding decisions, keyed by the mesh's shape) for the life of the process, and a second
-    rank's plan in the same process would run on the first one's groups. The processes come
-    from multiprocessing's fork server (one clean, single-threaded process with this module
-    imported), not from a fork of this one: a fork of a process with threads (gloo's, a test
-    runner's) can inherit a lock one of them holds, and the child then waits on it forever.
-    A process that dies (for instance a script calling this without the
-    `if __name__ == "__main__":` guard multiprocessing needs) ends the dry run with an error,
-    never a wait."""
-    # The fork server imports this module (and torch with it) once; each rank's process is
-    # a fork of that server, so it starts without importing torch again, nor torch._dynamo
-    # (with triton and more), which FakeTensorMode imports. Importing them starts no thread,
-    # so the server stays safe to fork.
+    keep_refusals, a job's ValueError in its place instead of ending them all."""
     if getattr(multiprocessing.current_process(), "_inheriting", False):
-        # This process is a child re-running an unguarded script's top level (the flag is the
-        # one multiprocessing's own check reads). Stop before making a pool: its locks would be
-        # left to the resource tracker, whose warning would come after the caller's error.
+        # A child re-running an unguarded script's top level (multiprocessing's own flag):
+        # stop before a pool, whose locks would leave a warning after the caller's error.
         raise RuntimeError(GUARD_NEEDED)
+    # Forks of the fork server (which imports torch once), not of this process: a fork of a
+    # process with threads (gloo's, a test runner's) can inherit a lock one of them holds.
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["mingpt.dry_run", "torch._dynamo"])
     try:
@@ -401,7 +329,6 @@ def plan_ranks(jobs: list[tuple[DictConfig, GPTConfig, int, int]],
 
 
 def _outcome(future: Future, keep_refusals: bool) -> dict | ValueError:
-    """A plan's result; its ValueError returned rather than raised with keep_refusals."""
     try:
         return future.result()
     except ValueError as err:
@@ -420,14 +347,11 @@ def human(n: float) -> str:
 
 
 def position(lay: layout.Layout, rank: int) -> str:
-    """Where `rank` sits: "pp 0 (first), dp 31 (last)"."""
-    coords = {}
-    rest = rank
+    """Where `rank` sits: "pp 0, dp 31"."""
+    coords, rest = {}, rank
     for axis in reversed(layout.AXES):  # tp innermost
-        size = {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "tp": lay.tp}[axis]
-        rest, coords[axis] = divmod(rest, size)
-    parts = [f"{axis} {coords[axis]}" for axis in ("pp", "dp") if axis in lay.sizes()]
-    return ", ".join(parts)
+        rest, coords[axis] = divmod(rest, getattr(lay, axis))
+    return ", ".join(f"{axis} {coords[axis]}" for axis in ("pp", "dp") if axis in lay.sizes())
 
 
 MEMORY_KEYS = ("parameters", "gradients", "optimizer", "buffers", "activations / micro-batch",
@@ -448,12 +372,9 @@ def report(lay: layout.Layout, plans: dict[int, dict]) -> str:
     rows = sorted({(axis, kind) for p in plans.values() for axis, kinds in p["comm"].items()
                    for kind in KINDS if f"{kind} calls" in kinds})
     for axis, kind in rows:
-        cells = []
-        for r in ranks:
-            c = plans[r]["comm"].get(axis, {})
-            cells.append(f"{c.get(f'{kind} calls', 0)}x {human(c.get(f'{kind} sent', 0))} / "
-                         f"{human(c.get(f'{kind} received', 0))}" if c.get(f"{kind} calls")
-                         else "-")
+        cells = [f"{c[f'{kind} calls']}x {human(c[f'{kind} sent'])} / "
+                 f"{human(c[f'{kind} received'])}" if c.get(f"{kind} calls") else "-"
+                 for c in (plans[r]["comm"].get(axis, {}) for r in ranks)]
         lines.append(f"{axis} {kind}".ljust(28) + "".join(c.rjust(28) for c in cells))
     lines.append("(ring shares: an all-gather or reduce-scatter of B bytes over n ranks moves "
                  "B(n-1)/n per rank each way, an all-reduce twice that; DRY_RUN.md)")
@@ -465,8 +386,7 @@ def ms(seconds: float) -> str:
 
 
 def time_report(plans: dict[int, dict], predicted: dict, profile: dict, where: str) -> str:
-    """The predicted step's table (step_time.predict): per rank its work, bubble and
-    communication by axis and kind, then the step and what bounds it."""
+    """The predicted step's table (step_time.predict), then the step and what bounds it."""
     ranks = list(plans)
     m = profile["machine"]
     lines = [f"predicted step, for {m['cpu']} ({m['cores']} cores, {profile['backend']}; "
@@ -489,9 +409,8 @@ def time_report(plans: dict[int, dict], predicted: dict, profile: dict, where: s
 
 
 def run(cfg: DictConfig) -> tuple[layout.Layout, dict[int, dict]]:
-    """main.py with trainer_config.dry_run=N: print the plan and, with a machine profile,
-    the predicted step; ValueError (one line) where a real run of this layout would be
-    refused. Returns what plan() does."""
+    """main.py with trainer_config.dry_run=N: print the plan and, with a machine profile, the
+    predicted step; ValueError (one line) where a real run would be refused. As plan()."""
     lay, plans = plan(cfg)
     print(report(lay, plans))
     t = cfg.trainer_config

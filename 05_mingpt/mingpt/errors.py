@@ -1,15 +1,10 @@
-"""Bad input ends a run with one `error:` line, on every node, and every rank learns of it.
+"""Bad input ends a run with one `error:` line, on every node, and every rank learns of it:
+`together` and `any_failure` agree on every rank's outcome, `fail` prints the line once per
+node, `report` is the one place it is written.
 
-    data = errors.together(build_datasets, cfg)  # a ValueError on one rank: on all of them
-    errors.fail(e)                               # print `error: ...` once per node, exit 2
-    errors.report(message)                       # the one place an `error:` line is written
-    message = errors.any_failure(error)          # every rank's outcome (str or None) on all
-
-A config mistake is the same on every rank. A node's own storage is not: a BPE directory, a
-CIFAR-10 download or a writable snapshot folder can be there on one node and missing on
-another. Without agreement the failing node would exit while the others went on into their
-next collective and waited there until the timeout; without a print on every node, a failure
-on a node other than global rank 0's would be seen nowhere.
+A node's own storage (a BPE directory, a download, a snapshot folder) can fail on one node
+only: without agreement its ranks would exit while the others waited in their next collective
+until the timeout, and without a print on every node the failure would be seen nowhere.
 """
 import argparse
 import io
@@ -29,13 +24,9 @@ T = TypeVar("T")
 
 
 def report(message: object) -> None:
-    """Write `error: MESSAGE` and its newline to stderr in one write call.
-
-    Every rank of a job writes to the same stderr (torchrun passes its own to each worker),
-    and print() writes a line's text and its newline in two calls: another rank's line could
-    land between them, and two ranks' lines came out joined as one ("...flight_recorder" then
-    "error: rank 0: ..."). One os.write of the whole line is one write(2): on a pipe, a write of
-    at most PIPE_BUF bytes (4096 on Linux) is never interleaved with another process's."""
+    """Write `error: MESSAGE` and its newline to stderr in one write call: every rank writes
+    to torchrun's one stderr, and print()'s two calls let another rank's line land between
+    them; a pipe never splits one write of up to PIPE_BUF bytes (DEBUGGING.md)."""
     line = f"error: {message}\n"
     stream = sys.stderr
     try:
@@ -51,19 +42,14 @@ def report(message: object) -> None:
 
 
 def fail(error: Exception | str) -> NoReturn:
-    """One `error:` line from each node (its LOCAL_RANK 0) and exit 2 on every rank.
-
-    LOCAL_RANK from torchrun's environment, not the process group: config errors come before
-    the group exists, and a worker that cannot reach MASTER_ADDR never joins it."""
-    # Once per node: the node's log shows it (a Slurm job or a cluster UI often keeps one
-    # log per node), and its other ranks, which hit the same error, keep quiet.
+    """One `error:` line from each node (its LOCAL_RANK 0, from torchrun's environment: config
+    errors come before the process group exists) and exit 2 on every rank."""
     if os.environ.get("LOCAL_RANK", "0") == "0":
         report(error)
     sys.exit(2)
 
 
-# What a training run can do about a snapshot it cannot use, at the end of those messages (a
-# command that only reads snapshots, export_hf.py, cuts it off: it has no snapshot_path).
+# A training run's way out of a snapshot it cannot use (export_hf.py, which reads, cuts it off).
 MOVE_IT_AWAY = "move it away or set trainer_config.snapshot_path"
 
 
@@ -83,10 +69,8 @@ def require(ok: bool, key: str, allowed: str, value: object) -> None:
 
 
 def together(function: Callable[..., T], *args, **kwargs) -> T:
-    """`function(*args, **kwargs)` on every rank; a ValueError on any rank is raised on all.
-
-    A collective: every rank calls it at the same point. Where only some ranks failed, the
-    message names the first of them and its host (the node whose storage to look at)."""
+    """`function(*args, **kwargs)` on every rank (a collective); a ValueError on any rank is
+    raised on all, naming the first failed rank and its host where only some failed."""
     try:
         result, error = function(*args, **kwargs), None
     except ValueError as e:  # bad input: its one line
@@ -101,18 +85,15 @@ def together(function: Callable[..., T], *args, **kwargs) -> T:
 
 def unexpected(e: Exception, message: str | None = None) -> str:
     """`message` (by default the exception's name and first line), after this rank printed
-    `e`'s traceback: an exception no check raises is a bug, but the other ranks must still
-    learn of it (any_failure) rather than wait in their next collective for a rank that left."""
+    `e`'s traceback: a bug, which the other ranks must still learn of (any_failure)."""
     traceback.print_exception(e, file=sys.stderr)
     first = (str(e).strip().splitlines() or [""])[0]
     return message or f"{type(e).__name__}: {first}"
 
 
 def any_failure(error: str | None) -> str | None:
-    """Every rank's outcome on every rank: None where all succeeded, else the one message each
-    of them raises (together's; snapshot.py raises its own SnapshotError or SaveError with it).
-
-    A collective: `error` is this rank's failure, None where it succeeded."""
+    """A collective, given this rank's failure (None: it succeeded): None where every rank
+    succeeded, else the one message each of them raises."""
     # One process (or none in a group yet: a notebook, a unit test): nothing to agree on.
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return error
@@ -131,8 +112,7 @@ def any_failure(error: str | None) -> str | None:
 
 
 def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """argparse's errors as one `error:` line and exit status 2, without its usage block (as
-    every other bad input of this folder reads; --help still shows the usage)."""
+    """argparse's errors as one `error:` line and exit status 2, without its usage block."""
     def error(message: str) -> NoReturn:
         report(message)
         sys.exit(2)
@@ -142,11 +122,9 @@ def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 # --- snapshots: each part of a save or a load, its outcome agreed by every rank -----------------
 
-
 def save_part(url: str, part: Callable[..., None], *args) -> None:
-    """`part(url, *args)`, a part of a save, then its outcome agreed by every rank: SaveError,
-    the same one line on all of them, where it failed on any (any_failure names the rank).
-    Every rank calls this, also where only rank 0 does the work."""
+    """`part(url, *args)`, a part of a save, then its outcome agreed by every rank (a
+    collective, also where only rank 0 does the work): SaveError on all where any failed."""
     try:
         storage.storage_errors(OSError)(part)(url, *args)  # an object store's: one OSError
         error = None
@@ -175,16 +153,14 @@ def save_error(url: str, e: BaseException) -> str:
         reason += f": {error.filename}"
     # A local disk fills up; an object store's own line already says what to check.
     fix = "free some space" if "://" not in url else "fix what it says"
-    # Both formats commit by a rename (file) or by rewriting `latest` (directory) only once
-    # everything is written, so the snapshot from before, if any, is intact.
+    # Nothing is committed before everything is written: the snapshot before is intact.
     return (f"{failed}cannot save the snapshot to {url} ({reason}); the previous snapshot, if "
             f"any, is unchanged: {fix} or set trainer_config.snapshot_path, then run again to "
             "resume")
 
 
 def load_part(function: Callable[..., T], *args) -> T:
-    """`function(*args)` on every rank; its SnapshotError on any rank is one on all of them
-    (any_failure: naming the rank where only some failed). A collective."""
+    """`function(*args)` on every rank (a collective); a SnapshotError on any is one on all."""
     try:
         result, error = function(*args), None
     except SnapshotError as e:

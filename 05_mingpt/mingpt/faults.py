@@ -1,14 +1,10 @@
-"""Fault injection, to watch torchrun restart a crashed job and to watch a hang end (a demo and
-test tool, not for real runs). Steps 03 and 04 count epochs; this version counts optimizer steps,
-can also crash in the middle of a snapshot save, and can make one rank stall or skip a
-collective (DEBUGGING.md shows what the Flight Recorder then says), or have one rank's snapshot
-storage fail (SNAPSHOTS.md: every rank then stops with the same one line).
+"""Fault injection (a demo and test tool, not for real runs): crash a worker at an optimizer
+step or in the middle of a snapshot save, to watch torchrun restart the job; make one rank stall
+or skip a collective (DEBUGGING.md); fail one rank's snapshot storage (SNAPSHOTS.md).
 
-    faults.install(trainer)   # the Trainer's constructor: nothing unless a FAULT_* is set
-
-One seam: where a FAULT_* variable is set, install() wraps the trainer's runner and saver,
-DDP's gradient hook and the storage functions snapshots go through (end of this file); the
-trainer and snapshot code call none of this.
+One seam: install(trainer), in the Trainer's constructor, does nothing unless a FAULT_* variable
+is set; then it wraps the trainer's runner and saver, DDP's gradient hook and the storage
+functions snapshots go through. The trainer and snapshot code call none of this.
 """
 import errno
 import os
@@ -33,20 +29,12 @@ def _hang_target(variable: str, step: int) -> bool:
 
 
 def inject_fault(step: int, during_save: bool = False) -> None:
-    """A worker SIGKILLs itself, or stalls, on torchrun's first attempt only.
-
-    FAULT_AT_STEP=N: the last rank, before step N. FAULT_AT_SAVE=N: global rank 0 while saving
-    the snapshot of step N, after writing it and before the commit that makes it the snapshot.
-    TORCHELASTIC_RESTART_COUNT is 0 only on the first attempt, so the restarted workers resume
-    from the snapshot and get past step N.
-
-    FAULT_STALL_AT_STEP=N: the last rank stops before step N and never goes on, as a rank stuck
-    in I/O or a deadlock does; the others wait in step N's first collective until
-    trainer_config.collective_timeout_s, then every rank dumps its Flight Recorder trace.
-    """
-    # The save fault hits rank 0 because rank 0 commits; the step fault hits the last rank, a
-    # rank that prints nothing (on several nodes: not rank 0's node), to show that losing any
-    # one worker stops the whole group.
+    """A worker SIGKILLs itself, or stalls, on torchrun's first attempt only (the restarted
+    workers resume from the snapshot and get past step N). FAULT_AT_STEP=N: the last rank,
+    before step N. FAULT_AT_SAVE=N: global rank 0 while saving step N's snapshot, between its
+    write and its commit. FAULT_STALL_AT_STEP=N: the last rank stops before step N forever."""
+    # The save fault hits rank 0, which commits; the step fault the last rank, which prints
+    # nothing (on several nodes: not rank 0's node): losing any one worker stops the group.
     variable, rank = ("FAULT_AT_SAVE", 0) if during_save else ("FAULT_AT_STEP",
                                                               dist.get_world_size() - 1)
     if not during_save and _hang_target("FAULT_STALL_AT_STEP", step):
@@ -58,18 +46,15 @@ def inject_fault(step: int, during_save: bool = False) -> None:
     if first_attempt and dist.get_rank() == rank and os.environ.get(variable) == str(step):
         # flush: SIGKILL gives Python no chance to empty its buffers, the line would be lost.
         print(f"[rank {rank}] {variable}={step}: killing this worker", flush=True)
-        # SIGKILL, not an exception: no `finally`, no destroy_process_group, no clean exit code,
-        # as when the OOM killer or a lost node ends a worker. The other ranks block in their
-        # next collective until torchrun's agent sees the dead worker, stops them all and, with
-        # --max-restarts, starts a new attempt.
+        # SIGKILL, not an exception: no `finally`, no clean exit, as when the OOM killer or a
+        # lost node ends a worker; torchrun's agent then stops the others and restarts.
         os.kill(os.getpid(), signal.SIGKILL)
 
 
 def hold_quorum(step: int) -> None:
     """FAULT_HOLD_QUORUM=STEP:PATH[,STEP:PATH...]: a replica group (parallel/ft.py) waits
-    before the quorum of step STEP until the file PATH exists. A gate, not a delay: a test
-    starts several groups' first quorum together (torchft's lighthouse gives the first group
-    that asks a quorum of its own), or holds a survivor until a restarted group is there."""
+    before the quorum of step STEP until the file PATH exists: a test's gate, to start several
+    groups' first quorum together or hold a survivor until a restarted group is there."""
     for gate in filter(None, os.environ.get("FAULT_HOLD_QUORUM", "").split(",")):
         at, _, path = gate.partition(":")
         if int(at) == step:
@@ -81,12 +66,8 @@ def hold_quorum(step: int) -> None:
 
 def skip_gradient_sync(model: torch.nn.Module, current_step: Callable[[], int]) -> None:
     """FAULT_SKIP_AT_STEP=N: the last rank leaves out the gradient all-reduce of step N and goes
-    on, as code that calls a collective on some ranks only does (`if rank != 0: all_reduce`).
-
-    Its later all-reduces then pair with the other ranks' previous ones: silently while their
-    shapes agree, until one does not (DEBUGGING.md: what gloo and the analysis make of it).
-    DDP's gradient all-reduce runs in its reducer, so the skip is a DDP communication hook
-    (torch's own allreduce_hook on every other step: the gradients DDP computes without one)."""
+    on, as code that calls a collective on some ranks only does (DEBUGGING.md). A DDP
+    communication hook: torch's own allreduce_hook on every other step."""
     if "FAULT_SKIP_AT_STEP" not in os.environ:
         return
     if not isinstance(model, DDP):
@@ -102,22 +83,14 @@ def skip_gradient_sync(model: torch.nn.Module, current_step: Callable[[], int]) 
             skipped.set_result(bucket.buffer())  # this rank's own gradients, unaveraged
             return skipped
         return allreduce_hook(None, bucket)  # None: DDP's process group
-
     model.register_comm_hook(None, hook)
-
-
-# What FAULT_WRITE_ERROR and FAULT_READ_ERROR can make fail: this rank's DCP shard files, the
-# one file a rank writes or reads whole (train_state.pt beside the shards; an older run's
-# one-file snapshot), and `latest`, the commit.
-IO_TARGETS = {"write": ("shard", "file", "latest"), "read": ("shard", "file")}
 
 
 def io_error(operation: str, target: str, path: str) -> None:
     """FAULT_WRITE_ERROR=RANK:TARGET / FAULT_READ_ERROR=RANK:TARGET: global rank RANK's
-    `operation` ("write" or "read") of a TARGET file (IO_TARGETS) raises an OSError for `path`,
-    on torchrun's first attempt only, as a failing disk or a node's own missing file would:
-    EIO for a write, ENOENT for a read. The other ranks' storage works; every rank must still
-    stop with the one line of the failing one (snapshot.py agrees on each outcome)."""
+    `operation` ("write" or "read") of a TARGET raises an OSError for `path` (EIO, or ENOENT
+    for a read), on torchrun's first attempt only. TARGET: shard (this rank's DCP shards), file
+    (one written or read whole: train_state.pt, a one-file snapshot) or latest (the commit)."""
     variable = f"FAULT_{operation.upper()}_ERROR"
     if os.environ.get(variable) != f"{dist.get_rank()}:{target}" or \
             os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
@@ -130,10 +103,8 @@ def io_error(operation: str, target: str, path: str) -> None:
 
 
 class FaultyWriter(FileSystemWriter):
-    """DCP's local writer, whose shard writes fail where FAULT_WRITE_ERROR=RANK:shard says.
-
-    A class, not a patched method: an asynchronous save pickles the writer to DCP's staging
-    process, which imports this module and checks its own (the same global) rank there."""
+    """DCP's local writer, whose shard writes fail where FAULT_WRITE_ERROR=RANK:shard says (a
+    class, not a patched method: an asynchronous save pickles it to the staging process)."""
 
     def write_data(self, plan, planner):  # noqa: ANN001, ANN201 (DCP's own signature)
         io_error("write", "shard", f"{self.path}/__{dist.get_rank()}_0.distcp")
@@ -149,8 +120,7 @@ class FaultyReader(storage.LocalReader):
 
 
 def faulty(dcp_storage: object) -> object:
-    """DCP's local writer or reader, as its Faulty* kind where a fault names shards; anything
-    else (an fsspec writer for s3://) as it is."""
+    """DCP's local writer or reader, as its Faulty* kind where a fault names shards."""
     for kind, real, fault in (("WRITE", FileSystemWriter, FaultyWriter),
                               ("READ", storage.LocalReader, FaultyReader)):
         if type(dcp_storage) is real and \
@@ -189,8 +159,7 @@ class _BeforeStep:
 
 
 class _DuringSave:
-    """The trainer's saver, whose save runs inject_fault(step, during_save=True) once the
-    snapshot is written and before its commit (the saver's before_commit)."""
+    """The trainer's saver, whose before_commit runs inject_fault(step, during_save=True)."""
 
     def __init__(self, saver: object, step: Callable[[], int]) -> None:
         self.saver, self.step = saver, step
@@ -204,7 +173,7 @@ class _DuringSave:
 
 
 def _target(url: str) -> str:
-    """IO_TARGETS' name of a whole-file write or read: the sharded format's commit, or a file."""
+    """io_error's target of a whole-file write or read: the sharded format's commit, or a file."""
     return "latest" if url.endswith("/latest") else "file"
 
 
@@ -225,14 +194,14 @@ def _wrap_storage() -> None:
             return write(f)
         write_atomic(url, checked, before_commit)
 
-    def failing_write_bytes_atomic(url: str, data: bytes, before_commit=None) -> None:  # noqa: ANN001
+    def failing_write_bytes_atomic(url: str, data: bytes,
+                                   before_commit: Callable[[], None] | None = None) -> None:
         io_error("write", _target(url), url)  # an object store's upload (local: write_atomic)
         write_bytes_atomic(url, data, before_commit)
 
     def failing_load_torch(url: str) -> object:
         io_error("read", "file", url)
         return load_torch(url)
-
     storage.writer = lambda url: faulty(writer(url))
     storage.reader = lambda url: faulty(reader(url))
     storage.write_atomic, storage.write_bytes_atomic, storage.load_torch = \

@@ -1,28 +1,12 @@
 """Hang forensics: a collective timeout, torch's Flight Recorder on, and every rank's trace on disk.
 
     forensics.configure(run_dir, entries)        # before init_process_group: Flight Recorder env
-    dist.init_process_group(..., timeout=timedelta(seconds=collective_timeout_s))
     forensics.arm(run_dir)                       # the run directory exists: dump on SIGTERM
     forensics.mark_step(step)                    # each step: which step a collective belongs to
     error = forensics.watch(train, run_dir, cfg, device)   # a failed collective: dump, exit 2
 
-A collective that one rank never reaches leaves the others waiting: with the timeout they stop,
-and each rank writes what its Flight Recorder saw (every collective it issued: sequence number,
-op, sizes, the Python stack that issued it) to runs/<run_name>/flight_recorder/rank<N>, in torch's
-own dump format, plus where<N>.json: the rank's stack when it stopped and the wall-clock start of
-its recent steps (to tell which step each collective belonged to). `analyze_hang.py` reads them.
-
-NCCL: torch's watchdog dumps by itself on a timeout (TORCH_NCCL_DUMP_ON_TIMEOUT, into
-TORCH_FR_DUMP_TEMP_FILE<rank>): configure() points it at the same files, and a rank's own dump
-(torch's NCCL dump, _dump_nccl_trace) never replaces one the watchdog wrote. gloo records
-entries but writes no dump of its own (torch 2.14), so the series writes them: when a
-collective raises (gloo's timeout or a peer's error), and when torchrun stops a rank (SIGTERM)
-because another failed: a rank stuck outside any collective is the one whose stack matters most.
-
-Every process group is in the dumps (the default one, each DeviceMesh dimension's: pp, dp, tp,
-cp), and where<N>.json names each group's ranks and axis. gloo's recorder keeps no
-point-to-point operation (a pipeline's sends and receives): arm() records them here, in the
-recorder's own fields, into where<N>.json's "p2p" (NCCL's recorder has them in its dump).
+Each rank writes runs/<run_name>/flight_recorder/rank<N> (torch's dump; on NCCL the watchdog's)
+and where<N>.json (stack, steps, groups, gloo's p2p ops) for analyze_hang.py (DEBUGGING.md).
 """
 import collections
 import gc
@@ -36,6 +20,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from contextlib import suppress
 from typing import TypeVar
 
 import torch
@@ -47,56 +32,44 @@ from mingpt import errors
 T = TypeVar("T")
 DIR = "flight_recorder"  # under the run directory; analyze_hang.py reads it
 PREFIX = "rank"  # dump files rank0, rank1, ...: torch's analyzer infers the prefix from them
-# Steps whose start is kept, for mapping a collective to its step: enough for the Flight
-# Recorder's entries (a step issues at least one collective).
-STEP_MARKS = 4096
-# Errors that say a collective failed, not the program: gloo's timeout and a lost peer, a
-# mismatch that TORCH_DISTRIBUTED_DEBUG=DETAIL detected (or DETAIL's barrier before each
-# collective, timed out by a peer that never came), NCCL's watchdog. torch 2.14 raises
-# most of them as plain RuntimeErrors, so the message decides (DistError where torch uses it).
+STEP_MARKS = 4096  # steps whose start is kept: each issues at least one recorder entry
+# A collective failed, not the program: gloo's timeout, a lost peer, DETAIL's mismatch or its
+# barrier, NCCL's watchdog. Mostly plain RuntimeErrors (torch 2.14): the message decides.
 COLLECTIVE_FAILURE = re.compile(
     r"Timed out waiting|Connection (reset|closed) by peer|mismatch between collectives|"
     r"failed to pass monitoredBarrier|Watchdog caught collective operation timeout|"
     r"NCCL communicator was aborted")
 
-# The recorder's names of dtypes (c10's ScalarType), for the entries recorded here.
+# The recorder's names of dtypes (c10's ScalarType)
 SCALAR_TYPES = {torch.float32: "Float", torch.float16: "Half", torch.bfloat16: "BFloat16",
                 torch.float64: "Double", torch.int64: "Long", torch.int32: "Int",
                 torch.uint8: "Byte", torch.int8: "Char", torch.bool: "Bool"}
 
-# Module state, on purpose: a signal handler can reach nothing else, and the step marks must be
-# there whichever frame fails.
+# Module state: a signal handler reaches nothing else, and the marks outlive a failed frame.
 _marks: collections.deque = collections.deque(maxlen=STEP_MARKS)  # (step, time_ns)
 _armed: dict = {}  # {"run_dir": ...} once arm() ran: where SIGTERM's dump goes
-# gloo's point-to-point operations, as the recorder would keep them (its buffer's size); and
-# ProcessGroup's own send and recv, put back by disarm().
+# gloo's point-to-point ops as NCCL's recorder keeps them; torch's own send and recv (disarm).
 _p2p: collections.deque = collections.deque(maxlen=STEP_MARKS)
 _p2p_seq: dict = {}  # {group name: this rank's point-to-point ops issued in it so far}
 _unpatched: dict = {}
 
 
 def configure(run_dir: str, entries: int) -> None:
-    """Turn torch's Flight Recorder on (`entries` per rank; 0: off), for gloo and NCCL.
-
-    Environment variables, read when the process group is created, so before that. A value the
-    user set already wins (setdefault): e.g. a larger buffer for a long hang hunt."""
+    """Turn torch's Flight Recorder on (`entries` per rank; 0: off): before the process group."""
     if entries <= 0:
         return
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(entries))
-    # NCCL only: the watchdog writes <TORCH_FR_DUMP_TEMP_FILE><rank> when a collective times
-    # out, before it tears the process down. gloo ignores both (we dump ourselves, below).
+    # NCCL only: the watchdog dumps on a timeout, before the teardown (gloo: dump() below).
     os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
     os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", os.path.join(run_dir, DIR, PREFIX))
 
 
 def enabled() -> bool:
-    """Whether the Flight Recorder records (configure() ran with entries > 0, or the user's)."""
     return int(os.environ.get("TORCH_FR_BUFFER_SIZE", "0") or 0) > 0
 
 
 def arm(run_dir: str) -> None:
-    """From now on the run directory exists: make the dump folder (NCCL's watchdog writes into
-    it, but does not create it) and dump when torchrun stops this rank (SIGTERM)."""
+    """The run directory exists: make the dump folder, and dump when torchrun stops this rank."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return  # one process: nothing to wait for
     if enabled():
@@ -106,36 +79,28 @@ def arm(run_dir: str) -> None:
         _p2p.clear()  # this run's operations only (tests run several in one process)
         _p2p_seq.clear()
         record_p2p()
-    # Not under `python main.py` (no torchrun to stop the rank), never over a handler the
-    # program set itself, and gloo only: a Python handler runs only between bytecodes, so a
-    # rank blocked in an NCCL wait would outlive torchrun's SIGTERM by its grace period (30 s),
-    # where SIGTERM's default ends it at once; NCCL's ranks dump through torch's watchdog.
+    # Under torchrun, over no handler of the program's, gloo only: a Python handler runs between
+    # bytecodes, so a rank blocked in an NCCL wait would outlive SIGTERM by torchrun's grace.
     if "TORCHELASTIC_RUN_ID" in os.environ and dist.get_backend() == "gloo" and \
             signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _on_sigterm)
 
 
 def record_p2p() -> None:
-    """Record each send and recv of any group (what gloo's Flight Recorder leaves out).
-
-    Through ProcessGroup.send/recv, where torch.distributed's isend, irecv, send, recv and
-    batch_isend_irecv all end on gloo: what calls them (a pipeline schedule) is unchanged."""
-    from torch._C._distributed_c10d import ProcessGroup  # noqa: PLC0415  (gloo only)
-
+    """Record each send and recv at ProcessGroup's, where all of torch's end on gloo."""
     for op in ("send", "recv"):
-        original = getattr(ProcessGroup, op)
+        original = getattr(dist.ProcessGroup, op)
         _unpatched[op] = original
 
         def recorded(group, tensors, peer, tag=0, _op=op, _original=original):
             _record(group, _op, tensors, peer)
             return _original(group, tensors, peer, tag)
-
-        setattr(ProcessGroup, op, recorded)
+        setattr(dist.ProcessGroup, op, recorded)
 
 
 def _record(group, op: str, tensors: list, peer: int) -> None:
     """One entry as the Flight Recorder writes NCCL's: 'gloo:send 0->1' in group ranks."""
-    try:
+    with suppress(Exception):  # a record must never break the operation it records
         name = group.group_name
         _p2p_seq[name] = _p2p_seq.get(name, 0) + 1
         me = dist.get_group_rank(group, dist.get_rank())
@@ -146,21 +111,17 @@ def _record(group, op: str, tensors: list, peer: int) -> None:
                      "input_sizes": [list(t.shape) for t in tensors],
                      "input_dtypes": [SCALAR_TYPES.get(t.dtype, str(t.dtype)) for t in tensors],
                      "time_created_ns": time.time_ns()})
-    except Exception:  # a record must never break the operation it records
-        pass
 
 
 def groups() -> dict:
-    """{group name: {"desc", "ranks", "axes"}} of every group this rank is in: its ranks (gloo's
-    dump keys its one pg_config entry '' and names none), and the mesh dimensions it serves
-    (a dimension over every rank reuses the default group: its name says nothing of the axis)."""
+    """{group name: {"desc", "ranks", "axes"}} of every group this rank is in."""
     try:  # torch's registry of groups (private: a dump without it still names the ranks seen)
         names = dist.distributed_c10d._world.pg_names
         found = {name: {"desc": pg.group_desc, "ranks": dist.get_process_group_ranks(pg),
                         "axes": []} for pg, name in names.items()}
     except Exception:
         return {}
-    # The meshes alive: what each dimension is called (pp, dp, tp, cp) and which group it uses.
+    # The meshes alive name the axes (a dimension over every rank reuses the default group).
     for mesh in [o for o in gc.get_objects() if issubclass(type(o), DeviceMesh)]:
         for dim, axis in enumerate(getattr(mesh, "mesh_dim_names", None) or ()):
             try:
@@ -177,33 +138,26 @@ def disarm() -> None:
     if _armed.pop("run_dir", None) is not None and \
             signal.getsignal(signal.SIGTERM) is _on_sigterm:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    if _unpatched:  # send and recv as torch has them (the records stay, for the dump)
-        from torch._C._distributed_c10d import ProcessGroup  # noqa: PLC0415
-
-        for op, original in _unpatched.items():
-            setattr(ProcessGroup, op, original)
-        _unpatched.clear()
+    for op, original in _unpatched.items():  # send and recv as torch has them (records stay)
+        setattr(dist.ProcessGroup, op, original)
+    _unpatched.clear()
 
 
 def mark_step(step: int) -> None:
-    """The wall-clock start of `step` on this rank (on the Flight Recorder's clock): a collective
-    created after it and before the next mark belongs to that step. Costs an append."""
+    """`step` starts: a collective created from now until the next mark belongs to it."""
     _marks.append((step, time.time_ns()))
 
 
 def dump(run_dir: str, reason: str, stack: list[str]) -> str:
-    """This rank's Flight Recorder entries (where it records) and where it was; returns the
-    dump folder."""
+    """This rank's Flight Recorder entries and where it was; returns the dump folder."""
     folder = os.path.join(run_dir, DIR)
     os.makedirs(folder, exist_ok=True)
     rank = dist.get_rank()
     if enabled():  # torch's own dump (a pickle of a dict): what torchfrtrace reads
         nccl = "nccl" in str(dist.get_backend())
-        # NCCL's recorder is its own (the watchdog's dump); gloo's is the generic one.
         trace = (torch._C._distributed_c10d._dump_nccl_trace() if nccl
                  else torch._C._distributed_c10d._dump_fr_trace())
-        # The watchdog may have written this rank's file already, at the timeout itself: its
-        # dump, not ours, is the one to keep (it is taken before the communicator is aborted).
+        # NCCL: the watchdog's dump, taken before the abort, is the one to keep.
         _write(os.path.join(folder, f"{PREFIX}{rank}"), trace, replace=not nccl)
     where = {"rank": rank, "world_size": dist.get_world_size(), "host": socket.gethostname(),
              "pid": os.getpid(), "backend": dist.get_backend(), "reason": reason,
@@ -214,8 +168,7 @@ def dump(run_dir: str, reason: str, stack: list[str]) -> str:
 
 def _write(path: str, data: bytes, replace: bool = True) -> bool:
     """Written whole, then renamed: an analysis never reads half a dump. With replace=False, a
-    file already at `path` stays as it is (False returned): a hard link, unlike a rename, fails
-    when the name exists, so even a file written a moment earlier is never replaced."""
+    file already at `path` stays (False returned): a hard link fails where the name exists."""
     with open(path + ".tmp", "wb") as f:
         f.write(data)
     if replace:
@@ -231,8 +184,7 @@ def _write(path: str, data: bytes, replace: bool = True) -> bool:
 
 
 def _on_sigterm(signum: int, frame) -> None:
-    """torchrun stops this rank because another one failed: dump where it is, then die of
-    SIGTERM as before (torchrun reads the signal from the exit status)."""
+    """torchrun stops this rank because another one failed: dump, then die of SIGTERM."""
     run_dir = _armed.get("run_dir")
     if run_dir is not None:
         try:
@@ -245,27 +197,19 @@ def _on_sigterm(signum: int, frame) -> None:
 
 
 def is_collective_failure(error: BaseException) -> bool:
-    """A collective failed (timed out, lost its peer, mismatched), rather than the program."""
     return isinstance(error, dist.DistError) or (
         isinstance(error, RuntimeError) and bool(COLLECTIVE_FAILURE.search(str(error))))
 
 
 def watch(function: Callable[..., T], run_dir: str, *args) -> T:
-    """`function(*args)`; if a collective in it fails, this rank's dump, then one `error:` line
-    that names the dumps and the command that reads them, and exit status 2.
-
-    Anything else is re-raised as it was, after a dump too: a rank that crashes is part of the
-    picture the other ranks' dumps show. The line is printed at once, by every rank whose
-    collective failed (the others may be stuck elsewhere): torchrun stops the remaining ranks
-    as soon as one exits, and a line printed after the group's teardown could come too late."""
+    """`function(*args)`; a dump on any error, and for a failed collective one `error:` line and
+    exit status 2 (anything else is re-raised)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return function(*args)  # one process: no collective can wait for another
     try:
         return function(*args)
     except Exception as e:
-        # torchrun stops every rank as soon as one exits: a peer that failed a moment earlier
-        # must not cut this rank's dump and line short (torchrun sends SIGKILL after a grace
-        # period of its own, so ignoring SIGTERM cannot keep a rank alive).
+        # A peer's exit must not cut this dump and line short (torchrun's SIGKILL still ends it).
         disarm()
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -273,18 +217,14 @@ def watch(function: Callable[..., T], run_dir: str, *args) -> T:
         if not is_collective_failure(e):
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             raise
-    # gloo's "[.../unbound_buffer.cc:78] " prefix, DETAIL's "[Rank 0]: "
-    first = re.sub(r"^\[[^\]]*\]:? ", "", first)
+    first = re.sub(r"^\[[^\]]*\]:? ", "", first)  # gloo's "[.../x.cc:78] ", DETAIL's "[Rank 0]: "
     # DETAIL's fingerprints spell out every TensorOptions field: the shapes are what differ.
     first = re.sub(r", TensorDeviceTypes=TensorOptions\(.*?\(nullopt\)\)", "", first)
-    # Every rank whose collective failed says so at once: one write per line (errors.report),
-    # so that two ranks' lines never come out joined into one.
+    # At once, by every failed rank (torchrun stops the rest as soon as one exits), whole.
     errors.report(f"rank {dist.get_rank()}: a collective failed ({first}); every rank's trace "
                   f"is in {folder}: python analyze_hang.py {folder}")
-    # Said and written: from here on torchrun's SIGTERM may end the teardown, as before.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    # SystemExit, as errors.fail: main.py's `finally` still leaves the process group.
-    raise SystemExit(2)
+    raise SystemExit(2)  # as errors.fail: main.py's `finally` still leaves the process group
 
 
 def load_dump(path: str) -> dict:

@@ -1,8 +1,4 @@
-"""What the logs report: rank-0 printing, the versions line, the trainer's lines and scalars.
-
-    print0("only global rank 0 prints this")
-    log = TrainLog(device, devices, run_dir, flops_per_token, precision, dp_size)
-"""
+"""What the logs report: print0 (rank 0 only), the versions line, TrainLog's lines and scalars."""
 import contextlib
 import os
 import platform
@@ -41,14 +37,7 @@ def print_versions(device: torch.device) -> None:
 class TrainLog:
     """The trainer's log lines and TensorBoard scalars: train loss (all-reduced over ranks),
     lr, tokens/s, MFU and peak memory per interval; validation losses; the time spent
-    evaluating and saving; every rank's memory at the end. Global rank 0 prints and writes.
-
-        log = TrainLog(device, devices, run_dir, flops_per_token, precision, dp_size)
-        log.add(loss, tokens)              # every micro-step: on the device, no host sync
-        log.timer.mark("forward")          # where the step's time goes (profiling.StepTimer)
-        log.train_line(step, max_steps, lr)     # every log_every steps (one all-reduce)
-        with log.paused("evaluation"): ...      # not counted in tokens/s
-    """
+    evaluating and saving; every rank's memory at the end. Global rank 0 prints and writes."""
 
     def __init__(self, device: torch.device, devices: list[torch.device], run_dir: str,
                  flops_per_token: float, precision: str, dp_size: int,
@@ -69,8 +58,8 @@ class TrainLog:
         self.t_log = time.perf_counter()  # start of the current log interval
         # Seconds spent evaluating and saving snapshots (summary() reports their share).
         self.paused_s = {"evaluation": 0.0, "snapshots": 0.0}
-        # Memory: this rank's model-state bytes (counted once, at the first step's end, when
-        # gradients and optimizer state exist) and every rank's setup peak (start_training).
+        # Memory: this rank's model-state bytes (counted once, when gradients and optimizer
+        # state exist) and every rank's setup peak (start_training).
         self.model_state: dict[str, int] | None = None
         self.setup_peak_mb: list[float] = []
         self.writer = None  # TensorBoard's, on rank 0 only: the other ranks never import it
@@ -135,18 +124,15 @@ class TrainLog:
         print0(" | ".join(filter(None, [line, experts, f"peak memory {max(memory):,.0f} MB",
                                         breakdown(phases)])))
         if self.writer:
-            self.writer.add_scalar("train/loss", loss, step)
-            self.writer.add_scalar("train/lr", lr, step)
-            self.writer.add_scalar("perf/tokens_per_s", tokens_per_s, step)
+            scalars = {"train/loss": loss, "train/lr": lr, "perf/tokens_per_s": tokens_per_s}
             if peak:
-                self.writer.add_scalar("perf/mfu", utilisation, step)
-            for r, mb in enumerate(memory):
-                self.writer.add_scalar(f"memory/peak_mb_rank{r}", mb, step)
-            for phase, ms in phases.items():
-                self.writer.add_scalar(f"time/{phase}_ms", ms, step)
+                scalars["perf/mfu"] = utilisation
+            scalars |= {f"memory/peak_mb_rank{r}": mb for r, mb in enumerate(memory)}
+            scalars |= {f"time/{phase}_ms": ms for phase, ms in phases.items()}
             if experts:
-                for name, value in self.expert_values.items():
-                    self.writer.add_scalar(f"experts/{name}", value, step)
+                scalars |= {f"experts/{name}": v for name, v in self.expert_values.items()}
+            for name, value in scalars.items():
+                self.writer.add_scalar(name, value, step)
         self.aux_sum.zero_()
         self.expert_tokens = None
         self.loss_sum.zero_()
@@ -159,13 +145,11 @@ class TrainLog:
         rank 0 routed them (its own tokens and layers: no collective)."""
         if self.expert_tokens is None or not self.loss_count:
             return ""
-        # Per micro-step, as the counts were summed over the interval's micro-steps; the
-        # extremes over every layer and expert: an expert starved or swamped shows in one.
+        # Per micro-step; the extremes over every layer and expert show one starved or swamped.
         per_step = self.expert_tokens / self.loss_count  # (layers, experts)
-        self.expert_values = {"aux_loss": self.aux_sum.item() / self.loss_count,
-                              "tokens_min": per_step.min().item(),
-                              "tokens_max": per_step.max().item()}
-        v = self.expert_values
+        v = self.expert_values = {"aux_loss": self.aux_sum.item() / self.loss_count,
+                                  "tokens_min": per_step.min().item(),
+                                  "tokens_max": per_step.max().item()}
         return (f"aux {v['aux_loss']:.3f} | tokens/expert "
                 f"{v['tokens_min']:.0f}-{v['tokens_max']:.0f}")
 
@@ -186,9 +170,8 @@ class TrainLog:
         rows = {"setup peak": self.setup_peak_mb, "training peak": peak_memory_mb(self.devices)}
         for key in ("parameters", "gradients", "optimizer"):
             rows[key] = [s[key] / 2**20 if s else 0.0 for s in states]
-        print0("memory per rank (MB; peaks: " + ("CUDA allocated, per GPU"
-                                                 if self.device.type == "cuda"
-                                                 else "resident set size") + "):")
+        kind = "CUDA allocated, per GPU" if self.device.type == "cuda" else "resident set size"
+        print0(f"memory per rank (MB; peaks: {kind}):")
         for name, values in rows.items():
             print0(f"  {name:<14}" + "".join(f"{v:>12,.1f}" for v in values))
         if self.writer:

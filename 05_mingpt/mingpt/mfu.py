@@ -1,15 +1,11 @@
-"""Model FLOPs utilisation: the GPUs' peak FLOP/s and the share of it a run achieves.
-
-    mfu(flops_per_token, tokens_per_s, peak_flops(device_name(device), "bf16"), devices=world)
-"""
+"""Model FLOPs utilisation: the GPUs' peak FLOP/s and the share of it a run achieves."""
 import re
 
 import torch
 
-# Dense peak FLOP/s per GPU and precision, from the vendors' datasheets: bf16/fp16 on tensor
-# cores (fp32 accumulation), fp32 without TF32 (torch's default for fp32 matmuls). The pattern
-# must match the whole of torch.cuda.get_device_name(): "NVIDIA L40" is not an L4 and
-# "NVIDIA RTX A1000" not an A100. MFU = achieved model FLOP/s / this peak; none for other GPUs.
+# Dense peak FLOP/s per GPU and precision (vendors' datasheets): bf16/fp16 on tensor cores, fp32
+# without TF32 (torch's default). A pattern must match the whole of torch.cuda.get_device_name():
+# "NVIDIA L40" is not an L4, "NVIDIA RTX A1000" not an A100.
 PEAK_FLOPS = (
     (r"NVIDIA H200", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}),
     (r"NVIDIA H200 NVL", {"bf16": 835e12, "fp16": 835e12, "fp32": 60e12}),
@@ -27,10 +23,8 @@ PEAK_FLOPS = (
 )
 
 
-
 def peak_flops(name: str | None, precision: str) -> float | None:
-    """Peak FLOP/s of the GPU called `name` at `precision`; None on a CPU (name None), on a GPU
-    the table does not know, or at a precision it lacks."""
+    """Peak FLOP/s of the GPU `name` at `precision`; None on a CPU (None) or where unknown."""
     if name is None:
         return None
     peaks = next((p for pattern, p in PEAK_FLOPS if re.fullmatch(pattern, name)), {})
@@ -38,11 +32,9 @@ def peak_flops(name: str | None, precision: str) -> float | None:
 
 
 def device_name(device: torch.device) -> str | None:
-    """The GPU's name as CUDA reports it; None for a CPU."""
     return torch.cuda.get_device_name(device) if device.type == "cuda" else None
 
 
 def mfu(flops_per_token: float, tokens_per_s: float, peak: float, devices: int) -> float:
-    """Model FLOPs utilisation: the model's FLOP/s over the peak of all `devices` that worked
-    (every GPU of every rank: nn.DataParallel's one process drives several)."""
+    """The model's FLOP/s over the peak of all `devices` that worked (every GPU of every rank)."""
     return flops_per_token * tokens_per_s / (peak * devices)

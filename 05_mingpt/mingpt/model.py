@@ -1,17 +1,6 @@
 """A minGPT-style GPT: token + position embeddings, a stack of transformer blocks, a tied LM head.
-
-Four options from recent recipes (modded-nanogpt's speedrun), each off by default because
-GPT-2's weights cannot hold it (export_hf.py refuses them): `rotary` positions in place of the
-learned position embedding, `qk_norm` (RMSNorm on each head's queries and keys), `relu2`
-(ReLU squared in place of GELU) and `untied_head` (an output layer of its own).
-
-This file is plain PyTorch with no distributed code: the trainer wraps the model (DDP, or FSDP
-per entry of `self.blocks`) after it is built. The layout and parameter names follow GPT-2
-(`c_attn`, `c_fc`, `c_proj`, `ln_1`, ...), so GPT-2 weights map onto it one to one (their Conv1D
-weights are stored transposed).
-
-    from mingpt.model import GPT, GPTConfig
-    model = GPT(GPTConfig(model_type="gpt-mini", vocab_size=65, block_size=128))
+Plain PyTorch with no distributed code; GPT-2's names (`c_attn`, `ln_1`, ...), so its weights map
+one to one. OPTIONS: four from modded-nanogpt's speedrun, off by default (GPT-2 lacks them).
 """
 import math
 from collections.abc import Callable
@@ -27,8 +16,7 @@ PRESETS: dict[str, dict[str, int]] = {
     "gpt-nano": dict(n_layer=3, n_head=3, n_embd=48),
     "gpt-micro": dict(n_layer=4, n_head=4, n_embd=128),
     "gpt-mini": dict(n_layer=6, n_head=6, n_embd=192),
-    # gpt-micro with 4 experts per block, one per token: gpt-micro's active parameters per
-    # token (plus each router's 4 x 128), four times its MLP weights (MOE.md).
+    # gpt-micro with 4 experts per block, one per token: gpt-micro's active parameters (MOE.md).
     "gpt-micro-moe": dict(n_layer=4, n_head=4, n_embd=128, n_expert=4, expert_top_k=1),
     "gopher-44m": dict(n_layer=8, n_head=16, n_embd=512),
     "gpt2": dict(n_layer=12, n_head=12, n_embd=768),  # 124M parameters
@@ -50,16 +38,12 @@ class GPTConfig:
     block_size: int | None = None  # longest context the model sees; set from the dataset
     dropout: float = 0.1  # embedding, attention and residual dropout
     bias: bool = True  # biases in Linear and LayerNorm layers, as in GPT-2
-    # Mixture of experts (MOE.md): n_expert MLPs per block instead of one (0: the dense MLP),
-    # expert_top_k of them per token, picked by a learned softmax router; aux_loss_coef weighs
-    # the Switch Transformer load-balancing loss added to the training loss.
+    # Mixture of experts (MOE.md): n_expert MLPs per block (0: the dense MLP), expert_top_k of
+    # them per token; aux_loss_coef weighs the load-balancing loss added to the training loss.
     n_expert: int = 0
     expert_top_k: int = 1
     aux_loss_coef: float = 0.01
-    # Options GPT-2 does not have (module docstring): rotary position embeddings (RoFormer)
-    # instead of wpe, queries and keys RMS-normalised per head, ReLU(x)^2 in the MLP, and an
-    # output layer apart from the token embedding.
-    rotary: bool = False
+    rotary: bool = False  # this and the next three: options GPT-2 lacks (OPTIONS)
     qk_norm: bool = False
     relu2: bool = False
     untied_head: bool = False
@@ -71,11 +55,7 @@ def _is_positive_int(value: object) -> bool:
 
 
 def resolve_config(cfg: GPTConfig) -> GPTConfig:
-    """Return a copy with the preset's sizes filled in; ValueError (one line) if it is invalid.
-
-    A preset fixes n_layer/n_head/n_embd; giving different sizes as well is an error rather than
-    a silent override, so a config always says what it trains. Resolving twice is harmless.
-    """
+    """A copy with the preset's sizes filled in; ValueError (one line) if invalid or off-preset."""
     sizes = {key: getattr(cfg, key) for key in SIZE_KEYS}
     if cfg.model_type is not None:
         if cfg.model_type not in PRESETS:
@@ -128,8 +108,7 @@ def resolve_config(cfg: GPTConfig) -> GPTConfig:
     return replace(cfg, **sizes)
 
 
-# GPTConfig's options GPT-2 lacks, and what GPT-2 has instead (pretrained.py and export_hf.py
-# refuse them in one line each).
+# GPTConfig's options GPT-2 lacks -> what it has instead (pretrained.py, export_hf.py refuse them).
 OPTIONS = {"rotary": "learned position embeddings (wpe), not rotary ones",
            "qk_norm": "no norm on its queries and keys",
            "relu2": "GELU in its MLPs, not ReLU squared",
@@ -138,11 +117,7 @@ OPTIONS = {"rotary": "learned position embeddings (wpe), not rotary ones",
 
 def rotate(x: torch.Tensor, pos: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
     """Rotary position embedding (RoFormer): x (B, nh, T, hs) with each channel pair (i, i +
-    hs/2) turned by the angle pos * base^(-2i/hs), pos (T,) the tokens' positions.
-
-    A query at position m and a key at n then score q_m . k_n as a function of m - n only:
-    attention sees relative positions, and no position table is learned. The angles in fp32,
-    the product in x's dtype (bf16 under autocast)."""
+    hs/2) turned by pos * base^(-2i/hs), pos (T,): q_m . k_n then depends on m - n only."""
     half = x.size(-1) // 2
     inv_freq = base ** -(torch.arange(half, dtype=torch.float32, device=x.device) / half)
     angles = pos.to(torch.float32)[:, None] * inv_freq[None, :]  # (T, hs / 2)
@@ -152,12 +127,8 @@ def rotate(x: torch.Tensor, pos: torch.Tensor, base: float = 10000.0) -> torch.T
 
 
 class KVCache:
-    """One block's keys and values of the positions processed so far, for generate.
-
-    Allocated at the first update for `size` positions, in the keys' dtype and device (so it
-    follows autocast and FSDP's mixed precision); each step then writes only its new positions.
-    A plain object, updated in place: FSDP rebuilds lists and dataclasses in forward arguments.
-    """
+    """One block's keys and values of the positions processed so far, for generate. A plain
+    object, updated in place: FSDP rebuilds lists and dataclasses in forward arguments."""
 
     def __init__(self, size: int) -> None:
         self.size = size
@@ -166,9 +137,8 @@ class KVCache:
         self.v: torch.Tensor | None = None
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the new positions' k, v (B, nh, T, hs) after the cached ones; return the keys
-        and values of every position so far, (B, nh, length, hs) each."""
-        if self.k is None:
+        """Store k, v (B, nh, T, hs) after the cached ones; return all, (B, nh, length, hs) each."""
+        if self.k is None:  # first use: the keys' dtype (autocast, FSDP's mixed precision)
             self.k = k.new_empty(k.size(0), k.size(1), self.size, k.size(3))
             self.v = v.new_empty(v.size(0), v.size(1), self.size, v.size(3))
         start, self.length = self.length, self.length + k.size(2)  # k.size(2): new positions
@@ -179,9 +149,7 @@ class KVCache:
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float
                      ) -> torch.Tensor:
-    """softmax(q k^T / sqrt(hs)) v over the lower triangle: (B, nh, T, hs) each -> (B, nh, T, hs).
-
-    Masked inside the kernel (is_causal): flash / memory-efficient on a GPU, flash on a CPU."""
+    """softmax(q k^T / sqrt(hs)) v, masked in the kernel (is_causal): (B, nh, T, hs) -> same."""
     return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
 
 
@@ -194,11 +162,9 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
         self.rotary, self.qk_norm = config.rotary, config.qk_norm
         # How q, k, v become the output when nothing is cached: a plain attribute, so that a
-        # wrapper can put another implementation of the same function here (context
-        # parallelism's ring attention, parallel/context.py) without touching this file.
+        # wrapper can put another here (context parallelism's ring attention, parallel/context.py).
         self.attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float],
                               torch.Tensor] = causal_attention
-        # One matmul computes queries, keys and values for all heads at once.
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
@@ -206,20 +172,16 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, cache: KVCache | None = None,
                 pos: torch.Tensor | None = None) -> torch.Tensor:
         """x (B, T, C) -> (B, T, C). With a cache, x holds only the positions after the cached
-        ones: they also attend to the cached keys and values, and their own are added to it.
-        pos (T,): x's positions in its sequence (rotary needs them; GPT.forward passes them)."""
+        ones, which they also attend to. pos (T,): x's positions in its sequence (for rotary)."""
         B, T, _ = x.size()  # batch, sequence length, n_embd
         qkv = self.c_attn(x)  # (B, T, 3 * C)
-        # C is this process's share of the heads' channels: n_embd, or n_embd / tp when a
-        # tensor-parallel wrapper split the heads over tp processes (parallel/tensor.py). So
-        # the head count nh comes from the width, never from the config.
+        # C is this process's share of the heads' channels: n_embd / tp where tensor
+        # parallelism split the heads (parallel/tensor.py), so nh comes from the width.
         C = qkv.size(2) // 3
         nh = C // self.head_size
-        q, k, v = qkv.split(C, dim=2)  # 3 x (B, T, C)
         # Split channels into heads and move heads next to batch: attention runs per head.
-        q = q.view(B, T, nh, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, nh, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, nh, self.head_size).transpose(1, 2)  # (B, nh, T, hs)
+        q, k, v = (t.view(B, T, nh, self.head_size).transpose(1, 2)  # 3 x (B, nh, T, hs)
+                   for t in qkv.split(C, dim=2))  # 3 x (B, T, C)
         if self.qk_norm:  # each head's vectors to RMS 1: the scores' scale stays bounded
             q, k = F.rms_norm(q, (self.head_size,)), F.rms_norm(k, (self.head_size,))
         if self.rotary:  # before the cache: cached keys keep their own positions' angles
@@ -228,18 +190,15 @@ class CausalSelfAttention(nn.Module):
         if cache is not None:
             past = cache.length
             k, v = cache.update(k, v)  # (B, nh, past + T, hs): keys of earlier positions first
-        # Query i is at position past + i and may see keys 0..past + i. Nothing cached: the
-        # lower triangle (self.attend). One new query after cached ones sees every key: no
-        # mask. Several need the shifted triangle as a bool mask (True: attend); a 0/1 *float*
-        # mask would be added to the scores and mask nothing. Dropout on the attention weights
-        # only while training.
+        # Query i is at position past + i and sees keys 0..past + i: nothing cached, the lower
+        # triangle (self.attend); one new query, every key; several, the shifted triangle as a
+        # bool mask (True: attend; a 0/1 *float* mask would be added to the scores).
         dropout_p = self.dropout if self.training else 0.0
         if past == 0:
             y = self.attend(q, k, v, dropout_p)  # (B, nh, T, hs)
         else:
-            mask = None
-            if T > 1:
-                mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
+            mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past) \
+                if T > 1 else None
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                                dropout_p=dropout_p)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
@@ -247,8 +206,7 @@ class CausalSelfAttention(nn.Module):
 
 
 def activation(x: torch.Tensor, relu2: bool) -> torch.Tensor:
-    """The MLP's nonlinearity: GELU's tanh approximation (GPT-2 was trained with it: weight
-    parity), or with relu2 ReLU(x)^2 (Primer; modded-nanogpt's)."""
+    """GELU's tanh approximation (GPT-2's own: weight parity), or with relu2 ReLU(x)^2 (Primer)."""
     return F.relu(x).square() if relu2 else F.gelu(x, approximate="tanh")
 
 
@@ -280,9 +238,7 @@ class ExpertLinear(nn.Module):
 def expert_mlp(x: torch.Tensor, counts: list[int], c_fc: ExpertLinear | tuple,
                c_proj: ExpertLinear | tuple, relu2: bool = False) -> torch.Tensor:
     """Each expert's MLP on its own rows: x (N, C) sorted by expert, counts[e] rows for expert
-    e -> (N, C). c_fc and c_proj give (weight, bias) per expert along dim 0 of their tensors.
-
-    A loop over the experts (a handful here); a GPU kernel would use one grouped matmul."""
+    e -> (N, C). c_fc and c_proj give (weight, bias) per expert along dim 0 of their tensors."""
     # unbind: one view per expert, whose backward stacks the experts' gradients once (indexing
     # w[e] would give each expert a zero-filled gradient of the whole stack).
     (w_fc, b_fc), (w_proj, b_proj) = ((t.unbind(0) if t is not None else None for t in pair)
@@ -299,11 +255,8 @@ def expert_mlp(x: torch.Tensor, counts: list[int], c_fc: ExpertLinear | tuple,
 
 
 class Experts(nn.Module):
-    """n_expert MLPs (widen 4x, GELU, project back), each on the tokens routed to it.
-
-    forward(x, counts): x (N, C) sorted by expert id, counts (n_expert,) on the host. Expert
-    parallelism replaces this module's class with one that sends the rows to the ranks holding
-    their experts and back (parallel/expert.py): the same inputs, the same outputs."""
+    """n_expert MLPs on x (N, C) sorted by expert id, counts (n_expert,) rows each. Expert
+    parallelism (parallel/expert.py) swaps in a class that sends the rows to their experts."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -318,20 +271,8 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    """A mixture of experts in the MLP's place (Switch Transformer, GShard), dropless.
-
-    Router: a Linear to n_expert logits and a softmax over them; each token goes to its
-    expert_top_k most probable experts, their outputs weighted by those probabilities
-    renormalised to sum to 1 (top-1: the weight is 1 but keeps the gradient of p / p). No
-    capacity limit: every token reaches its experts, none is dropped, so an expert's rows vary
-    from batch to batch (the expert loop and the all-to-all take any counts).
-
-    Load balancing (Switch Transformer eq. 4): aux = n_expert * sum_e f_e * P_e, f_e the
-    fraction of the (token, choice) pairs routed to expert e, P_e the mean router probability
-    of e; 1 when the load is uniform. GPT.forward adds aux_loss_coef times its mean over the
-    blocks to the training loss's gradient (AuxLossGrad). After each forward `aux_loss` (a
-    tensor) and `counts` (rows per expert, this rank's tokens) stay here for the log
-    (mingpt/log.py)."""
+    """A dropless mixture of experts in the MLP's place (Switch Transformer; MOE.md). After each
+    forward `aux_loss` (the load-balancing loss) and `counts` (rows per expert) stay for the log."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -364,11 +305,9 @@ class MoE(nn.Module):
 
 
 class AuxLossGrad(torch.autograd.Function):
-    """carrier unchanged; in backward, `aux` also gets a gradient: scale times the carrier's
-    where the carrier is the (scalar) loss, so that the loss's scaling (gradient accumulation,
-    fp16's scaler) applies to it too; `scale` itself where the carrier is an activation (a
-    pipeline stage, whose blocks never see the loss: parallel/pipeline.py). Megatron-LM's
-    MoEAuxLossAutoScaler does the same: the training loss keeps its cross-entropy value."""
+    """carrier unchanged; in backward `aux` also gets a gradient: scale times the carrier's
+    where it is the scalar loss (so the loss's scaling applies to it too), else `scale` (a
+    pipeline stage's activation). As Megatron-LM's MoEAuxLossAutoScaler."""
 
     @staticmethod
     def forward(ctx, carrier: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
@@ -415,8 +354,7 @@ class GPT(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        config = resolve_config(config)
-        self.config = config
+        self.config = config = resolve_config(config)
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)  # token embedding
         # Learned position embedding; none with rotary (each attention turns q and k instead).
         self.wpe = None if config.rotary else nn.Embedding(config.block_size, config.n_embd)
@@ -425,27 +363,20 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        # Weight tying: the output layer reuses the token embedding (one tensor, fewer parameters,
-        # and the same vector both reads and writes a token); untied_head keeps them apart.
+        # Weight tying: the output layer reuses the token embedding; untied_head keeps them apart.
         if not config.untied_head:
             self.wte.weight = self.lm_head.weight
         self.init_weights()
 
     def init_weights(self, fill: Callable[[torch.Tensor, Callable], object] | None = None
                      ) -> None:
-        """GPT-2's initialisation, drawn from torch's global RNG in a fixed order.
-
-        `fill(param, init)` gives `param` its values; `init` fills a tensor of the parameter's
-        full shape in place (e.g. `nn.init.normal_` with GPT-2's std). The default runs it on
-        the parameter itself. A model whose parameters are shards (built on the meta device,
-        then sharded) passes a `fill` that draws the full tensor and keeps its own part, so
-        every rank gets exactly the numbers this model would hold (parallel/fsdp.py).
-        """
+        """GPT-2's initialisation, drawn from torch's global RNG in a fixed order. `fill(param,
+        init)` gives `param` its values; a sharded model passes one that draws the full tensor
+        and keeps its own part, so every rank gets this model's numbers (parallel/fsdp.py)."""
         fill = fill or (lambda param, init: init(param))
-        # N(0, 0.02) weights, zero biases; LayerNorm ones/zeros (its defaults: no draws, but a
-        # model built on the meta device has no values at all until now). modules() visits
-        # them in the order they were built, so the draws come in a fixed order. The tied
-        # wte/lm_head weight is drawn twice (as wte, then as lm_head): the second draw stays.
+        # N(0, 0.02) weights, zero biases; LayerNorm ones/zeros (a model built on the meta
+        # device has no values until now). modules() visits them in the order they were built;
+        # the tied wte/lm_head weight is drawn twice (as wte, then as lm_head): the second stays.
         for module in self.modules():
             if isinstance(module, nn.Linear | nn.Embedding | ExpertLinear):
                 fill(module.weight, partial(nn.init.normal_, mean=0.0, std=0.02))
@@ -454,8 +385,7 @@ class GPT(nn.Module):
             if isinstance(module, nn.Linear | nn.LayerNorm | ExpertLinear) \
                     and module.bias is not None:
                 fill(module.bias, nn.init.zeros_)
-        # GPT-2: each block adds two residual projections to the stream; scale them down so the
-        # variance of the residual stream does not grow with depth.
+        # GPT-2: residual projections scaled down, so the stream's variance stays flat with depth.
         std = 0.02 / math.sqrt(2 * self.config.n_layer)
         for name, param in self.named_parameters():
             if name.endswith("c_proj.weight"):
@@ -464,16 +394,9 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
                 caches: list[KVCache] | None = None, positions: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits (B, T, vocab_size), and the mean cross-entropy when targets are given.
-
-        Targets equal to -1 are ignored (padding). With caches (one KVCache per block, as
-        generate makes them), idx holds only the tokens after the cached positions.
-        `positions` (T,): where in its sequence each token of idx stands, for the position
-        embedding; by default past, past + 1, ... A caller that passes some pieces of longer
-        sequences (context parallelism, parallel/context.py) gives their real positions; the
-        causal order across those pieces is then the job of the attention it installs
-        (CausalSelfAttention.attend).
-        """
+        """Logits (B, T, vocab_size), and the mean cross-entropy when targets are given (-1:
+        ignored). With caches (one KVCache per block), idx holds only the uncached tokens.
+        `positions` (T,): each token's place in its sequence (by default past, past + 1, ...)."""
         B, T = idx.size()
         past = caches[0].length if caches else 0  # positions already in the caches
         if past + T > self.config.block_size:
@@ -489,18 +412,15 @@ class GPT(nn.Module):
                                    ignore_index=-1)
             moe = self.moe_layers()
             if moe and self.training and self.config.aux_loss_coef:
-                # The experts' load-balancing loss, in training only: its gradient joins the
-                # loss's, and the loss keeps the value of the cross-entropy (what the log and a
-                # dense model report).
+                # The experts' balancing loss (training only) joins the gradient, not the value.
                 aux = torch.stack([m.aux_loss for m in moe]).mean()
                 loss = AuxLossGrad.apply(loss, aux, self.config.aux_loss_coef)
         return logits, loss
 
     def layers(self, x: torch.Tensor, pos: torch.Tensor, caches: list[KVCache] | None = None,
                first: bool = True) -> torch.Tensor:
-        """The residual stream (B, T, C) after every block of `self.blocks`; with `first`, x is
-        token ids (B, T), embedded first. A pipeline stage (parallel/pipeline.py) runs this and
-        `head` on its own blocks and ends: the one forward of the GPT."""
+        """The residual stream (B, T, C) after every block; with `first`, x is token ids (B, T),
+        embedded first. A pipeline stage runs this and `head` on its own blocks and ends."""
         if first:
             x = self.drop(self.embed(x, pos))  # (B, T, C)
         for block, cache in zip(self.blocks, caches or [None] * len(self.blocks), strict=True):
@@ -512,25 +432,18 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
     def embed(self, idx: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Token embeddings (B, T, C), plus the positions' (T, C) where the model learns them
-        (broadcast over the batch); with rotary the attention places the tokens instead."""
+        """Token embeddings (B, T, C), plus the learned positions' (T, C) unless rotary."""
         x = self.wte(idx)
         return x if self.wpe is None else x + self.wpe(pos)
 
     def moe_layers(self) -> list["MoE"]:
-        """The blocks' MoE layers (none in a dense model), in block order."""
         return [m for m in self.modules() if isinstance(m, MoE)]
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, do_sample: bool = True) -> torch.Tensor:
         """Append max_new_tokens tokens to idx (B, T), one at a time; returns (B, T + new).
-
-        Call model.eval() first (dropout off). temperature < 1 sharpens the distribution,
-        top_k keeps only the k most likely tokens, do_sample=False always takes the most likely.
-        With FSDP every rank must call it: each step runs the root's forward, `self(...)`,
-        whose hooks gather the sharded weights.
-        """
+        Call model.eval() first; with FSDP on every rank (the root's forward gathers weights)."""
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         if not temperature > 0:
@@ -540,9 +453,7 @@ class GPT(nn.Module):
         block_size = self.config.block_size
         # The model has position embeddings for block_size positions only: keep the tail.
         idx_cond = idx[:, -block_size:]  # (B, <= block_size)
-        # A KV cache: every block keeps the keys and values of the positions it has processed,
-        # so the prompt goes through the model once and then each step processes only the
-        # newest token, instead of the whole sequence again (~T times less work per step).
+        # A KV cache per block: after the prompt, each step processes only the newest token.
         size = min(block_size, idx_cond.size(1) + max_new_tokens)
         caches: list[KVCache] | None = [KVCache(size) for _ in self.blocks]
         # Eagerly, even where training compiled the model: every new length (and the cache
@@ -550,9 +461,8 @@ class GPT(nn.Module):
         with torch.compiler.set_stance("force_eager"):
             for _ in range(max_new_tokens):
                 if caches is not None and caches[0].length + idx_cond.size(1) > block_size:
-                    # The context is full. Keeping only the last block_size tokens moves each
-                    # one to another position, and the cached keys and values were computed at
-                    # the old ones: from now on, run the whole cropped sequence every step.
+                    # The context is full: cropping moves every token to another position than
+                    # its cached keys and values, so from now on run the whole cropped sequence.
                     caches, idx_cond = None, idx[:, -block_size:]
                 logits, _ = self(idx_cond, caches=caches)  # (B, T_cond, vocab_size)
                 idx_next = next_token(logits[:, -1, :], temperature, top_k, do_sample)  # (B, 1)
@@ -561,7 +471,6 @@ class GPT(nn.Module):
         return idx
 
     def describe(self) -> str:
-        """One line for the log: size and shape."""
         c = self.config
         experts = (f", {c.n_expert} experts, top {c.expert_top_k}: "
                    f"{self.num_active_params():,} active") if c.n_expert else ""
@@ -569,12 +478,8 @@ class GPT(nn.Module):
                 f"{c.n_embd} wide, vocab {c.vocab_size}, block {c.block_size}{experts})")
 
     def num_params(self, non_embedding: bool = False) -> int:
-        """Number of parameters (the tied embedding / lm_head weight counts once).
-
-        non_embedding=True leaves out the position embedding. The token embedding stays where it
-        is tied to lm_head: it is also the output matmul, which costs compute like any other
-        weight. An untied one is a lookup only, and left out too.
-        """
+        """Number of parameters (the tied weight once); non_embedding=True leaves out the position
+        embedding, and the token embedding when untied (tied, it is also the output matmul)."""
         n = sum(p.numel() for p in self.parameters())
         if non_embedding:
             if self.wpe is not None:  # rotary: no position table
@@ -584,40 +489,25 @@ class GPT(nn.Module):
         return n
 
     def num_active_params(self) -> int:
-        """The non-embedding parameters one token computes with: of each block's experts only
-        expert_top_k (the router and everything else whole). A dense model: all of them."""
+        """Non-embedding parameters one token computes with: of each block's experts only top_k."""
         c = self.config
         experts = sum(p.numel() for m in self.moe_layers() for p in m.experts.parameters())
         inactive = experts - experts // c.n_expert * c.expert_top_k if c.n_expert else 0
         return self.num_params(non_embedding=True) - inactive
 
     def flops_per_token(self) -> float:
-        """Training FLOPs per token (forward + backward), PaLM paper appendix B.
-
-        6 FLOPs per active weight per token (2 forward, 4 backward) plus attention's score
-        and weighted-sum matmuls over a full context: 12 * n_layer * n_embd * block_size.
-        """
+        """Training FLOPs per token (PaLM appendix B): 6 per active weight + attention's matmuls."""
         cfg = self.config
-        return 6.0 * self.num_active_params() + 12.0 * cfg.n_layer * cfg.n_embd \
-            * cfg.block_size
+        return 6.0 * self.num_active_params() + 12.0 * cfg.n_layer * cfg.n_embd * cfg.block_size
 
     def optim_groups(self, weight_decay: float, muon: bool = False) -> list[dict]:
-        """AdamW parameter groups: weight decay on Linear weights only; with `muon`, first a
-        group of the blocks' Linear and expert weights marked {"muon": True} (mingpt/muon.py).
-
-        Biases, LayerNorm and Embedding weights are not decayed (the tied wte/lm_head weight is
-        an embedding, so it is not decayed either). Parameters are grouped by identity, found
-        through the modules that own them, so this still works after DDP/FSDP wrapping or
-        activation checkpointing has changed parameter names.
-        """
-        decay: set[int] = set()
-        no_decay: set[int] = set()
+        """AdamW groups, decay on Linear weights only (not the tied embedding); with `muon` first
+        the blocks' matrices, {"muon": True}. By identity: wrapping may rename parameters."""
+        decay, no_decay = set(), set()  # parameter ids
         for module in self.modules():
             for name, param in module.named_parameters(recurse=False):
-                if isinstance(module, nn.Linear | ExpertLinear) and name == "weight":
-                    decay.add(id(param))
-                else:
-                    no_decay.add(id(param))
+                weight = isinstance(module, nn.Linear | ExpertLinear) and name == "weight"
+                (decay if weight else no_decay).add(id(param))
         decay -= no_decay  # a weight shared by a Linear and an Embedding counts as embedding
         params = list(self.parameters())  # unique parameters, in a fixed order
         if muon:  # the blocks' matrices (every decayed weight but an untied output layer's)
@@ -627,7 +517,5 @@ class GPT(nn.Module):
                      "weight_decay": weight_decay, "muon": True},
                     *([{"params": rest, "weight_decay": weight_decay}] if rest else []),
                     {"params": [p for p in params if id(p) not in decay], "weight_decay": 0.0}]
-        return [
-            {"params": [p for p in params if id(p) in decay], "weight_decay": weight_decay},
-            {"params": [p for p in params if id(p) not in decay], "weight_decay": 0.0},
-        ]
+        return [{"params": [p for p in params if id(p) in decay], "weight_decay": weight_decay},
+                {"params": [p for p in params if id(p) not in decay], "weight_decay": 0.0}]

@@ -1,32 +1,14 @@
-"""Muon for the blocks' matrices, AdamW for everything else, as one optimizer
-(optimizer_config.name=muon; optim.build_optimizer builds it).
-
-    optimizer = MuonAdamW(groups, lr=1e-2, betas=(0.9, 0.99), muon_lr=0.02)
-
-Muon (torch.optim.Muon) keeps a momentum of each weight matrix's gradient and steps along its
-orthogonalized version (a few Newton-Schulz iterations push every singular value towards 1),
-so every direction of the matrix moves by about the same amount. It is defined for matrices,
-so the groups marked "muon" (model.GPT.optim_groups: the blocks' Linear weights, and each
-expert's matrix of a MoE) take Muon's update; embeddings, the tied output layer, biases and
-LayerNorms keep AdamW's, as modded-nanogpt does. The two kinds live in one optimizer, so the
-trainer, the lr schedule, ZeRO and the snapshots see one object, as with AdamW alone.
-
-Where a layout shards a matrix (FSDP's and tensor parallelism's DTensors), the step gathers the
-update whole over the shard's mesh, orthogonalizes it on every rank of that mesh, and keeps
-this rank's part: each rank computes what one process computes. (The other choice, one rank per
-matrix orthogonalizing it and scattering the parts, spends less arithmetic but adds a second
-collective and a schedule of owners; at this size the arithmetic is the smaller cost.) A MoE's
-expert stack (E, in, out) sharded only along the experts holds whole matrices: no gather.
-ZeRO gives whole parameters to their owner rank, and pipeline stages own whole blocks.
-"""
+"""Muon for the blocks' matrices, AdamW for everything else, as one optimizer that the trainer,
+the lr schedule, ZeRO and the snapshots see as one (optimizer_config.name=muon). A matrix a layout
+shards (FSDP's, TP's DTensors) is gathered whole over its shard mesh, orthogonalized on every rank
+of it and cut back to this rank's part: one collective, and no schedule of owner ranks."""
 from collections.abc import Callable
 from functools import partial
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-# torch.optim.Muon's own Newton-Schulz iteration and lr scaling (private helpers of torch's
-# optimizer, used rather than written again: its step cannot take a sharded matrix whole).
+# torch.optim.Muon's private helpers: its own step cannot take a sharded matrix whole.
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from mingpt.parallel import strided
@@ -67,13 +49,10 @@ class MuonAdamW(torch.optim.AdamW):
             with torch.enable_grad():
                 loss = closure()
         groups = self.param_groups
-        for group in groups:
-            if group["muon"]:
-                for param in group["params"]:
-                    if param.grad is not None:
-                        self._muon_update(param, group)
-        # AdamW's own step over the other groups (its fused kernel where build_optimizer chose
-        # it); the Muon groups are out of its sight for that call.
+        for group in (g for g in groups if g["muon"]):
+            for param in (p for p in group["params"] if p.grad is not None):
+                self._muon_update(param, group)
+        # AdamW's own step (fused where build_optimizer chose it) over the other groups only.
         self.param_groups = [group for group in groups if not group["muon"]]
         try:
             super().step()
@@ -107,25 +86,18 @@ class MuonAdamW(torch.optim.AdamW):
 
 def _whole(update: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
     """(`update`'s whole matrices, a function that lays a result of that shape out as `update`
-    is): a plain tensor as it is; TP's q/k/v rows through strided.py (a layout only it
-    describes); a DTensor of whole matrices (replicated, or experts cut along the stack) as
-    its local part; any other DTensor all-gathered over its shard mesh, and cut back locally,
-    with no communication."""
+    is): a plain tensor as it is, TP's q/k/v rows through strided.py, a DTensor of whole
+    matrices as its local part, any other DTensor all-gathered and cut back locally."""
     if strided.is_qkv(update):
         return strided.whole_strided(update), partial(strided.own_rows, update)
     if not isinstance(update, DTensor):
         return update, lambda t: t
     mesh, placements = update.device_mesh, update.placements
-    if _whole_matrices(update):
+    # This rank's part is whole matrices: replicated, or experts cut on dim 0.
+    if all(isinstance(p, Replicate) or (update.ndim == 3 and isinstance(p, Shard) and p.dim == 0)
+           for p in placements):
         return update.to_local(), partial(DTensor.from_local, device_mesh=mesh,
                                           placements=placements, run_check=False,
                                           shape=update.shape, stride=update.stride())
     return update.full_tensor(), lambda t: DTensor.from_local(
         t, mesh, [Replicate()] * mesh.ndim, run_check=False).redistribute(mesh, placements)
-
-
-def _whole_matrices(t: DTensor) -> bool:
-    """Whether this rank's part of `t` is made of whole matrices: replicated, or an expert
-    stack (3-D) cut only along its experts."""
-    return all(isinstance(p, Replicate) or (t.ndim == 3 and isinstance(p, Shard) and p.dim == 0)
-               for p in t.placements)

@@ -1,12 +1,5 @@
-"""The optimizer and the learning-rate schedule, together: AdamW (or Muon for the blocks'
-matrices, mingpt/muon.py), and a linear warmup then cosine decay, rebuilt at the saved step on
-a resume.
-
-    optimizer = build_optimizer(model, "fsdp", lr=3e-3)   # after parallelize
-    optimizer = build_optimizer(model, "fsdp", lr=3e-3, name="muon", muon_lr=0.02)
-    scheduler = build_scheduler(optimizer, cfg.trainer_config)
-    scheduler, changes = resume_scheduler(optimizer, cfg.trainer_config, state)  # a snapshot's
-"""
+"""The optimizer (AdamW, or Muon for the blocks' matrices: mingpt/muon.py) and the lr schedule,
+a linear warmup then cosine decay, rebuilt at the saved step on a resume."""
 import math
 from collections.abc import Iterable
 from functools import partial
@@ -30,18 +23,14 @@ SCHEDULE_KEYS = ("max_steps", "warmup_steps", "min_lr_ratio")
 def build_optimizer(model: nn.Module, method: str, lr: float, betas: Iterable[float] = (0.9, 0.95),
                     weight_decay: float = 0.1, name: str = "adamw", muon_lr: float = 0.02
                     ) -> torch.optim.Optimizer:
-    """AdamW over the wrapped model's parameters (built after wrapping: FSDP replaces them),
-    or with name="muon" Muon for the blocks' matrices (mingpt/muon.py); a strategy may bring
-    its own (zero: each rank keeps the state of the parameters it owns)."""
+    """AdamW over the wrapped model's parameters (built after wrapping: FSDP replaces them), or
+    with name="muon" Muon for the blocks' matrices; zero brings its own."""
     muon = name == "muon"
     groups = unwrap(model).optim_groups(weight_decay, muon=muon)
-    for group in groups:  # its own lr, set here: ZeRO gives every group lacking one its lr
-        if group.get("muon"):
-            group["lr"] = muon_lr
+    for group in (g for g in groups if g.get("muon")):  # ZeRO gives a group without one its lr
+        group["lr"] = muon_lr
     kind, extra = (MuonAdamW, {"muon_lr": muon_lr}) if muon else (torch.optim.AdamW, {})
-    # The fused kernel updates every parameter in one pass, where foreach still loops per op
-    # on a CPU (bench/README.md times both). It takes plain tensors or
-    # DTensors of one mesh (FSDP), not a mix of them (TP), and only on CPUs and CUDA GPUs.
+    # Fused: one pass over every parameter, where foreach loops per op on a CPU (bench/README.md).
     fused = can_fuse([p for g in groups for p in g["params"]])
     if method == "zero":  # each data-parallel rank keeps the state of the parameters it owns
         mesh = getattr(unwrap(model), "mesh", None)
@@ -58,9 +47,8 @@ def can_fuse(params: list[torch.Tensor]) -> bool:
 
 
 def inner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer whose state a snapshot holds and a memory count reads: `optimizer` itself,
-    or the one inside torchft's replica-group wrapper (parallel/ft.py), whose step would start
-    a cross-group all-reduce (DCP's state-dict code steps an optimizer that has no state yet)."""
+    """The optimizer whose state a snapshot holds: `optimizer`, or the one inside torchft's
+    wrapper (parallel/ft.py), whose step (DCP takes one) would start a cross-group all-reduce."""
     return getattr(optimizer, "inner", optimizer)
 
 
@@ -71,26 +59,19 @@ def extra_state(optimizer: torch.optim.Optimizer) -> dict:
 
 
 def load_extra_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
-    """extra_state() back, from a snapshot."""
     getattr(optimizer, "load_extra_state", lambda _: None)(state)
 
 
 def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer that holds this rank's AdamW state: ZeRO's local one (`.optim`, the
-    state of the parameters this rank owns), else the optimizer inside any wrapper."""
+    """The optimizer holding this rank's AdamW state: ZeRO's local one, else the inner one."""
     optimizer = inner(optimizer)
     return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
 
 
 def keep_own_optimizer_settings(optimizer: torch.optim.Optimizer) -> None:
-    """After `optimizer.load_state_dict`: this run's kernel choice and devices, not the saver's.
-
-    load_state_dict restores the saved param groups whole, `fused` included: an fsdp snapshot
-    (fused) resumed under tp (whose mix of DTensors and plain tensors the fused kernel refuses)
-    crashed at its first step, and tp -> fsdp lost the fused kernel silently. And ZeRO's
-    load_state_dict leaves AdamW's 0-dim `step` counts on the CPU, which CUDA's fused kernel
-    refuses ("Expected all tensors to be on the same device ... state_steps"; an open torch
-    issue, 124133): they go where their parameter lives, as AdamW's own load puts them."""
+    """After `optimizer.load_state_dict`: this run's `fused` (the saver's may not fit), and
+    AdamW's `step` counts on their parameter's device (ZeRO's load leaves them on the CPU,
+    which CUDA's fused kernel refuses)."""
     local = local_optimizer(optimizer)
     # build_optimizer's choice, made again from this run's parameters (ZeRO: all of them).
     fused = can_fuse([p for g in optimizer.param_groups for p in g["params"]])
@@ -107,18 +88,13 @@ HYPER_KEYS = ("betas", "weight_decay")
 
 
 def own_settings(optimizer: torch.optim.Optimizer) -> list[dict]:
-    """This run's betas and weight decay per param group, before a snapshot's load replaces
-    them with the saved ones (restore_settings puts them back)."""
+    """This run's betas and weight decay per param group, for restore_settings."""
     return [{key: group[key] for key in HYPER_KEYS} for group in optimizer.param_groups]
 
 
 def restore_settings(optimizer: torch.optim.Optimizer, own: list[dict]) -> list[str]:
-    """After `optimizer.load_state_dict`: this run's betas and weight decay again, as
-    config.yaml records them; the changes from the snapshot's, for the log ("KEY old -> new").
-
-    load_state_dict restores the saved param groups whole: a resume with another
-    optimizer_config.weight_decay or betas kept the snapshot's silently while config.yaml
-    claimed the new ones."""
+    """After `optimizer.load_state_dict` (which restores the saved groups whole): this run's
+    betas and weight decay again, as config.yaml records them; the changes, for the log."""
     local = local_optimizer(optimizer)
     changes: list[str] = []
     for group, mine in zip(optimizer.param_groups, own, strict=True):
@@ -144,10 +120,7 @@ def lr_factor(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float)
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: DictConfig, steps_taken: int = 0
                     ) -> LambdaLR:
-    """The schedule from trainer_config, positioned after `steps_taken` optimizer steps.
-
-    LambdaLR is stateless but for its step count: lr = base lr * lr_factor(step). Built at
-    the saved step (last_epoch), it gives exactly the lrs the saved run would have."""
+    """The schedule from trainer_config after `steps_taken` steps: exactly the saved run's lrs."""
     factor = partial(lr_factor, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps,
                      min_lr_ratio=cfg.min_lr_ratio)
     if steps_taken:  # LambdaLR's own start: it steps once more, to steps_taken, when built
@@ -168,18 +141,13 @@ def base_lrs(optimizer: torch.optim.Optimizer) -> dict[str, float]:
 
 def resume_scheduler(optimizer: torch.optim.Optimizer, cfg: DictConfig, state: dict
                      ) -> tuple[LambdaLR, list[str]]:
-    """The schedule at a snapshot's step, with THIS run's settings; and what changed.
-
-    A snapshot keeps the step count, the base lr and the schedule's settings; where the config
-    changed them (a longer max_steps, a new lr), the schedule follows the new values from the
-    saved step on, and the changes are returned for the log."""
+    """The schedule at a snapshot's step, with THIS run's settings (a longer max_steps, a new
+    lr: followed from the saved step on); and what changed, for the log."""
     saved, steps = state["schedule"], state["scheduler"]["last_epoch"]
     changes = [f"trainer_config.{key} {saved[key]} -> {cfg[key]}"
                for key in SCHEDULE_KEYS if saved[key] != cfg[key]]
-    # The lrs this run was given (Muon's groups have their own): the schedule scales them.
-    # The saved ones by key: rank 0's groups, which another pipeline stage's may not match
-    # (an untied output layer's group is only on the last stage). A snapshot from before
-    # base_lrs was saved: its scheduler's list, group by group, as then.
+    # The saved lrs by key (lr_key): rank 0's groups, which another pipeline stage's may not
+    # match. A snapshot without base_lrs: its scheduler's list, group by group.
     saved_lrs = state.get("base_lrs") or {
         lr_key(group): lr for group, lr in zip(optimizer.param_groups,
                                                state["scheduler"]["base_lrs"], strict=True)}
@@ -191,8 +159,7 @@ def resume_scheduler(optimizer: torch.optim.Optimizer, cfg: DictConfig, state: d
             changes.append(change)
         group["initial_lr"] = base
     scheduler = build_scheduler(optimizer, cfg, steps)
-    # LambdaLR also counts its step() calls (only for a warning about call order): the saved
-    # count, so that the next snapshot equals an uninterrupted run's in every field.
+    # LambdaLR's count of step() calls too: the next snapshot equals an uninterrupted run's.
     scheduler.load_state_dict({**scheduler.state_dict(),
                                "_step_count": state["scheduler"]["_step_count"]})
     return scheduler, changes

@@ -1,10 +1,5 @@
 """Mixed precision in one place: autocast for the forward pass, loss scaling for fp16, and the
-policy FSDP uses to gather parameters and reduce gradients.
-
-    with autocast(device, "bf16"):   # matmuls in bf16; softmax and the loss stay in fp32
-        _, loss = model(x, y)
-    scaler = grad_scaler(device, "fp16")   # a no-op for fp32 and bf16
-"""
+policy FSDP uses to gather parameters and reduce gradients."""
 from collections.abc import Callable
 
 import torch
@@ -23,9 +18,7 @@ def autocast(device: torch.device, precision: str) -> torch.autocast:
 
 def grad_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler:
     """fp16 needs loss scaling (its small gradients underflow); a disabled scaler otherwise.
-
-    The device's own type: GradScaler("cuda") silently turns itself off on a CPU.
-    """
+    The device's own type: GradScaler("cuda") silently turns itself off on a CPU."""
     return torch.amp.GradScaler(device.type, enabled=precision == "fp16")
 
 
@@ -40,11 +33,8 @@ def fsdp_policy(precision: str) -> MixedPrecisionPolicy | None:
 
 
 def keep_autocast(function: Callable, device_type: str) -> Callable:
-    """`function`, to be called in another thread under this thread's autocast settings.
-
-    Autocast's dtype is per thread, and a new thread starts from the device's default (fp16 on
-    CUDA, bf16 on a CPU) even inside `torch.autocast(..., enabled=True)`: nn.DataParallel's
-    replica threads (parallel/dataparallel.py) need the caller's dtype passed on."""
+    """`function`, to be called in another thread under this thread's autocast settings (a new
+    thread starts from the device's default: parallel/dataparallel.py's replica threads)."""
     enabled = torch.is_autocast_enabled(device_type)
     dtype = torch.get_autocast_dtype(device_type)
 

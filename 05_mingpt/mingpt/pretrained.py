@@ -1,15 +1,10 @@
 """Start from OpenAI's GPT-2 weights: Hugging Face's GPT2LMHeadModel, copied into our GPT.
 
-    python main.py data_config=bpe gpt_config.init_from=gpt2 gpt_config.model_type=null
     model = GPT(gpt_config_from("gpt2", settings, vocab_size=50257, block_size=256))
     load_pretrained(model, "gpt2")  # a plain model: before DDP/FSDP wrap it
 
-`init_from` is `gpt2`, `gpt2-medium`, `gpt2-large`, `gpt2-xl` (or any Hugging Face model id of
-a GPT-2), read from the local Hugging Face cache first and downloaded only when it is not there
-(never with HF_HUB_OFFLINE=1); or a directory written by `save_pretrained` (absolute, or
-relative to this folder). The pretrained model fixes the architecture (layers, heads, width,
-vocabulary); only block_size may be smaller, and dropout is free. transformers is imported
-here only, so a run without init_from never loads it.
+`init_from` is a GPT-2's Hugging Face model id (the local cache first, a download only when it
+is not there) or a `save_pretrained` directory (README: GPT-2 weights and BPE data).
 """
 import os
 from pathlib import Path
@@ -19,7 +14,6 @@ import torch
 from mingpt import ROOT
 from mingpt.model import GPT, OPTIONS, PRESETS, SIZE_KEYS, GPTConfig
 
-HERE = ROOT  # 05_mingpt/: paths in the config are relative to it
 # HF's Conv1D keeps its weight as (in, out); nn.Linear as (out, in): these four are transposed.
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 # Settings of GPT2Config that our model has fixed: any other value computes something else.
@@ -31,7 +25,7 @@ FIXED = {"activation_function": ("gelu_new", "gelu_pytorch_tanh"), "n_inner": (N
 def resolve_source(source: str) -> str:
     """A local directory as an absolute path, or a Hugging Face model id as is."""
     path = Path(source).expanduser()
-    path = path if path.is_absolute() else HERE / path
+    path = path if path.is_absolute() else ROOT / path  # relative to 05_mingpt/
     if path.is_dir():
         return str(path)
     if source.startswith(("/", ".", "~")) or source.endswith("/"):  # meant as a path
@@ -40,11 +34,9 @@ def resolve_source(source: str) -> str:
 
 
 def _quiet() -> None:
-    """transformers and huggingface_hub print only errors: no load reports, retry warnings or
-    progress bars (one per rank would bury the log); the ValueErrors here say what failed."""
+    """transformers and huggingface_hub print only errors: a bar per rank would bury the log."""
     from huggingface_hub.utils import logging as hub_logging
     from transformers.utils import logging as hf_logging
-
     hub_logging.set_verbosity_error()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -60,9 +52,8 @@ def _from_pretrained(cls: type, source: str, **kwargs: object) -> object:
         if local:  # a directory, but not one save_pretrained wrote
             raise ValueError(f"cannot load gpt_config.init_from={source}: "
                              f"{str(e).strip().splitlines()[0]}") from None
-    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False")
     reason = "HF_HUB_OFFLINE is set"
-    if not offline:
+    if os.environ.get("HF_HUB_OFFLINE", "0") in ("", "0", "false", "False"):
         try:
             return cls.from_pretrained(where, **kwargs)
         except OSError as e:
@@ -76,15 +67,13 @@ def _from_pretrained(cls: type, source: str, **kwargs: object) -> object:
 def hf_config(source: str) -> object:
     """The GPT2Config of `source`; ValueError unless our model computes what GPT-2's does."""
     from transformers import AutoConfig  # imported only when init_from is set
-
     _quiet()
     where = resolve_source(source)
     # Checked here: transformers would fall back to a default config without saying so.
     if os.path.isdir(where) and not os.path.isfile(os.path.join(where, "config.json")):
         raise ValueError(f"cannot load gpt_config.init_from={source}: {where} has no "
                          "config.json (not a directory written by save_pretrained)")
-    # AutoConfig, not GPT2Config: that would read any model's config.json as GPT-2's.
-    config = _from_pretrained(AutoConfig, source)
+    config = _from_pretrained(AutoConfig, source)  # GPT2Config would take any config as GPT-2's
     if config.model_type != "gpt2":
         raise ValueError(f"gpt_config.init_from={source} is a {config.model_type} model, not "
                          "GPT-2 (model_type gpt2)")
@@ -96,8 +85,7 @@ def hf_config(source: str) -> object:
 
 
 def check_architecture(source: str, settings: dict) -> None:
-    """ValueError (one line) unless gpt_config asks for GPT-2's own architecture: biases, and
-    none of the model's options (model.OPTIONS). config.py asks it before any data is read."""
+    """ValueError (one line) unless gpt_config asks for GPT-2's own architecture."""
     if settings.get("bias") is False:
         raise ValueError(f"gpt_config.bias must be true with gpt_config.init_from={source}: "
                          "GPT-2 has biases")
@@ -112,12 +100,7 @@ def check_architecture(source: str, settings: dict) -> None:
 
 def gpt_config_from(source: str, settings: dict, vocab_size: int, block_size: int,
                     data_name: str) -> GPTConfig:
-    """Our GPTConfig for `source`'s weights: its sizes and vocabulary, the data's block_size.
-
-    `settings` is gpt_config without init_from. Sizes given there (through model_type or
-    n_layer/n_head/n_embd) must equal the pretrained ones, the data's vocabulary must be the
-    model's, and block_size may crop the model's context: ValueError (one line) otherwise.
-    """
+    """Our GPTConfig for `source`'s weights; ValueError (one line) unless `settings` fit them."""
     hf = hf_config(source)
     pretrained = {"n_layer": hf.n_layer, "n_head": hf.n_head, "n_embd": hf.n_embd}
     asked = dict(PRESETS.get(settings.get("model_type"), {}))  # a preset's sizes, if one is set
@@ -162,19 +145,11 @@ def hf_to_ours(hf_state: dict[str, torch.Tensor], block_size: int) -> dict[str, 
 
 @torch.no_grad()
 def load_pretrained(model: GPT, source: str) -> None:
-    """Copy `source`'s GPT-2 weights into `model` (a plain GPT, on any device, not wrapped yet).
-
-    The whole pretrained model is read into CPU memory (on every rank that calls this) and
-    copied into the model's own tensors; strict loading: every weight is replaced. main.py
-    skips it on a resume: the snapshot replaces every weight, and reading GPT-2's (6 GB for
-    gpt2-xl, on every rank) would only delay the restart.
-    """
+    """Copy `source`'s GPT-2 weights into `model` (a plain GPT, on any device, not wrapped yet)."""
     from transformers import GPT2LMHeadModel  # imported only when init_from is set
-
     cfg = model.config
     hf_config(source)  # the same one-line errors as gpt_config_from, if called on its own
-    # fp32 whatever the files hold: the trainer's precision setting decides what runs in 16 bit.
-    hf = _from_pretrained(GPT2LMHeadModel, source, dtype=torch.float32)
+    hf = _from_pretrained(GPT2LMHeadModel, source, dtype=torch.float32)  # precision: the trainer's
     hf_cfg = hf.config
     found = (hf_cfg.n_layer, hf_cfg.n_head, hf_cfg.n_embd, hf_cfg.vocab_size)
     ours = (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.vocab_size)
@@ -183,18 +158,14 @@ def load_pretrained(model: GPT, source: str) -> None:
                          f"{found} with context {hf_cfg.n_positions}, the model {ours} with "
                          f"{cfg.block_size}")
     state = hf_to_ours(hf.state_dict(), cfg.block_size)
-    # Tied weights: some transformers versions list lm_head.weight, some only wte's.
-    state.setdefault("lm_head.weight", state["wte.weight"])
-    # `state` holds views of Hugging Face's tensors: until this returns, the weights are in
-    # CPU memory twice over for a model on the CPU (theirs, ours).
+    state.setdefault("lm_head.weight", state["wte.weight"])  # tied: some versions list wte's only
+    # Views of Hugging Face's tensors: a CPU model's weights are held twice until this returns.
     model.load_state_dict(state, strict=True)  # copies to the parameters' device
 
 
 def load_for_sampling(source: str) -> tuple[GPT, dict]:
-    """`source` as released (its whole context, no dropout) and a data meta naming its
-    tokenizer: the BPE files in its directory, or the cached/tiktoken GPT-2 tokenizer."""
+    """`source` as released (whole context, no dropout), and a data meta naming its tokenizer."""
     from mingpt.data.bpe import load_tokenizer
-
     hf = hf_config(source)
     where = resolve_source(source)
     enc = load_tokenizer(where)  # before the weights: a missing tokenizer fails fast

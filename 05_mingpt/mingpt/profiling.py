@@ -1,21 +1,8 @@
-"""Where a step's time goes: a breakdown in every log line, a torch.profiler trace per rank, and
-CUDA memory snapshots.
+"""Where a step's time goes: a breakdown per log line, a profiler trace per rank, CUDA memory.
 
-    timer = StepTimer(device, profile_steps, run_dir)
-    timer.start()                  # a step begins: next, it waits for its data
-    timer.mark("data")             # ... the batch is here
-    timer.mark("forward"); timer.mark("backward")     # once per micro-step each
-    timer.end_step()               # the optimizer's part; advances the profiler
-    timer.report()                 # {"data": ms per step, ...}: at log steps only (a host sync)
-
-    with memory_history(enabled, run_dir, device): trainer.train()   # snapshots, also on OOM
-
-On a CPU each mark reads perf_counter. On a GPU it records a CUDA event in the current stream:
-no host sync; report() waits for the last one and reads the times between them, which are GPU
-times (a phase the GPU spends waiting for the host, data loading say, shows as the gap it
-left). The phases add up to the step's time. Gradient communication is not a phase of its own:
-DDP and FSDP overlap it with backward, so backward holds the part that did not overlap; the
-profile (profile_steps) shows the all-reduces themselves.
+The trainer's marks (start, "data", "forward" and "backward" per micro-step, end_step) split a
+step into PHASES: CUDA events on a GPU (GPU times, no host sync), else perf_counter reads.
+Backward holds the gradient communication that did not overlap it (DEBUGGING.md).
 """
 import contextlib
 import os
@@ -29,14 +16,11 @@ PHASES = ("data", "forward", "backward", "optimizer")
 # Steps left out before a profile starts: the first steps build DDP's buckets (after step 1),
 # compile, autotune and fill the caching allocator; a profile of them shows start-up, not a step.
 PROFILE_AFTER = 5
-# Allocations and frees that a CUDA memory snapshot keeps (the newest): torch's own example uses
-# 100,000, a few MB of host memory.
-MEMORY_EVENTS = 100_000
+MEMORY_EVENTS = 100_000  # the newest allocations a memory snapshot keeps, as torch's example
 
 
 class StepTimer:
-    """Time per phase of a step since the last report; with `profile_steps`, a torch.profiler
-    trace of that many steps (after PROFILE_AFTER) in <run_dir>/profile/rank<N>.json."""
+    """Time per phase of a step; with `profile_steps`, a trace of that many steps per rank."""
 
     def __init__(self, device: torch.device, profile_steps: int = 0, run_dir: str = ".") -> None:
         self.cuda = device.type == "cuda"  # CUDA events, else perf_counter
@@ -47,24 +31,20 @@ class StepTimer:
         self.profiler = self._profiler(profile_steps, run_dir) if profile_steps else None
 
     def _profiler(self, steps: int, run_dir: str) -> torch.profiler.profile:
-        """A profiler over steps PROFILE_AFTER + 1 .. + steps of this run (one step of its
-        own warm-up before them), writing a Chrome/Perfetto trace per rank (each its own)."""
-        # One file per rank, each rank its own writer (as with sharded snapshots): the ranks'
-        # traces differ, and comparing them is the point (the slowest rank sets the pace).
+        """A profiler of `steps` steps after PROFILE_AFTER + 1: a Chrome trace per rank."""
+        # One file per rank: the ranks' traces differ, and the slowest rank sets the pace.
         path = os.path.join(run_dir, "profile", f"rank{dist.get_rank()}.json")
 
         def write(profiler: torch.profiler.profile) -> None:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             profiler.export_chrome_trace(path)
-
         # CPU ops always; kernels and copies too on a GPU (CUPTI).
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.cuda:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        profiler = torch.profiler.profile(
-            activities=activities, on_trace_ready=write,
-            schedule=torch.profiler.schedule(wait=PROFILE_AFTER, warmup=1, active=steps,
-                                             repeat=1))
+        schedule = torch.profiler.schedule(wait=PROFILE_AFTER, warmup=1, active=steps, repeat=1)
+        profiler = torch.profiler.profile(activities=activities, on_trace_ready=write,
+                                          schedule=schedule)
         profiler.start()  # records nothing until the schedule's warm-up step
         return profiler
 
@@ -76,8 +56,6 @@ class StepTimer:
         return time.perf_counter()
 
     def start(self) -> None:
-        """A step begins (before its data is fetched); time before it (evaluation, snapshots,
-        logging) belongs to no phase."""
         self.last = self._now()
 
     def mark(self, phase: str) -> None:
@@ -91,7 +69,6 @@ class StepTimer:
         self.last = now
 
     def end_step(self) -> None:
-        """The optimizer's part ends the step; the profiler moves on by one step."""
         self.mark("optimizer")
         self.last = None  # until start(): evaluation and snapshots belong to no phase
         self.steps += 1
@@ -99,21 +76,18 @@ class StepTimer:
             self.profiler.step()
 
     def report(self) -> dict[str, float]:
-        """Milliseconds per step in each phase since the last report (empty if no step ran).
-        On a GPU this waits for the last step's events: call it where the host syncs anyway."""
+        """Milliseconds per step in each phase since the last report; on a GPU, a host sync."""
         if self.events:
             self.events[-1][2].synchronize()
             for phase, begin, end in self.events:
                 self.seconds[phase] += begin.elapsed_time(end) / 1000  # elapsed_time: ms
             self.events.clear()
         steps, self.steps = self.steps, 0
-        # Per step: intervals of different lengths (a resume, the last one) compare.
         report = {p: 1000 * s / steps for p, s in self.seconds.items()} if steps else {}
         self.seconds = dict.fromkeys(PHASES, 0.0)
         return report
 
     def close(self) -> None:
-        """Stop the profiler (it has written its trace if its steps ran)."""
         if self.profiler is not None:
             self.profiler.stop()
             self.profiler = None
@@ -135,13 +109,11 @@ def memory_snapshot_path(run_dir: str, rank: int) -> str:
 
 @contextlib.contextmanager
 def memory_history(enabled: bool, run_dir: str, device: torch.device) -> Iterator[None]:
-    """With `enabled` (a CUDA device): record every allocation's stack while the block runs,
-    then write a snapshot per rank: at the end, or as an out-of-memory error leaves it."""
+    """With `enabled` on CUDA, each rank's snapshot of every allocation's stack, at exit or OOM."""
     if not enabled or device.type != "cuda":
         yield
         return
-    # Private API (torch.cuda.memory's underscore functions) as torch's own memory docs use
-    # it: the only way to record allocation stacks; the visualizer reads its format.
+    # Private API, as torch's memory docs use it: the only way to record allocation stacks.
     torch.cuda.memory._record_memory_history(max_entries=MEMORY_EVENTS)
     path = memory_snapshot_path(run_dir, dist.get_rank())
     try:

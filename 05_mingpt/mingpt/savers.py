@@ -4,14 +4,9 @@
     saver.save(model, optimizer, state, before_commit)  # at every save_every step
     saver.finish()                                      # before the run ends
 
-snapshot.py owns the protocol (shards.py the format); this module only when the writing
-happens. An asynchronous save (SNAPSHOTS.md) writes the same snapshot with DCP's `async_save`
-from a staging process (AsyncCheckpointerType.PROCESS) while training goes on. What still
-blocks the loop: the state dicts and the copy of this rank's shards into host
-memory (the staging, so that the next optimizer step cannot change what is being written),
-and waiting for the save before it. The commit (train_state.pt, then `latest`) follows only
-once the write completed on every rank and every rank agreed it did: at the next save, or at
-finish().
+snapshot.py owns the protocol; this module when the writing happens. An asynchronous save
+(SNAPSHOTS.md) writes with DCP's `async_save` from a staging process while training goes on,
+and is committed once every rank agreed it completed: at the next save, or at finish().
 """
 from collections.abc import Callable
 
@@ -44,19 +39,16 @@ class Saver:
 class AsyncSaver(Saver):
     """The snapshot through DCP's async_save; at most one save in flight."""
 
-    def __init__(self, url: str, keep_last: int, gather: Callable | None) -> None:
-        super().__init__(url, keep_last, gather)
-        # The save in flight: (its future, step directory name, train state), or None.
-        self.pending: tuple | None = None
+    # The save in flight: (its future, step directory name, train state), or None.
+    pending: tuple | None = None
 
     def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict,
              before_commit: Callable[[], None] | None = None) -> None:
         self.finish()  # the one before: written, agreed and committed first
         name, state, written = snapshot.begin_save(self.url, model, optimizer, state)
-        # Returns once this rank's shards are copied to host memory (DCP's staging); the
-        # staging process writes them, its own gloo group planning with the other ranks'.
-        # (The first call starts that process: it imports __main__ again, hence main.py's
-        # `if __name__ == "__main__":` guard.)
+        # Returns once this rank's shards are copied to host memory; the staging process
+        # writes them (the first call starts it: it imports __main__ again, hence main.py's
+        # `if __name__ == "__main__":` guard).
         future = dcp.async_save(
             checkpointable(written), storage_writer=storage.writer(f"{self.url}/{name}"),
             async_checkpointer_type=AsyncCheckpointerType.PROCESS)
@@ -84,9 +76,7 @@ class AsyncSaver(Saver):
 
 
 def build(cfg: DictConfig, gather: Callable | None = None) -> Saver:
-    """The saver trainer_config.async_save asks for."""
     errors.require(not (cfg.async_save and gather), "trainer_config.async_save",
                    "False with xla_main.py (its snapshot is gathered to the CPU first)",
                    cfg.async_save)
-    kind = AsyncSaver if cfg.async_save else Saver
-    return kind(cfg.snapshot_path, cfg.keep_last, gather)
+    return (AsyncSaver if cfg.async_save else Saver)(cfg.snapshot_path, cfg.keep_last, gather)

@@ -1,13 +1,12 @@
 """The snapshot format (DCP, `torch.distributed.checkpoint`), for every layout: every rank
-writes its own shards into `step_XXXXXXXX/` (a weight that every rank holds whole is written
-once), rank 0 adds `train_state.pt` and then rewrites `latest`, the commit; any layout reads
-them back, each rank what it holds. snapshot.py runs these parts and agrees on each one's
-outcome; savers.py runs the same parts around DCP's async_save. An older run's snapshot, one
-torch.save file (save_file, load_file: train_state.pt's format too), loads through
-whole_state, into any layout as well. Nothing a run keeps stays a view of a file (unmapped).
+writes its own shards into `step_XXXXXXXX/`, rank 0 adds `train_state.pt` and then rewrites
+`latest`, the commit; any layout reads them back. snapshot.py and savers.py run these parts.
+An older run's snapshot, one torch.save file (load_file), loads through whole_state into any
+layout too. Nothing a run keeps stays a view of a file (unmapped).
 """
 import io
 import os
+import tempfile
 import warnings
 from collections.abc import Callable
 
@@ -16,10 +15,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.utils._pytree import tree_leaves
 
 from mingpt import storage
 from mingpt.errors import MOVE_IT_AWAY, SnapshotError
-from mingpt.optim import build_optimizer, extra_state, local_optimizer
+from mingpt.optim import build_optimizer, local_optimizer
 from mingpt.parallel.strided import checkpointable
 from mingpt.parallel.wrappers import unwrap
 
@@ -29,16 +29,12 @@ LATEST = "latest"
 
 def save_file(url: str, obj: dict, before_commit: Callable[[], None] | None = None) -> None:
     """torch.save(obj) to `url`, atomically (write_bytes_atomic)."""
-    def write(f: io.BufferedIOBase) -> None:
-        torch.save(obj, f)
-
     if storage.is_local(url):
-        # Straight into the temporary file, tensor by tensor: serialising into a buffer first
-        # held a second copy of the whole snapshot (weights and both moments) in memory.
-        storage.write_atomic(url, write, before_commit)
+        # Straight into the temporary file: a buffer would hold a second copy in memory.
+        storage.write_atomic(url, lambda f: torch.save(obj, f), before_commit)
         return
-    buffer = io.BytesIO()  # an object store: one upload of the finished bytes, as before
-    write(buffer)
+    buffer = io.BytesIO()  # an object store: one upload of the finished bytes
+    torch.save(obj, buffer)
     storage.write_bytes_atomic(url, buffer.getvalue(), before_commit)
 
 
@@ -61,26 +57,15 @@ def load_file(url: str) -> dict:
 def mapped(state: dict, url: str) -> set[int]:
     """The memory (storage addresses) of every tensor of `state` loaded from a local file:
     storage.load_torch maps the file. (From an object store they are the process's own.)"""
-    return {t.untyped_storage().data_ptr() for t in tensors(state)} if storage.is_local(url) \
-        else set()
-
-
-def tensors(tree: object) -> list[torch.Tensor]:
-    """Every tensor in nested dicts, lists and tuples."""
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    values = tree.values() if isinstance(tree, dict) else tree \
-        if isinstance(tree, list | tuple) else ()
-    return [t for value in values for t in tensors(value)]
+    leaves = tree_leaves(state) if storage.is_local(url) else []
+    return {t.untyped_storage().data_ptr() for t in leaves if isinstance(t, torch.Tensor)}
 
 
 def unmapped(tree: object, mapped: set[int], copies: dict[int, torch.Tensor]) -> object:
-    """`tree` with each CPU tensor whose memory is one of `mapped` (storage addresses) replaced
-    by a copy; a tensor met twice gets the same copy (`copies`, by id). Containers without
-    such a tensor come back as they are (the optimizer's own lists stay its own)."""
+    """`tree` with each CPU tensor whose memory is one of `mapped` replaced by a copy (one per
+    tensor: `copies`, by id); containers without such a tensor come back as they are."""
     if isinstance(tree, torch.Tensor):
-        # torch.load gives plain tensors (DTensors, parameters: never from the file, and a
-        # DTensor has no storage of its own to ask).
+        # Only plain tensors come from the file (a DTensor has no storage of its own to ask).
         if type(tree) is not torch.Tensor or tree.device.type != "cpu" \
                 or tree.untyped_storage().data_ptr() not in mapped:
             return tree
@@ -101,7 +86,6 @@ def step_dir(step: int) -> str:
 
 
 def is_step_dir(path: str) -> bool:
-    """A step directory of a sharded snapshot (`step_XXXXXXXX`), by its name."""
     return os.path.basename(path.rstrip("/")).startswith("step_")
 
 
@@ -118,20 +102,11 @@ def write_shards(url: str, name: str, state: dict) -> None:
     dcp.save(checkpointable(state), storage_writer=storage.writer(f"{url}/{name}"))
 
 
-def with_meetings(optimizer: torch.optim.Optimizer, state: dict) -> tuple[dict, dict]:
-    """The replica groups' meetings' state (diloco.py; {} for any other optimizer), and
-    `state` marked where there is one: train_state.pt says so, a load then reads it in place."""
-    extra = extra_state(optimizer)
-    return ({**state, "replica_state": True} if extra else state), extra
-
-
 def dcp_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
               extra: dict | None) -> dict:
-    """What DCP writes: the model's and the optimizer's sharded state dicts, and the replica
-    groups' meetings where they have any (optim.extra_state: DTensors like the weights).
-    ZeRO's optimizer is its local AdamW: each owner's state under its parameters' names, so a
-    rank reads back the state of whatever it owns then, under any layout. A weight every rank
-    holds whole (ddp, zero) is written once. DDP's and DataParallel's `module.` is no name."""
+    """What DCP writes: the model's and the optimizer's sharded state dicts (ZeRO's: its local
+    AdamW's, under parameter names, so a rank reads back whatever it owns then), and the
+    replica groups' meetings where they have any (optim.extra_state)."""
     model_sd, optim_sd = get_state_dict(unwrap(model), local_optimizer(optimizer))
     return {"model": model_sd, "optim": optim_sd, **({"replicas": extra} if extra else {})}
 
@@ -146,9 +121,8 @@ def commit_sharded(url: str, name: str, train_state: dict,
         if before_commit:
             before_commit()
         storage.write_bytes_atomic(f"{url}/{LATEST}", name.encode())  # the commit point
-        # Keep the newest keep_last - 1 complete snapshots of earlier steps (names sort by
-        # step: zero-padded). A save that was cut off left a directory without train_state.pt,
-        # or one of a later step than this: neither is a snapshot to roll back to.
+        # Keep the newest keep_last - 1 complete snapshots of earlier steps; a cut-off save's
+        # directory (no train_state.pt, or a later step) is none to roll back to.
         others = [p.rstrip("/") for p in fs.ls(path, detail=False)
                   if is_step_dir(p) and os.path.basename(p.rstrip("/")) != name]
         earlier = sorted((p for p in others if os.path.basename(p) < name
@@ -158,7 +132,7 @@ def commit_sharded(url: str, name: str, train_state: dict,
 
 
 def latest_sharded(url: str) -> str:
-    """The newest complete DCP checkpoint directory inside an fsdp snapshot."""
+    """The step directory `latest` names: the snapshot's newest committed one."""
     try:
         fs, path = storage.filesystem(url)
         name = fs.cat_file(f"{path}/{LATEST}").decode().strip()
@@ -176,40 +150,30 @@ def latest_sharded(url: str) -> str:
 def load_sharded(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  checkpoint: str | None = None, extra: dict | None = None,
                  no_dist: bool = False) -> None:
-    """FSDP: each rank reads the pieces of every saved shard that its own shards need (from
-    `checkpoint`, a DCP directory, where given; else the snapshot's newest)."""
+    """Each rank reads the pieces of the saved shards that its own need (from `checkpoint`, a
+    DCP directory, where given; else the snapshot's newest)."""
     checkpoint = checkpoint or latest_sharded(url)
-    # Every rank must call this: DCP plans the reads collectively (the ranks exchange what
-    # they need), so a rank that stayed away would leave the others waiting.
-    # `extra`: the replica groups' meetings, read in place where the saver had them.
+    # A collective: DCP plans the reads together. `extra`: the meetings' state, read in place.
     state = dcp_state(model, optimizer, extra)
-    optim_sd = state["optim"]
-    # Each param group names its parameters, a plain list that DCP saves once under one key
-    # (optim.param_groups.N.params), from one rank. Where ranks hold different parameters (a
-    # pipeline's stages), the list loaded is another rank's; this rank's own names go back
-    # after the load, beside the saved hyper-parameters (lr, betas, eps, weight_decay).
-    own_names = [list(group["params"]) for group in optim_sd["param_groups"]]
+    # DCP saves each group's list of parameter names once, from one rank: where ranks hold
+    # different parameters (pipeline stages) it is another's, so this rank's go back after.
+    own_names = [list(group["params"]) for group in state["optim"]["param_groups"]]
     try:
         # Into each rank's own rows of TP's q/k/v too: views of the DTensors in `state`.
         storage.load_dcp(checkpointable(state), checkpoint, no_dist)
-    # DCP raises CheckpointException, a BaseException, on every rank when any rank fails to
-    # read (reason() names the first that did): no rank waits for another.
+    # DCP raises CheckpointException, a BaseException, on every rank when any rank fails.
     except (Exception, CheckpointException) as e:  # missing or truncated shards, bad metadata
         raise SnapshotError(f"cannot load sharded snapshot {checkpoint} ({storage.reason(e)}): "
-                            f"it is corrupt; {MOVE_IT_AWAY}"
-                            ) from None
+                            f"it is corrupt; {MOVE_IT_AWAY}") from None
     for group, names in zip(state["optim"]["param_groups"], own_names, strict=True):
         group["params"] = names
-    # The optimizer state is keyed by parameter name; set_state_dict puts it back under this
-    # optimizer's own parameters.
+    # Keyed by parameter name: set_state_dict puts it back under this optimizer's parameters.
     set_state_dict(unwrap(model), local_optimizer(optimizer), model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
 
 
 def whole_model(model_config: dict, name: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """A whole GPT of `model_config` on the CPU and the saver's kind of optimizer over it (its
-    groups and their order, as build_optimizer builds them): what a one-file snapshot's state
-    dicts fit."""
+    """A whole GPT on the CPU and the saver's kind of optimizer: what one-file state dicts fit."""
     from mingpt.model import GPT, GPTConfig  # noqa: PLC0415 (only these rare paths)
     whole = GPT(GPTConfig(**model_config))
     return whole, build_optimizer(whole, "ddp", 1e-3, name=name)
@@ -218,10 +182,8 @@ def whole_model(model_config: dict, name: str) -> tuple[torch.nn.Module, torch.o
 def whole_state(model_config: dict, weights: dict, optimized: dict, name: str = "adamw",
                 extra: dict | None = None) -> dict:
     """dcp_state's dict from the state dicts of a whole model and its optimizer on the CPU (a
-    one-file snapshot; the weights xla_main.py gathers). Those keep the optimizer's state by
-    parameter number, in the order the whole model's optim_groups gives, and DCP names
-    parameters: so they go into a whole model and optimizer as they were saved, whose named
-    state dicts come back. One more whole copy while it lasts."""
+    one-file snapshot; xla_main.py's gathered weights): those number the optimizer's state,
+    DCP names it, so they go through a whole model and optimizer (one more whole copy)."""
     whole, adamw = whole_model(model_config, name)
     whole.load_state_dict(weights)
     adamw.load_state_dict(optimized)  # the saved groups, decay and lrs included
@@ -231,20 +193,16 @@ def whole_state(model_config: dict, weights: dict, optimized: dict, name: str = 
 
 def load_file_into_shards(state: dict, model: torch.nn.Module,
                           optimizer: torch.optim.Optimizer, extra: dict | None = None) -> None:
-    """An older one-file snapshot (`model` and `optimizer` state dicts of a whole model) into
-    any layout: whole_state's dict becomes a DCP checkpoint in a private folder of this rank,
-    read from there exactly as a snapshot is (load_sharded: each rank its own shards, TP's
-    q/k/v rows, a pipeline's stages). `extra`: the replica groups' meetings (optim.extra_state),
-    read in place from the file's."""
-    import tempfile  # noqa: PLC0415  (only this rare path needs it)
-
+    """An older one-file snapshot (a whole model's state dicts) into any layout: whole_state's
+    dict becomes a DCP checkpoint in a private folder of this rank, read from there exactly as
+    a snapshot is (load_sharded). `extra`: the replica groups' meetings, read in place."""
     whole = whole_state(state["model_config"], state["model"], state["optimizer"],
                         state.get("optimizer_name", "adamw"), state["replicas"] if extra else None)
     with tempfile.TemporaryDirectory(prefix="snapshot-") as folder:
         with warnings.catch_warnings():  # one process's own copy: no group is the point
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
             dcp.save(whole, checkpoint_id=folder, no_dist=True)
-        del whole
+        del whole  # in the folder now: not a second copy in memory during the load
         load_sharded(folder, model, optimizer, checkpoint=folder, extra=extra)
 
 
@@ -252,9 +210,8 @@ def load_sharded_weights(url: str, model: torch.nn.Module) -> None:
     """Only the weights of a snapshot, into a plain model on one process (for sampling)."""
     state = {"model": model.state_dict()}
     try:
-        with warnings.catch_warnings():  # no process group is the point here, not a mistake
+        with warnings.catch_warnings():  # no process group: DCP reads every shard here
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
-            # Without a process group, DCP reads every shard into this one process.
             storage.load_dcp(state, latest_sharded(url), no_dist=True)
     except (Exception, CheckpointException) as e:
         raise SnapshotError(f"cannot load sharded snapshot {url} ({storage.reason(e)})") from None
@@ -262,8 +219,7 @@ def load_sharded_weights(url: str, model: torch.nn.Module) -> None:
 
 
 def read_whole(url: str, model_config: dict, name: str = "adamw") -> tuple[dict, dict]:
-    """A snapshot's weights and optimizer state, whole, on this one process: the state dicts
-    of a whole model and its optimizer (whole_state's inverse; xla_main.py's resume)."""
+    """A snapshot's whole state dicts (model, optimizer), read on this one process (xla_main.py)."""
     whole, adamw = whole_model(model_config, name)
     with warnings.catch_warnings():  # without a process group DCP reads every shard here
         warnings.filterwarnings("ignore", "torch.distributed is disabled")

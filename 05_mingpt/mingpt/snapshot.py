@@ -3,50 +3,28 @@
     snapshot.save(path, model, optimizer, {**trainer.state_dict(), **meta})
     state = snapshot.load(path, model, optimizer, meta, match_keys)  # None: none yet
 
-This module owns the protocol; the trainer only gives and takes its own state dict. One
-format for every layout (shards.py): DCP shards in `snapshot_path/step_XXXXXXXX/`, committed
-by rank 0 rewriting `snapshot_path/latest`. DCP reshards on load: another number of ranks or
-another layout resumes them. A step directory that `latest` does not name is an interrupted
-save: never loaded. An older snapshot that is one file at `snapshot_path` (shards.load_file) still
-loads, into any layout; the first save after it moves it to `snapshot_path.pt`.
-Every part of a save or a load ends with every rank agreeing on its outcome (errors.save_part,
-errors.load_part): one error on all of them, or none. Everything is loaded to the CPU;
-`load_state_dict` copies weights and optimizer state to wherever the parameters live (a
-snapshot mapped to a GPU would move the RNG states too, which must stay CPU tensors).
-Paths go through storage.py (fsspec), so `s3://bucket/key` works wherever a local path does.
+This module owns the protocol, shards.py the format (a step directory `latest` does not name is
+never loaded), storage.py the storage. Every part of a save or a load ends with every rank
+agreeing on its outcome (errors.save_part, load_part).
 """
 import warnings
 from collections.abc import Callable
-from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
-from mingpt import errors, shards, storage
+from mingpt import errors, optim, shards, storage
 from mingpt.errors import MOVE_IT_AWAY, SnapshotError
-from mingpt.optim import (
-    extra_state,
-    inner,
-    keep_own_optimizer_settings,
-    load_extra_state,
-    own_settings,
-    restore_settings,
-)
 from mingpt.shards import load_file
 
-T = TypeVar("T")
 # Model config keys that may differ between a snapshot and the run loading it.
 NOT_ARCHITECTURE = ("model_type", "dropout")
 
 
 @storage.storage_errors(SnapshotError, prefix=True)
 def snapshot_kind(url: str) -> str | None:
-    """"dcp" for a snapshot directory, "file" for an older one-file snapshot, None for none.
-
-    A directory holding only step directories and no `latest` is a first save that was
-    interrupted before its commit: no snapshot yet (with a warning), not an error, or every
-    restart of the job would stop here.
-    """
+    """"dcp" for a snapshot directory, "file" for an older one-file snapshot, None for none
+    (also, with a warning, for a first save cut off before its commit: else each restart stops)."""
     fs, path = storage.filesystem(url)
     if fs.isfile(path):
         return "file"
@@ -76,8 +54,7 @@ def check_compatible(state: dict, model_config: dict, data_meta: dict, url: str,
                      match_keys: tuple[str, ...], optimizer: str = "adamw") -> None:
     """SnapshotError unless the snapshot's model, the data meta keys its data module names
     in `match_keys` (kind, vocabulary, ...), and its optimizer's kind match this run's."""
-    # (A snapshot from before optimizer_config.name existed holds AdamW's state.)
-    saved_name = state.get("optimizer_name", "adamw")
+    saved_name = state.get("optimizer_name", "adamw")  # older snapshots hold AdamW's
     if saved_name != optimizer:
         raise SnapshotError(f"snapshot {url} holds {saved_name}'s optimizer state, not "
                             f"{optimizer}'s; set optimizer_config.name={saved_name} or "
@@ -88,27 +65,22 @@ def check_compatible(state: dict, model_config: dict, data_meta: dict, url: str,
             raise SnapshotError(f"snapshot {url} holds a different model ({key}={saved.get(key)} "
                                 f"there, {value} here); set trainer_config.snapshot_path to a new "
                                 "path or use the snapshot's gpt_config")
-    saved_meta = state["data_meta"]
     for key in ("kind", *match_keys):
-        if saved_meta.get(key) != data_meta.get(key):
+        if state["data_meta"].get(key) != data_meta.get(key):
             raise SnapshotError(f"snapshot {url} was trained on different data ({key} differs); "
                                 "set trainer_config.snapshot_path to a new path")
 
 
 def load_train_state(url: str, kind: str) -> dict:
     """Everything but the (sharded) weights; an older snapshot's one file has them too."""
-    if kind == "file":
-        return load_file(url)
-    return load_file(f"{shards.latest_sharded(url)}/{shards.TRAIN_STATE}")
+    return load_file(url if kind == "file" else
+                     f"{shards.latest_sharded(url)}/{shards.TRAIN_STATE}")
 
 
 def shared_kind(url: str) -> str | None:
-    """The kind of snapshot at `url` as every rank sees it; SnapshotError unless all agree.
-
-    Each node looks at `url` on its own storage. Without storage that all nodes share, some
-    ranks would resume and others start afresh: diverged weights or a hang. A rank's own error
-    (a corrupt directory, say) is raised on every rank, so none waits for the others forever.
-    """
+    """The kind of snapshot at `url` as every rank sees it; SnapshotError unless all agree
+    (without storage all nodes share, some ranks would resume and others start afresh) or
+    where any rank's look failed (on every rank: none waits for the others)."""
     try:
         mine = (snapshot_kind(url), None)
     except SnapshotError as e:
@@ -131,14 +103,10 @@ def shared_kind(url: str) -> str | None:
 def save(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict,
          before_commit: Callable[[], None] | None = None, keep_last: int = 1,
          gather: Callable | None = None) -> None:
-    """Save weights, optimizer and `state` (step, ... and meta); every rank calls this. Every
-    rank writes its shards; rank 0 then commits by rewriting `latest`, and removes all but the
-    newest `keep_last` step directories (the others are kept for a roll-back by hand).
-    `before_commit` runs once all is written and before it becomes the snapshot (a
-    fault-injection point). `gather(model, optimizer)`, where given, returns the whole model's
-    and the optimizer's state dicts on the CPU (xla_main.py: from the XLA devices' shards).
-    SaveError (one line, the same on every rank) when the storage fails on any rank; nothing
-    was committed then."""
+    """Save weights, optimizer and `state` (step, ... and meta) on every rank; rank 0 keeps the
+    newest `keep_last` step directories. `before_commit`: a fault-injection point before the
+    commit. `gather(model, optimizer)`: the whole state dicts on the CPU (xla_main.py).
+    SaveError (one line, on every rank) where any rank failed; nothing is committed then."""
     name, state, written = begin_save(url, model, optimizer, state, gather)
     errors.save_part(url, shards.write_shards, name, written)
     # dcp.save is collective: it returns only once every rank's shards are written and rank 0
@@ -149,17 +117,16 @@ def save(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, sta
 def begin_save(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict,
                gather: Callable | None = None) -> tuple[str, dict, dict]:
     """What a save, blocking or asynchronous (savers.py), does before its write: an older
-    one-file snapshot at `url` moved aside and a cut-off save of this step removed, each part
-    agreed by every rank. Returns the step directory's name, the train state to commit (marked
-    where the replica groups' meetings are written) and the state dicts DCP writes."""
-    state, extra = shards.with_meetings(optimizer, state)
-    optimizer = inner(optimizer)  # not a wrapper's step, which all-reduces across groups
+    one-file snapshot moved aside, a cut-off save of this step removed. Returns the step
+    directory's name, the train state to commit and the state dicts DCP writes."""
+    extra = optim.extra_state(optimizer)  # the replica groups' meetings (diloco.py), or {}
+    # Marked in train_state.pt where there are some: a load then reads them in place.
+    state = {**state, "replica_state": True} if extra else state
+    optimizer = optim.inner(optimizer)  # not a wrapper's step (it all-reduces across groups)
     name = shards.step_dir(state["step"])
     errors.save_part(url, move_file_on_rank_0)
-    # A directory of this step left by a save that was cut off: removed first.
     errors.save_part(url, shards.clear_step, name)
-    # Sharded state dicts: each rank only holds (and writes) its own shards, no gather; TP's
-    # strided q/k/v shards too, as row runs DCP records (strided.checkpointable).
+    # Sharded state dicts: each rank writes only its own shards, no gather.
     written = shards.whole_state(state["model_config"], *gather(model, optimizer),
                                  state.get("optimizer_name", "adamw"), extra) if gather \
         else shards.dcp_state(model, optimizer, extra)
@@ -167,11 +134,8 @@ def begin_save(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimize
 
 
 def move_file_on_rank_0(url: str) -> None:
-    """Before the first save after a resume from an older one-file snapshot: that file moves
-    to URL.pt, kept whole. A directory cannot live at its path, and overwriting the snapshot
-    resumed from would lose it if this save were cut off. (A cut-off first save then leaves a
-    step directory without `latest`: the restart says so and starts afresh; URL.pt still
-    holds the file.)"""
+    """Before the first save after a resume from an older one-file snapshot: that file moves to
+    URL.pt (a directory cannot live at its path; overwriting would lose it to a cut-off save)."""
     if dist.get_rank() != 0 or snapshot_kind(url) != "file":
         return
     fs, path = storage.filesystem(url)
@@ -185,13 +149,12 @@ def move_file_on_rank_0(url: str) -> None:
 def load(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, meta: dict,
          match_keys: tuple[str, ...]) -> dict | None:
     """Load the snapshot at `url` into model and optimizer and return the rest of its state;
-    None when there is none. Every rank calls this. SnapshotError when the ranks disagree, for
-    another model (`meta["model_config"]`) or other data (`match_keys` of
-    `meta["data_meta"]`): checked before any weight is touched."""
+    None when there is none. Every rank calls this. SnapshotError when the ranks disagree, or
+    for another model or other data (`meta`, `match_keys`): before any weight is touched."""
     kind = shared_kind(url)
     if kind is None:
         return None
-    wrapper, optimizer = optimizer, inner(optimizer)  # not a wrapper's step (cross-group)
+    wrapper, optimizer = optimizer, optim.inner(optimizer)  # not a wrapper's step (cross-group)
     # On the CPU; a rank that cannot read it (its node's own copy is missing or corrupt) stops
     # every rank here, before the all_gather below would wait for it.
     state = errors.load_part(load_train_state, url, kind)
@@ -203,21 +166,20 @@ def load(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, met
     errors.load_part(check_compatible, state, meta["model_config"], meta["data_meta"], url,
                      match_keys, meta.get("optimizer_name", "adamw"))
     mapped = shards.mapped(state, url)  # a local file's memory, which nothing may keep
-    own = own_settings(optimizer)  # this run's betas and weight decay, before the load
+    own = optim.own_settings(optimizer)  # this run's betas and weight decay, before the load
     # The meetings' state where the saver had it and this run keeps it: read in place.
-    extra = extra_state(wrapper) if state.get("replicas") or state.get("replica_state") else {}
+    extra = optim.extra_state(wrapper) if state.get("replicas") or state.get("replica_state") \
+        else {}
     if kind == "file":  # an older snapshot's one file (whole state dicts) into this layout
         shards.load_file_into_shards(state, model, optimizer, extra)
         del state["model"], state["optimizer"]
         state.pop("replicas", None)
     else:  # DCP reads any layout's shards into any other
         errors.load_part(shards.load_sharded, url, model, optimizer, None, extra)
-    load_extra_state(wrapper, extra)
-    # The saved param groups came back with the saving run's kernel choice (fused or not) and
-    # ZeRO put AdamW's step counts on the CPU: this run's own choices and devices again.
-    keep_own_optimizer_settings(optimizer)
-    # And this run's betas and weight decay: the trainer says which differ from the saved.
-    state["optimizer_changes"] = restore_settings(optimizer, own)
-    # Nothing returned is a view of the file (RNG states: small), so it is unmapped once the
-    # loaded dicts are gone, when this returns.
+    optim.load_extra_state(wrapper, extra)
+    # The saved groups carry the saving run's kernel choice (fused or not) and devices: this
+    # run's again, and its betas and weight decay (the trainer says which differ).
+    optim.keep_own_optimizer_settings(optimizer)
+    state["optimizer_changes"] = optim.restore_settings(optimizer, own)
+    # Nothing returned is a view of the file (RNG states: small): unmapped once this returns.
     return shards.unmapped(state, mapped, {})

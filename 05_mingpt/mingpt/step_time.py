@@ -1,38 +1,6 @@
-"""How long a training step takes, predicted from a dry run's plan and a machine profile.
-
-    lay, plans = dry_run.plan(cfg)                        # what each rank runs and sends
-    profile = step_time.load_profile("bench/comm_lab.json")
-    step_time.predict(lay.world, lay.pp, plans, profile, microbatches=4)  # the breakdown
-
-The profile is what bench/comm_lab.py measured on a machine (its JSON): a link model per
-collective and group size (latency alpha, seconds per byte beta) and four compute figures,
-each measured in one process on one thread: the matmul rate (the median FLOP/s of the three
-fp32 matmuls of a small GPT's MLP layer, forward and backward),
-the cost of one op in a training step (a chain of small ops, forward and backward, divided by
-the ops it dispatched: what Python, the dispatcher and autograd add to each op), what an op on
-DTensors costs beyond that (the same chain on a sharded DTensor: its sharding rules and
-wrappers run in Python), and the memory bandwidth of an elementwise op on 1 MiB tensors. The
-model, for each planned rank:
-
-- work: its step's matmul FLOPs at the matmul rate + its other ops at the cost of one op + its
-  DTensor ops at theirs + the bytes the other ops read and write at the bandwidth (WorkCounter
-  counts them around
-  the dry run's step: forward, backward, recompute, the optimizer; a real step counted the
-  same way gives the same numbers, tests/test_mingpt_dry_run.py);
-- the pipeline's bubble: under 1F1B a stage idles p - 1 of every m + p - 1 micro-batch slots,
-  so its work takes (m + p - 1) / m as long (m micro-batches, p stages);
-- communication: for every (axis, kind) the step issued, calls x alpha + S x beta, alpha and
-  beta of that collective on a group of that many ranks, S the bytes the lab calls the size
-  (the ring share the dry run counts, divided by nccl-tests' bus factor).
-
-A step ends when its slowest rank ends (every step synchronizes), so the prediction is the
-largest rank's. Two things the model adds for a machine shared by all ranks (gloo on one
-CPU: the lab's and the tests' case): when there are more ranks than cores, the cores bound the
-step too (every rank's work divided over the cores, whatever the bubble), and communication
-does not overlap compute (both run on the same cores). On GPUs (nccl, one GPU per rank) the
-data-parallel gradient reduction would run under the backward pass; this model does not
-claim that overlap (bench/README.md, Predicted step time: not checked on GPUs yet).
-"""
+"""How long a training step takes, predicted from a dry run's plan and a machine profile
+(bench/comm_lab.py's JSON: latency alpha and seconds per byte beta per collective and group
+size, compute figures measured on one thread). DRY_RUN.md, Predicted step time, says how."""
 import json
 import time
 from pathlib import Path
@@ -45,10 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-# The ops whose FLOPs count: torch's own formulas (torch.utils.flop_counter: matmuls,
-# convolutions, the GPU attention kernels), plus the CPU's flash attention, which torch's
-# table lacks (same shapes in, [B, H, T, D], the same count; causal masking skipping the upper
-# half is not credited, as torch's formulas do not credit it either).
+# The ops whose FLOPs count: torch's own formulas (torch.utils.flop_counter), plus the CPU's
+# flash attention, which its table lacks (the same count: causal masking is not credited).
 _aten = torch.ops.aten
 FORMULAS = {packet: formula for packet, formula in flop_registry.items()}
 FORMULAS[_aten._scaled_dot_product_flash_attention_for_cpu] = \
@@ -57,10 +23,9 @@ FORMULAS[_aten._scaled_dot_product_flash_attention_for_cpu_backward] = \
     lambda grad, q, k, v, *args, out_val=None, **kwargs: sdpa_backward_flop_count(
         grad.shape, q.shape, k.shape, v.shape)
 COLLECTIVES = ("c10d", "_c10d_functional")  # counted by dry_run.CommCounter, not here
-# The dry run's names of the kinds (dry_run.KINDS) -> the lab's (bench/comm_lab.py).
-LAB_NAMES = {"all-gather": "all_gather", "reduce-scatter": "reduce_scatter",
-             "all-reduce": "all_reduce", "all-to-all": "all_to_all", "broadcast": "broadcast",
-             "send/recv": "send_recv"}
+# The dry run's names of the kinds (dry_run.KINDS) -> the lab's (bench/comm_lab.py): "all_gather".
+LAB_NAMES = {kind: kind.replace("-", "_").replace("/", "_") for kind in (
+    "all-gather", "reduce-scatter", "all-reduce", "all-to-all", "broadcast", "send/recv")}
 # nccl-tests' bus factors, n the ranks, by the lab's names: the ring share of a call of size S
 # that each rank's link carries is S x this (bench/comm_lab.py's busbw; the dry run's bytes).
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
@@ -69,9 +34,8 @@ BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda 
 
 
 class WorkCounter(TorchDispatchMode):
-    """The work of the ops run under it: FLOPs of those FORMULAS knows, and for every other op
-    that runs a kernel (not a view) one call and the bytes of its tensors, inputs and outputs;
-    ops on DTensors once more, as DTensor's own. Collectives are left to dry_run.CommCounter."""
+    """The work of the ops run under it: FLOPs of those FORMULAS knows; for every other op that
+    runs a kernel, one call and the bytes of its inputs and outputs; DTensor ops counted apart."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -79,9 +43,8 @@ class WorkCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(issubclass(t, DTensor) for t in types):
-            # A DTensor's op has its global shapes: let DTensor run it, and count the ops it
-            # runs on this rank's local shards (they come back here). What DTensor itself
-            # costs (its sharding rules and wrappers, in Python) is counted as one such op.
+            # A DTensor's op has its global shapes: count the ops DTensor runs on this rank's
+            # local shards (they come back here), and DTensor's own Python as one such op.
             self.dtensor_ops += 1
             return NotImplemented
         kwargs = kwargs or {}
@@ -116,18 +79,15 @@ def _median_seconds(fn, calls: int) -> float:
 
 
 def measure_compute() -> dict:
-    """This process's compute figures on one thread (module docstring): FLOP/s of a matmul,
-    seconds per op in a training step, the same for an op on DTensors, bytes/s of an
-    elementwise op. Joins a fake process group for the DTensor figure if none is joined."""
+    """This process's compute figures on one thread: matmul FLOP/s, seconds per op in a training
+    step and per DTensor op beyond that, bytes/s of an elementwise op (fake group if none)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one rank's share when the ranks fill the cores
     joined = not dist.is_initialized()
     if joined:
         dist.init_process_group("fake", rank=0, world_size=2)
     try:
-        # The three matmuls of a small GPT's MLP layer on a CPU (768 tokens, 128 -> 512
-        # features): forward, the input's gradient, the weight's (a transposed operand);
-        # the median of their rates.
+        # The median rate of a small GPT MLP layer's three matmuls: forward and both gradients.
         x, w, g = torch.randn(768, 128), torch.randn(512, 128), torch.randn(768, 512)
         rates = [2 * 768 * 128 * 512 / _median_seconds(lambda f=f: f(), 10) for f in (
             lambda: torch.mm(x, w.t()), lambda: torch.mm(g, w), lambda: torch.mm(g.t(), x))]
@@ -138,13 +98,11 @@ def measure_compute() -> dict:
             for _ in range(50):
                 y = torch.tanh(y * 1.01)
             y.sum().backward()
-
         x = torch.randn(32, 16, requires_grad=True)
         with WorkCounter() as counter:
             chain(x)
         op = _median_seconds(lambda: chain(x), 5) / counter.ops
-        # The same chain on a DTensor sharded over 2 ranks: every op also runs DTensor's own
-        # code (sharding rules, wrapping); its cost per op, beyond the local op's.
+        # The same chain on a DTensor over 2 ranks: what DTensor's own code adds to each op.
         mesh = init_device_mesh("cpu", (2,))
         x = distribute_tensor(x.detach(), mesh, [Shard(0)]).requires_grad_()
         with WorkCounter() as counter:
@@ -179,20 +137,17 @@ def load_profile(path: str | Path) -> dict:
 
 
 def link(profile: dict, kind: str, ranks: int) -> dict:
-    """The lab's fit of `kind` on `ranks` ranks; where it measured no group of that size, the
-    smallest larger one it measured (a ring's time per byte barely grows with its size; its
-    latency does, so a larger group's fit errs on the slow side), else its largest."""
+    """The lab's fit of `kind` on `ranks` ranks, else on the next larger group, else its largest."""
     fits = profile["model"].get(LAB_NAMES[kind])
     if not fits:
         raise ValueError(f"the machine profile has no {LAB_NAMES[kind]} measured: run python "
                          "bench/comm_lab.py with it")
     sizes = sorted(int(n) for n in fits)
-    size = next((n for n in sizes if n >= ranks), sizes[-1])
-    return fits[str(size)]
+    return fits[str(next((n for n in sizes if n >= ranks), sizes[-1]))]
 
 
 def comm_seconds(comm: dict, profile: dict) -> dict[str, float]:
-    """{"axis kind": seconds} for one rank's step: calls x alpha + S x beta (module docstring)."""
+    """{"axis kind": seconds} for one rank's step: calls x alpha + S x beta (S: the lab's size)."""
     out = {}
     for axis, counts in comm.items():
         for kind in LAB_NAMES:
@@ -215,8 +170,7 @@ def work_seconds(work: dict, compute: dict) -> float:
 
 
 def check_world(profile: dict, world: int) -> None:
-    """ValueError (one line) where `world` ranks exceed what the profile's lab measured on
-    one machine: links between machines, which it never saw."""
+    """ValueError (one line) where `world` ranks exceed what the profile measured on one machine."""
     largest = max(int(n) for fits in profile["model"].values() for n in fits)
     if world > largest:
         raise ValueError(f"the machine profile measured at most {largest} ranks on one "
@@ -226,9 +180,8 @@ def check_world(profile: dict, world: int) -> None:
 
 def predict(world: int, pp: int, plans: dict[int, dict], profile: dict,
             microbatches: int = 1) -> dict:
-    """The predicted step of a `world`-rank run with `pp` stages from the plans of its ranks
-    (dry_run.plan) and a profile (load_profile): seconds in all, and per rank its compute,
-    bubble and communication by "axis kind" (module docstring)."""
+    """The predicted step of a `world`-rank run with `pp` stages from its ranks' plans and a
+    profile: seconds, and per rank its compute, 1F1B bubble and communication by "axis kind"."""
     check_world(profile, world)
     compute = profile["compute"]
     shared = profile.get("backend", "gloo") == "gloo"  # every rank on one machine's cores
@@ -240,8 +193,7 @@ def predict(world: int, pp: int, plans: dict[int, dict], profile: dict,
         comm = comm_seconds(plan["comm"], profile)
         ranks[rank] = {"compute": work, "bubble": work * (stretch - 1), "comm": comm,
                        "step": work * stretch + sum(comm.values())}
-    # The cores, when fewer than the ranks: all the work divided over them (the planned ranks
-    # stand for the others: their mean).
+    # Fewer cores than ranks: all the work (the planned ranks' mean, for all) over the cores.
     mean_work = sum(r["compute"] for r in ranks.values()) / len(ranks)
     capacity = mean_work * world / cores if world > cores else 0.0
     slowest = max(ranks, key=lambda r: ranks[r]["step"])

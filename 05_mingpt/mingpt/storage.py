@@ -1,12 +1,6 @@
 """Where snapshots live: local disk or any fsspec URL (s3://...), with bounded waits, atomic
-writes, and an object store's errors as one line.
-
-    fs, path = fs("s3://bucket/run1/snapshot")       # filesystem and path, S3 waits bounded
-    write_bytes_atomic(url, data)                    # readers see the old bytes or the new
-    storage_error(url, error)                        # "what happened; the fix", or None
-
-snapshot.py decides what is written (shards.py and its commit); this module how.
-s3fs reads the endpoint and credentials from the usual AWS_* environment variables.
+writes, DCP's pickles read safely, and an object store's errors as one line. snapshot.py and
+shards.py decide what is written; this module how (s3fs: endpoint and credentials from AWS_*).
 """
 import contextlib
 import functools
@@ -42,13 +36,10 @@ def reason(error: BaseException) -> str:
     return f"{rank}{type(error).__name__}: {lines[0][:160] if lines else ''}"
 
 
-# How long an s3:// snapshot_path may keep a run waiting. botocore (under s3fs) retries a failed
-# request (legacy mode: 5 attempts, AWS_MAX_ATTEMPTS) and s3fs retries botocore's timeouts
-# again (5 times), each attempt waiting up to 15 s for an answer: an endpoint that accepts the
-# connection and never answers held a run for 14 minutes before its traceback. Here: botocore
-# tries 3 times (unless AWS_MAX_ATTEMPTS says otherwise), s3fs adds no retries of its own, and
-# an attempt waits 5 s to connect and 15 s for an answer. Settings in fsspec's s3 config (e.g.
-# FSSPEC_S3='{"config_kwargs": {"read_timeout": 60}}') take precedence over these.
+# How long an s3:// snapshot_path may keep a run waiting (by default botocore's 5 attempts, each
+# retried 5 times by s3fs): botocore tries 3 times (unless AWS_MAX_ATTEMPTS says otherwise),
+# s3fs adds no retries, and an attempt waits 5 s to connect and 15 s for an answer. fsspec's
+# s3 config (e.g. FSSPEC_S3='{"config_kwargs": {"read_timeout": 60}}') takes precedence.
 S3_TIMEOUTS = {"connect_timeout": 5, "read_timeout": 15}
 S3_MAX_ATTEMPTS = 3
 
@@ -60,8 +51,7 @@ def fs_options(url: str) -> dict:
     conf = fsspec.config.conf.get("s3", {})  # the user's: FSSPEC_S3 or fsspec's config files
     config_kwargs = {**S3_TIMEOUTS, **conf.get("config_kwargs", {})}
     if "AWS_MAX_ATTEMPTS" not in os.environ:  # botocore reads it, unless a config overrides
-        # total_max_attempts counts the first request, as AWS_MAX_ATTEMPTS does ("max_attempts"
-        # counts the retries in botocore's legacy mode: one attempt more).
+        # total_max_attempts counts the first request too, as AWS_MAX_ATTEMPTS does.
         config_kwargs.setdefault("retries", {"total_max_attempts": S3_MAX_ATTEMPTS})
     return {"config_kwargs": config_kwargs}
 
@@ -71,11 +61,9 @@ def filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
     options = fs_options(url)
     fs, path = fsspec.core.url_to_fs(url, **options)
     if options:
-        # s3fs's own retry loop (a class attribute, no constructor argument) would repeat
-        # botocore's retries 5 times over; DCP's FsspecWriter gets this same cached instance.
+        # s3fs's own retries would repeat botocore's 5 times over (DCP's writer gets this fs).
         fs.retries = 1
-        # A missing bucket is found here, when the snapshot is first looked for, rather than
-        # by the first save, hours later. (Refused credentials raise PermissionError here.)
+        # A missing bucket (or refused credentials) found now, not by the first save, hours in.
         bucket = path.split("/")[0]
         try:
             fs.call_s3("head_bucket", Bucket=bucket)
@@ -87,8 +75,7 @@ def filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
 def storage_error(url: str, error: BaseException) -> str | None:
     """An error of the object store behind `url` (refused credentials, missing bucket,
     unreachable or silent endpoint) as "what happened; the fix" in one line; None for any
-    other error, and for local paths (their OSErrors have their own messages). Shows no
-    credential: this reads none, and S3's error messages do not echo them."""
+    other error, and for local paths. Shows no credential (S3's messages echo none)."""
     if isinstance(error, CheckpointException):  # DCP: every failed rank's exception
         error = next(iter(error.failures.values()))[0]
     if "://" not in url or not (isinstance(error, OSError) or is_botocore(error)):
@@ -110,9 +97,7 @@ def storage_error(url: str, error: BaseException) -> str | None:
 
 def storage_errors(wrap: type[Exception], prefix: bool = False) -> Callable:
     """Decorator: an object store's error (storage_error) in a function whose first argument
-    is the URL becomes `wrap` with that one line (`prefix`: led by "snapshot storage URL: ");
-    main.py prints it as one `error:` line. SnapshotError while looking for a snapshot,
-    OSError while saving one."""
+    is the URL becomes `wrap` with that one line (`prefix`: led by "snapshot storage URL: ")."""
     def decorate(function: Callable) -> Callable:
         @functools.wraps(function)
         def wrapper(url: str, *args, **kwargs):
@@ -135,11 +120,8 @@ def is_botocore(error: BaseException) -> bool:
 
 def write_bytes_atomic(url: str, data: bytes, before_commit: Callable[[], None] | None = None
                        ) -> None:
-    """Readers see the old content or the new one, never a half-written file.
-
-    `before_commit` runs when the new bytes are written but not yet visible (a fault-injection
-    point: a crash there must leave the old snapshot in place).
-    """
+    """Readers see the old content or the new one, never a half-written file. `before_commit`
+    runs when the new bytes are written but not yet visible (a fault-injection point)."""
     write_atomic(url, lambda f: f.write(data), before_commit)
 
 
@@ -158,8 +140,7 @@ def write_atomic(url: str, write: Callable[[BinaryIO], object],
             before_commit()
         os.replace(tmp, path)  # atomic within one filesystem
     else:
-        # An object store has no atomic rename (fsspec's mv is copy + delete), but an upload
-        # is atomic: the object appears complete (at close) or not at all.
+        # No atomic rename (fsspec's mv copies), but an upload appears whole at close or never.
         if before_commit:
             before_commit()
         f = fs.open(path, "wb")
@@ -167,9 +148,8 @@ def write_atomic(url: str, write: Callable[[BinaryIO], object],
             write(f)  # large data: a multipart upload, one part per block
             f.close()  # the last part, then "complete the upload": the commit point
         except BaseException:
-            # Not `with fs.open(...)`: its exit closes the file even after an error, and
-            # closing completes the upload with the parts sent so far, replacing the snapshot
-            # with a truncated one. discard() aborts the upload: the old object stays.
+            # Not `with fs.open(...)`: closing after an error would complete the upload with
+            # the parts sent so far, a truncated snapshot. discard() aborts: the old one stays.
             with contextlib.suppress(Exception):  # keep the first error, not the abort's
                 f.discard()
             f.closed = True  # nor may garbage collection close (and so commit) it later
@@ -177,46 +157,35 @@ def write_atomic(url: str, write: Callable[[BinaryIO], object],
 
 
 def load_torch(url: str) -> object:
-    """torch.load of the file at `url` on the CPU, weights_only=True (pickled code refused).
-
-    A local file is memory-mapped: a tensor's pages are read when it is used, and come from
-    the page cache, which the ranks of a node share and the kernel can drop again (reading it
-    into a buffer first held it twice in memory, on every rank at once). Its tensors are views
-    of the file (mapped private: writes never reach it): copy whatever must outlive it. Where
-    it cannot be mapped (not a zip-format torch file, a corrupt one, a filesystem that refuses
-    mmap), and from an object store, it is read whole, which loads it or raises the error."""
+    """torch.load of the file at `url` on the CPU, weights_only=True (pickled code refused). A
+    local file is memory-mapped (pages from the page cache, which a node's ranks share): its
+    tensors are views of the file (mapped private), so copy whatever must outlive it. Where it
+    cannot be mapped, and from an object store, it is read whole (which names any error)."""
     fs, path = filesystem(url)
     if isinstance(fs, LocalFileSystem):
-        try:
+        with contextlib.suppress(Exception):  # read whole below, which names the error
             return torch.load(path, mmap=True, map_location="cpu", weights_only=True)
-        except Exception:  # noqa: S110 (read whole below, which names the error)
-            pass
     with fs.open(path, "rb") as f:
         data = f.read()
-    # To the CPU whatever device saved it: RNG states must be CPU tensors, and load_state_dict
-    # moves each weight to its parameter's device.
+    # To the CPU whatever device saved it: RNG states must be CPU tensors.
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
 def is_local(url: str) -> bool:
-    return fsspec.utils.get_protocol(url) in ("file", "local")  # as _fs's LocalFileSystem
+    return fsspec.utils.get_protocol(url) in ("file", "local")  # filesystem()'s LocalFileSystem
 
 
 def writer(url: str) -> FileSystemWriter:
-    # Local disk: DCP's own writer. Anything else (s3://): the same writer over fsspec, with
-    # the same bounded waits as _fs (the same options: the same cached filesystem), and no
-    # fsync: an object has no file descriptor (DCP warned on every file), and its upload is
-    # complete when the file closes.
+    # s3://: the same writer over fsspec, with filesystem()'s bounded waits, and no fsync (an
+    # object has no file descriptor; its upload is complete when the file closes).
     return FileSystemWriter(url) if "://" not in url else FsspecWriter(
         url, sync_files=False, **fs_options(url))
 
 
-# DCP pickles a checkpoint's index (.metadata) and the non-tensor values it holds (an
-# optimizer's lr, betas, parameter names) and reads both back with plain pickle, which runs any
-# code a tampered file names. Snapshots load with weights_only=True, so these do too: the index
-# through an unpickler that builds only DCP's own metadata classes (the stdlib's "restricting
-# globals" recipe: torch.load reads only its own file format), the values with torch.load's
-# weights_only=True. Anything else is an UnpicklingError, raised before any code could run.
+# DCP reads a checkpoint's index (.metadata) and its non-tensor values (lr, betas, parameter
+# names) with plain pickle, which runs any code a tampered file names. Here the index goes
+# through an unpickler that builds only DCP's metadata classes (the stdlib's "restricting
+# globals" recipe), the values through torch.load's weights_only=True: UnpicklingError first.
 SAFE_GLOBALS = {
     "torch.distributed.checkpoint.metadata": {
         "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
@@ -261,9 +230,7 @@ class SafePlanner(DefaultLoadPlanner):
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         torch.load(value, weights_only=True)  # UnpicklingError for anything but plain data
-        value.seek(0)
-        # The same bytes again, placed as DCP places them: the check above met every global
-        # they name, so reading them without it runs nothing either.
+        value.seek(0)  # the check above met every global they name: safe to read again
         super().load_bytes(read_item, value)
 
 
@@ -284,9 +251,7 @@ def check_writable(url: str) -> None:
     folder = os.path.dirname(os.path.abspath(url))
     while not os.path.exists(folder):  # the run directory is created later, by rank 0
         folder = os.path.dirname(folder)
-    try:
-        # A real file rather than os.access: root passes every permission check but still
-        # cannot write to a read-only filesystem.
+    try:  # a real file, not os.access: root passes that even on a read-only filesystem
         tempfile.TemporaryFile(dir=folder).close()
     except OSError as e:
         raise ValueError(f"trainer_config.snapshot_path {url} cannot be written ({folder}: "

@@ -1,13 +1,9 @@
 """The training loop: steps, gradient accumulation, mixed precision, evaluation, logs.
 
-The Trainer knows nothing about GPT: it gets a wrapped model whose forward returns
-(logits, loss), an optimizer, and datasets of (x, y) pairs. Every rank runs the same code;
-only global rank 0 prints and writes TensorBoard logs. Its own position in training (step,
-epoch, data position, schedule, scaler, RNG streams) goes in and out through `state_dict()` and
-`load_state_dict()`; `snapshot.py` decides how and where that is stored. Where a device's
-runtime works otherwise (XLA: one process drives every device, and runs what it traced only at
-a sync), `DeviceHooks` are the few places it differs: the loop, evaluation, logging and
-saving stay these, for every device.
+The Trainer knows nothing about GPT: it gets a wrapped model whose forward returns (logits,
+loss), an optimizer, and datasets of (x, y) pairs. Every rank runs the same code; only global
+rank 0 prints and writes TensorBoard logs. Its position in training (step, epoch, data position,
+schedule, scaler, RNG streams) goes in and out through `state_dict()` and `load_state_dict()`.
 """
 import random
 import time
@@ -32,14 +28,10 @@ from mingpt.precision import grad_scaler
 
 def rank_indices(n: int, epoch: int, seed: int, start: int, rank: int, world_size: int
                  ) -> list[int]:
-    """This rank's sample indices for the rest of `epoch`, from global position `start` on.
-
-    Every rank draws the same permutation (seeded with seed + epoch, as DistributedSampler
-    does); the first `start` samples of it were trained on, by however many ranks ran then.
-    DistributedSampler deals the rest out: rank r takes positions r, r + world_size, ...,
-    and the last (fewer than world_size) samples are dropped so that every rank gets as many.
-    So a resume on another number of ranks trains each remaining sample exactly once.
-    """
+    """This rank's sample indices for the rest of `epoch`, from global position `start` on: the
+    permutation every rank draws (seed + epoch), less the `start` samples trained on (by however
+    many ranks ran then), dealt out as DistributedSampler does (the tail dropped). So a resume
+    on another number of ranks trains each remaining sample exactly once."""
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))[start:]
     sampler = DistributedSampler(range(len(order)), num_replicas=world_size, rank=rank,
                                  shuffle=False, drop_last=True)
@@ -50,11 +42,10 @@ class DeviceHooks:
     """How the trainer meets its device, where devices differ. These defaults are CUDA's and
     the CPU's (main.py's); xla_main.py's XlaHooks subclass them for XLA devices."""
 
-    # False: this process loads its own data-parallel rank's rows. True: it loads every
-    # rank's, rank r's rows r-th in each batch (XLA's SPMD: one process, one global batch).
+    # True: this process loads every data-parallel rank's rows, rank r's r-th in each batch
+    # (XLA's SPMD: one process, one global batch); False: its own rank's only.
     feeds_every_rank = False
-    # snapshot.save's `gather` (None: the layout's own state dicts), for weights that must be
-    # gathered to the CPU first (XLA's shards).
+    # snapshot.save's `gather`: None, or weights gathered to the CPU first (XLA's shards).
     gather: Callable | None = None
 
     def data_parallel(self, model: torch.nn.Module) -> tuple[int, int]:
@@ -86,29 +77,21 @@ class Trainer:
         self.cfg, self.device, self.hooks = cfg, device, hooks or DeviceHooks()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.model, self.optimizer = model, optimizer
-        # The layout's step: forward and backward of the micro-batches, the clip norm and
-        # evaluation; a pipeline's schedule or the plain loop (parallel.runner), one loop here.
-        self.runner = runner(model, device, cfg.precision)
-        # The ranks that see different data: all of them, except under tensor parallelism,
-        # where the ranks of one TP group share each batch (samplers, seeds, tokens/s use these).
-        self.dp_rank, self.dp_size = self.hooks.data_parallel(model)
+        self.runner = runner(model, device, cfg.precision)  # the layout's step (parallel.runner)
+        self.dp_rank, self.dp_size = self.hooks.data_parallel(model)  # a TP group shares data
         # The data-parallel ranks whose rows this process loads (XLA: all, in one batch).
         self.fed = range(self.dp_size) if self.hooks.feeds_every_rank else [self.dp_rank]
-        # Dropout's random stream: one per data-parallel rank and pipeline stage (stages hold
-        # other layers: one seed would correlate their masks, as Megatron's offset by pp rank
-        # avoids), shared by the ranks of one TP or CP group (they hold the same activations:
-        # other masks would drift apart the weights they hold alike). A resume restores it.
+        # Dropout's random stream: one per data-parallel rank and pipeline stage (one seed would
+        # correlate different layers' masks), shared within a TP or CP group (same activations:
+        # other masks would drift apart the weights they hold alike).
         self.stream = self.dp_rank + self.dp_size * pipeline_stage(model)
         torch.manual_seed(cfg.seed + self.stream)
-        # What the streams belong to: a snapshot's are restored rank by rank only under it.
-        # (The layout's mesh dimensions, e.g. {"pp": 2, "dp": 2}; none for a model that
-        # parallelize() did not lay out.)
+        # The layout the streams belong to ({"pp": 2, "dp": 2, ...}): a snapshot's are restored
+        # rank by rank only under the same one.
         lay = getattr(unwrap(model), "layout", None)
         self.rng_layout = {**(lay.sizes() if isinstance(lay, Layout) else {}),
                            "data_parallel": self.dp_size, "world": self.world_size}
-        self.train_set, self.val_set = train_set, val_set
-        self.snapshot_meta = snapshot_meta
-        # Loss, tokens/s, MFU, memory and TensorBoard: log.TrainLog's (rank 0 writes).
+        self.train_set, self.val_set, self.snapshot_meta = train_set, val_set, snapshot_meta
         self.log = TrainLog(device, self.hooks.memory_devices(model, device), run_dir,
                             flops_per_token, cfg.precision, self.dp_size, cfg.profile_steps, model)
         self.scheduler = build_scheduler(optimizer, cfg)
@@ -123,25 +106,21 @@ class Trainer:
                              f"batch_size × grad_accum_steps = {cfg.batch_size} × "
                              f"{cfg.grad_accum_steps} = {needed}: lower them, or use more data "
                              "or fewer processes")
-        # Validation: the same seeded choice of eval_batches * batch_size sequences for any
-        # world size (rounded down to a multiple of it), split evenly across the ranks, so val
-        # losses of runs on different numbers of processes compare.
+        # Validation: the same seeded sequences for any world size (rounded down to a multiple
+        # of it), split across the ranks, so val losses of runs on other world sizes compare.
         n_val = min(len(val_set), cfg.eval_batches * cfg.batch_size)
         n_val = max(1, n_val // self.dp_size) * self.dp_size
         chosen = torch.randperm(len(val_set), generator=torch.Generator().manual_seed(cfg.seed))
         self.val_subset = Subset(val_set, chosen[:n_val].tolist())
         # Position in training: the next step to run, and where in which epoch its data starts.
         self.step, self.epoch, self.samples_in_epoch = 0, 0, 0
-        # The newest validation loss and its step: (step, loss), or None before the first.
-        self.last_val: tuple[int, float] | None = None
-        # The first step whose loss was nan or inf (0: none yet), kept on the device so that
-        # watching for it costs no host sync; it is read where one happens anyway (below).
+        self.last_val: tuple[int, float] | None = None  # (step, loss) of the newest evaluation
+        # The first step whose loss was nan or inf (0: none yet): on the device, no host sync.
         self.first_bad_step = torch.zeros((), dtype=torch.long, device=device)
         self.bar: tqdm | None = None  # the progress bar, while train() runs
 
     def state_dict(self) -> dict:
-        """The trainer's position, to resume exactly: a collective (it gathers every rank's RNG
-        states, so each rank resumes its own streams)."""
+        """The trainer's position, to resume exactly: a collective (every rank's RNG states)."""
         rngs: list = [None] * self.world_size
         dist.all_gather_object(rngs, rng_state(self.device))
         return {
@@ -149,9 +128,8 @@ class Trainer:
             "epoch": self.epoch,
             "samples_in_epoch": self.samples_in_epoch,  # over all ranks
             "world_size": self.world_size,
-            # The layout the RNG streams belong to: the ranks of one TP group share a stream.
             "dp_size": self.dp_size,
-            "rng_layout": self.rng_layout,
+            "rng_layout": self.rng_layout,  # the layout the RNG streams belong to
             "scheduler": self.scheduler.state_dict(),
             "base_lrs": base_lrs(self.optimizer),  # by kind: stages' groups differ
             "schedule": {key: self.cfg[key] for key in SCHEDULE_KEYS},
@@ -168,17 +146,15 @@ class Trainer:
         self.step, self.epoch = state["step"], state["epoch"]
         self.samples_in_epoch = state["samples_in_epoch"]
         self.last_val = state["last_val"]
-        # Each rank's streams belong to its place in the layout (__init__): restored rank by
-        # rank only under the same one. (pp 2 x dp 2 -> dp 2 x tp 2 has the same world and dp
-        # sizes, but a TP group's two ranks would get two stages' streams.) A snapshot from
-        # before rng_layout was saved: the world and dp sizes, as then.
+        # Streams restored rank by rank only under the same layout (pp 2 x dp 2 -> dp 2 x tp 2
+        # keeps world and dp sizes, but would give a TP group two stages' streams); without a
+        # saved rng_layout, under the same world and dp sizes.
         saved = (len(state["rng"]), state.get("dp_size", len(state["rng"])))
         same = state["rng_layout"] == self.rng_layout if "rng_layout" in state else \
             saved == (self.world_size, self.dp_size)
         if same:
             set_rng_state(state["rng"][self.rank], self.device)  # our own streams
-        else:  # another layout: new (but reproducible) dropout streams, one per stream index,
-            # so each TP group's ranks still draw alike
+        else:  # new but reproducible streams, one per stream index (alike within a TP group)
             torch.manual_seed(self.cfg.seed + 1000 * self.step + self.stream)
             self.last_val = None  # evaluate the resharded weights once more, to show they load
             streams = "dropout draws from new random streams (the same within each " \
@@ -193,9 +169,8 @@ class Trainer:
         print0(f"resumed from {self.cfg.snapshot_path} at step {self.step} (epoch {self.epoch})")
 
     def _load_schedule(self, state: dict) -> None:
-        """The lr schedule at the saved step; where the config changed it (max_steps, lr), or
-        AdamW's betas or weight decay, training follows the new values from there on, and
-        says so."""
+        """The lr schedule at the saved step; where the config changed it (max_steps, lr) or
+        AdamW's betas or weight decay, training follows the new values and says so."""
         self.scheduler, changes = resume_scheduler(self.optimizer, self.cfg, state)
         adamw = state.get("optimizer_changes", [])  # betas, weight decay (snapshot.load)
         if changes or adamw:
@@ -220,8 +195,6 @@ class Trainer:
                 self.first_bad_step = torch.where(bad, self.step + 1, self.first_bad_step)
         if self.cfg.grad_clip > 0:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not scaled ones
-            # Over every gradient, wherever its shards live (FSDP's, TP's, a pipeline's
-            # other stages).
             self.runner.clip_grad_norm(self.cfg.grad_clip)
         self.scaler.step(self.optimizer)  # fp16: skipped if gradients overflowed
         self.scaler.update()
@@ -234,7 +207,6 @@ class Trainer:
     def _run_epoch(self) -> None:
         """Optimizer steps over the rest of the current epoch, or until max_steps."""
         cfg = self.cfg
-        # A new shuffle each epoch; samples before samples_in_epoch were trained on already.
         batches = iter(self._loader(
             self.train_set, lambda r: rank_indices(len(self.train_set), self.epoch, cfg.seed,
                                                    self.samples_in_epoch, r, self.dp_size),
@@ -284,8 +256,7 @@ class Trainer:
 
     def _stop_if_not_finite(self) -> None:
         """NonFiniteLoss if any rank's loss was nan or inf since training (re)started."""
-        # The earliest bad step over all ranks: 0 (none) must not win the MIN, so it counts
-        # as "after the end" while reducing.
+        # The earliest bad step over all ranks; 0 (none) counts as "after the end" in the MIN.
         never = self.cfg.max_steps + 1
         first = torch.where(self.first_bad_step == 0, never, self.first_bad_step)
         dist.all_reduce(first, op=dist.ReduceOp.MIN)
@@ -299,17 +270,15 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean loss over the fixed validation sequences (the same ones every time)."""
         self.model.eval()  # dropout off
-        # Evaluating must leave every RNG stream where it was, or a resumed run (which
-        # evaluates where the saved one may not have) would draw other dropout masks: XLA's
-        # seed moves on with every program it runs, evaluation's too.
+        # Evaluating must leave every RNG stream where it was (XLA's seed moves on with every
+        # program), or a resumed run, which may evaluate elsewhere, would draw other masks.
         rng = rng_state(self.device)
         loader = self._loader(self.val_subset, lambda r: list(DistributedSampler(
             self.val_subset, self.dp_size, r, shuffle=False)), drop_last=False, workers=0,
             seed=self.cfg.seed)
         totals = torch.zeros(2, device=self.device)  # loss sum over tokens, token count
         for x, y in loader:  # every rank runs the same number of batches (FSDP needs that)
-            # A pipeline's last stage holds the sums, its other ranks zeros: each pipeline
-            # counts once in the all-reduce below.
+            # A pipeline's last stage holds the sums, its other ranks zeros: counted once.
             totals += torch.stack(self.runner.evaluate(x.to(self.device), y.to(self.device),
                                                        self.cfg.batch_size))
         dist.all_reduce(totals)  # sums over ranks: the mean over every evaluated token
@@ -318,11 +287,10 @@ class Trainer:
         set_rng_state(rng, self.device)
         return loss
 
-    def _log_eval(self) -> float:
+    def _log_eval(self) -> None:
         loss = self.evaluate()
         self.log.val_line(self.step, loss)
         self.last_val = (self.step, loss)
-        return loss
 
     def train(self) -> float:
         """Train up to max_steps; returns the final validation loss."""
@@ -340,8 +308,7 @@ class Trainer:
                + f"), {len(self.train_set):,} training samples")
         started = time.perf_counter()
         if self.last_val is None or self.last_val[0] != self.step:
-            # Where we start from: an untrained model, or a resumed one whose snapshot was not
-            # evaluated when it was saved (evaluating it again would log that step twice).
+            # An untrained model, or a resumed one not evaluated at its step (else logged twice).
             with self.log.paused("evaluation"):
                 self._log_eval()
         self.log.start_training()  # the peaks from here on are training's
@@ -352,9 +319,8 @@ class Trainer:
             while self.step < cfg.max_steps:
                 self._run_epoch()
         except NonFiniteLoss:
-            # Every rank stops here together (the check is a collective), and a save still in
-            # flight holds a step whose loss was checked finite: committed, as a blocking save
-            # of that step was, so the message's "last good snapshot" is that one.
+            # Every rank stops here together (a collective check); a save in flight holds a step
+            # checked finite: committed, so the message's "last good snapshot" is that one.
             with self.log.paused("snapshots"):
                 self.saver.finish()
             raise

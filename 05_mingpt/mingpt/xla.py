@@ -1,11 +1,5 @@
-"""XLA devices for the Trainer (xla_main.py): the SPMD mesh, the model sharded over it, and
-XlaHooks, the few places where the Trainer meets XLA otherwise than CUDA or a CPU.
-
-    mesh = make_mesh()                              # every XLA device this process drives
-    model = shard(GPT(config), mesh, device)        # SPMD FSDP: XLA inserts the collectives
-    Trainer(..., device, ..., hooks=XlaHooks(mesh, device))
-
-Imported by xla_main.py only (torch_xla pins torch 2.9: requirements-xla.txt).
+"""XLA devices for the Trainer (xla_main.py, XLA.md): the SPMD mesh, the model sharded over
+it (SPMD FSDP: XLA inserts the collectives), and XlaHooks, the Trainer's XLA-specific seams.
 """
 import os
 import warnings
@@ -17,8 +11,7 @@ from torch.utils.data import DataLoader
 from mingpt.optim import own_settings, restore_settings
 from mingpt.trainer import DeviceHooks
 
-# XLA's C++ warns once per compiled program that GSPMD is to be replaced by Shardy (torch_xla
-# 2.9 has no switch to it): errors only, unless asked otherwise. Read as it loads: set first.
+# XLA's C++ warns per compiled program that Shardy replaces GSPMD: errors only (read at import).
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import torch_xla  # noqa: E402
@@ -30,8 +23,7 @@ from torch_xla.experimental.spmd_fully_sharded_data_parallel import (  # noqa: E
     _prepare_spmd_partition_spec,
 )
 
-# SpmdFullyShardedDataParallel's optimization barrier is a full backward hook; torch warns at
-# every backward that the inputs (token ids) need no gradient: true and harmless.
+# SpmdFSDP's barrier is a full backward hook: torch warns that token ids need no gradient.
 warnings.filterwarnings("ignore", "Full backward hook is firing", UserWarning)
 # fp32: precision.autocast's is off, and XLA's autocast says so (for any dtype but bf16).
 warnings.filterwarnings("ignore", "In XLA autocast, but the target dtype", UserWarning)
@@ -46,12 +38,8 @@ def make_mesh() -> xs.Mesh:
 
 def shard(model: torch.nn.Module, mesh: xs.Mesh, device: torch.device
           ) -> SpmdFullyShardedDataParallel:
-    """`model` (on the CPU) on the devices, every parameter split along its largest dimension
-    over the mesh: each device keeps 1/n of the weights, and of AdamW's state, which takes
-    each parameter's sharding. The logits come out split along the batch, as the inputs are."""
-    # A CPU tensor cannot become an XLA tensor in place, so `to` gives each module a new
-    # Parameter: the tied wte/lm_head weight became two (measured: the loss then left eager
-    # CPU's from the second step on). Each is tied again after the move.
+    """`model` (on the CPU) on the devices, each parameter split along its largest dimension."""
+    # `to` gives each module a new Parameter, untying wte/lm_head (XLA.md: Pitfalls): retied.
     holders: dict[int, list[tuple[torch.nn.Module, str]]] = {}
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
@@ -64,10 +52,9 @@ def shard(model: torch.nn.Module, mesh: xs.Mesh, device: torch.device
         xs.mark_sharding(out[0], mesh, ("fsdp", None, None))))
 
 
-def load_optimizer(optimizer: torch.optim.Optimizer, state: dict, mesh: xs.Mesh
-                   ) -> list[str]:
-    """A snapshot's AdamW state, sharded as the parameters are, with this run's betas and
-    weight decay (as snapshot.load keeps them); which of those differ from the saved ones."""
+def load_optimizer(optimizer: torch.optim.Optimizer, state: dict, mesh: xs.Mesh) -> list[str]:
+    """A snapshot's AdamW state, sharded as the parameters are, with this run's settings (as
+    snapshot.load); returns which of them differ from the saved ones."""
     own = own_settings(optimizer)
     optimizer.load_state_dict(state)
     # The moments arrive whole on every device: shard each as its parameter is.
@@ -81,9 +68,7 @@ def load_optimizer(optimizer: torch.optim.Optimizer, state: dict, mesh: xs.Mesh
 
 
 def to_cpu(tree: object, seen: dict) -> object:
-    """Every XLA tensor in nested dicts and lists copied to the CPU, whole: the transfer of a
-    sharded tensor gathers its shards. A tensor met twice (the tied wte/lm_head weight) gets
-    one copy, so the snapshot stores it once, as main.py's does."""
+    """Every XLA tensor in nested dicts and lists copied whole to the CPU, each tensor once."""
     if isinstance(tree, torch.Tensor):
         return seen.setdefault(id(tree), tree.detach().cpu())
     if isinstance(tree, dict):
@@ -94,11 +79,9 @@ def to_cpu(tree: object, seen: dict) -> object:
 
 
 class XlaHooks(DeviceHooks):
-    """One process feeds every device one global batch; ops are traced, and run at a sync;
-    a snapshot gathers the shards to the CPU first (snapshot.save's `gather`)."""
+    """One process feeds every device one global batch; ops are traced, and run at a sync."""
 
-    # Device d gets the rows main.py's rank d would: a step trains on the same sequences.
-    feeds_every_rank = True
+    feeds_every_rank = True  # device d gets main.py's rank d's rows: the same sequences
 
     def __init__(self, mesh: xs.Mesh, device: torch.device) -> None:
         self.mesh, self.device = mesh, device
@@ -108,26 +91,21 @@ class XlaHooks(DeviceHooks):
 
     def memory_devices(self, model: torch.nn.Module, device: torch.device
                        ) -> list[torch.device]:
-        # The host's peak RSS: no allocator counters to read, and the probe all-gathers
-        # every rank's peak, which gloo refuses for an XLA tensor (its all-reduce over one
-        # rank, in the nan check and the loss totals, takes one).
+        # The host's peak RSS: no allocator counters, and gloo's all-gather refuses XLA tensors.
         return [torch.device("cpu")]
 
     def to_device(self, loader: DataLoader) -> pl.MpDeviceLoader:
-        """Global batches moved in the background, each split along the batch as it lands
-        (and a sync at each batch fetched: the previous batch's program runs)."""
+        """Global batches moved in the background, each split along the batch as it lands."""
         return pl.MpDeviceLoader(loader, self.device,
                                  input_sharding=xs.ShardingSpec(self.mesh, ("fsdp", None)))
 
     def step_end(self) -> None:
-        # Everything traced since the last sync becomes one XLA program, compiled on the first
-        # steps and reused after (the lr is a device scalar, not a constant: no recompiles).
+        # The traced step runs as one program, compiled once (the lr is a device scalar).
         torch_xla.sync()
 
     def gather(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
                ) -> tuple[dict, dict]:
-        """The whole weights (keep_vars: the tied weight stays one tensor) and AdamW's state,
-        on the CPU."""
+        """The whole weights (keep_vars: tied ones stay one) and AdamW's state, on the CPU."""
         seen: dict = {}
         return (to_cpu(model.module.state_dict(keep_vars=True), seen),
                 to_cpu(optimizer.state_dict(), seen))

@@ -1,16 +1,7 @@
 """GPT-2 BPE data: its tokenizer, and windows of the token files prepare.py writes.
 
-    python prepare.py data/input.txt --out data/shakespeare_bpe   # once
-    enc = load_tokenizer("gpt2")  # or a directory with vocab.json + merges.txt (prepare.py)
-    train, val, meta = build_datasets(cfg.data_config, block_size=256, seed=0)
-    x, y = train[0]  # (block_size,) token ids each; y is x shifted left by one token
-
-`data_config.path` is prepare.py's output directory (relative paths are relative to this
-folder): `train.bin` and `val.bin` hold uint16 token ids, `meta.json` the tokenizer and counts.
-The files are memory-mapped, not read: a sample is one slice of the file, so a dataset of
-billions of tokens costs no memory, and each DataLoader worker maps the file on its own.
-Sample i is the window starting at token i * stride; the trainer's sampler decides the order
-(seeded, disjoint across ranks, resumable), exactly as for the char data.
+`data_config.path` is prepare.py's output: `train.bin` and `val.bin` (uint16 token ids) are
+memory-mapped, not read, so billions of tokens cost no memory; `meta.json` names the tokenizer.
 """
 import functools
 import hashlib
@@ -24,15 +15,12 @@ from torch.utils.data import Dataset
 
 from mingpt.data.char import resolve_path
 
-# GPT-2's pre-tokenizer (tiktoken's r50k pattern): text is cut into these pieces, then BPE
-# merges bytes within each piece.
+# GPT-2's pre-tokenizer (tiktoken's r50k): BPE merges bytes within each of these pieces.
 GPT2_PATTERN = (r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++"""
                 r"""|\s++$|\s+(?!\S)|\s""")
 EOT = "<|endoftext|>"
-# The keys of data_config for this kind (data_config/bpe.yaml).
-KEYS = ("name", "path", "stride")
-# The data meta keys a snapshot must share with this run to resume: the same tokenizer.
-MATCH_KEYS = ("vocab_size", "tokenizer_sha")
+KEYS = ("name", "path", "stride")  # data_config's keys (data_config/bpe.yaml)
+MATCH_KEYS = ("vocab_size", "tokenizer_sha")  # a resume needs the same tokenizer
 TEXT = True
 
 
@@ -50,12 +38,10 @@ class TokenWindows(Dataset):
         return self._tokens
 
     def __getstate__(self) -> dict:
-        # A pickled memmap carries its whole data: DataLoader workers map the file themselves.
-        return {**self.__dict__, "_tokens": None}
+        return {**self.__dict__, "_tokens": None}  # a pickled memmap would carry all its data
 
     def __len__(self) -> int:
-        # A window needs block_size + 1 tokens: block_size inputs, and one more target.
-        return (self.n_tokens - self.block_size - 1) // self.stride + 1
+        return (self.n_tokens - self.block_size - 1) // self.stride + 1  # block_size + 1 each
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not 0 <= index < len(self):
@@ -67,7 +53,6 @@ class TokenWindows(Dataset):
 
 
 def check_config(data_cfg: DictConfig) -> None:
-    """ValueError (one line) unless data_config has exactly this kind's keys, with usable values."""
     unknown = sorted(set(data_cfg) - set(KEYS))
     if unknown:
         raise ValueError(f"unknown key data_config.{unknown[0]}; allowed: {', '.join(KEYS)}")
@@ -82,8 +67,7 @@ def check_config(data_cfg: DictConfig) -> None:
 
 
 def read_meta(path: str, given: str) -> dict:
-    """prepare.py's meta.json in `path` (data_config.path `given`), and the two token files
-    complete; else ValueError."""
+    """prepare.py's meta.json in `path`, its two token files checked complete; else ValueError."""
     meta_file = Path(path) / "meta.json"
     if not meta_file.is_file():
         raise ValueError(f"no prepared data in {path} (no meta.json): run python prepare.py "
@@ -99,7 +83,6 @@ def read_meta(path: str, given: str) -> dict:
 
 def build_datasets(data_cfg: DictConfig, block_size: int, seed: int
                    ) -> tuple[TokenWindows, TokenWindows, dict]:
-    """(train, val, meta) from prepare.py's output in data_cfg.path; the same on every rank."""
     del seed  # same interface as the image data, whose palette sampling is seeded
     check_config(data_cfg)
     path = resolve_path(data_cfg.path)
@@ -120,18 +103,15 @@ def build_datasets(data_cfg: DictConfig, block_size: int, seed: int
 
 
 def _byte_decoder() -> dict[str, int]:
-    """GPT-2's files spell each byte as a printable character: that character -> the byte."""
+    # GPT-2's files spell each byte as a printable character: that character -> the byte.
     printable = [b for b in range(256) if chr(b).isprintable() and chr(b) != " "]
-    decoder = {chr(b): b for b in printable}
     others = [b for b in range(256) if b not in printable]  # mapped to chr(256), chr(257), ...
-    decoder.update({chr(256 + i): b for i, b in enumerate(others)})
-    return decoder
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
 
 
 def tokenizer_from_files(vocab_file: Path, merges_file: Path, name: str):
     """A tiktoken Encoding from GPT-2-style vocab (token -> id) and merges files."""
     import tiktoken
-
     decode = _byte_decoder()
     vocab = json.loads(vocab_file.read_text(encoding="utf-8"))
     merges = [line.split() for line in merges_file.read_text(encoding="utf-8").splitlines()[1:]
@@ -152,9 +132,8 @@ def tokenizer_from_files(vocab_file: Path, merges_file: Path, name: str):
 
 
 def tokenizer_files(spec: str) -> tuple[Path, Path, str] | None:
-    """The vocabulary and merges files `spec` names, in GPT-2's layout (a directory's, or the
-    Hugging Face cache's for a model id), and the tokenizer's name; None for a model id whose
-    files are not cached. ValueError (one line) for a directory without them."""
+    """(vocab file, merges file, name) of a directory or a cached model id, else None; ValueError
+    (one line) for a directory without them."""
     path = Path(spec).expanduser()
     if path.is_dir():
         for vocab, merges in (("vocab.json", "merges.txt"), ("encoder.json", "vocab.bpe")):
@@ -165,7 +144,6 @@ def tokenizer_files(spec: str) -> tuple[Path, Path, str] | None:
     if spec.startswith(("/", ".", "~")):
         raise ValueError(f"tokenizer {spec}: no such directory")
     from huggingface_hub import try_to_load_from_cache  # the local cache only: no network
-
     files = [try_to_load_from_cache(spec, name) for name in ("vocab.json", "merges.txt")]
     if all(isinstance(f, str) for f in files):
         return Path(files[0]), Path(files[1]), spec
@@ -173,7 +151,8 @@ def tokenizer_files(spec: str) -> tuple[Path, Path, str] | None:
 
 
 def load_tokenizer(spec: str):
-    """The tiktoken Encoding `spec` names (module docstring); ValueError (one line) if none."""
+    """A tiktoken Encoding from a directory's GPT-2 files, a cached model id's, or tiktoken's own
+    gpt2 encoding for GPT-2's ids; ValueError (one line) if none."""
     files = tokenizer_files(spec)
     if files is not None:
         return tokenizer_from_files(*files)
@@ -191,8 +170,7 @@ def load_tokenizer(spec: str):
 
 
 def fingerprint(enc) -> str:
-    """A short hash of the vocabulary: runs and snapshots compare tokenizers by it."""
-    h = hashlib.sha256()
+    h = hashlib.sha256()  # a short hash of the vocabulary: runs and snapshots compare by it
     for i in range(enc.n_vocab):
         token = enc.decode_single_token_bytes(i)
         h.update(len(token).to_bytes(4, "little") + token)
@@ -214,7 +192,6 @@ def _tokenizer(spec: str, sha: str | None):
 
 
 def encode(text: str, meta: dict) -> list[int]:
-    """GPT-2 BPE ids, with the tokenizer the data was prepared with (the snapshot names it)."""
     return tokenizer(meta).encode_ordinary(text)
 
 

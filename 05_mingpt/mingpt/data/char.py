@@ -1,10 +1,5 @@
-"""Character-level language modelling data: any UTF-8 text file becomes next-character samples.
-
-    train, val, meta = build_datasets(cfg.data_config, block_size=64, seed=0)
-    x, y = train[0]  # (block_size,) token ids each; y is x shifted left by one character
-
-The text is read with fsspec, so `data_config.path` may be a local path (relative paths are
-relative to 05_mingpt/, wherever the command is started) or any URL fsspec knows (s3://...).
+"""Character-level language modelling data: any UTF-8 text file becomes next-character samples
+(`data_config.path`: a local path or any URL fsspec knows, s3://...).
 """
 from pathlib import Path
 
@@ -15,11 +10,8 @@ from torch.utils.data import Dataset
 
 from mingpt import ROOT
 
-HERE = ROOT  # 05_mingpt/: paths in the config are relative to it
-# The keys of data_config for this kind (data_config/char.yaml).
-KEYS = ("name", "path", "train_fraction")
-# The data meta keys a snapshot must share with this run to resume: the same vocabulary.
-MATCH_KEYS = ("vocab_size", "itos")
+KEYS = ("name", "path", "train_fraction")  # data_config's keys (data_config/char.yaml)
+MATCH_KEYS = ("vocab_size", "itos")  # a resume needs the same vocabulary
 TEXT = True
 
 
@@ -31,8 +23,7 @@ class CharDataset(Dataset):
         self.block_size = block_size
 
     def __len__(self) -> int:
-        # The last sample needs block_size + 1 tokens: block_size inputs, and one more target.
-        return len(self.tokens) - self.block_size
+        return len(self.tokens) - self.block_size  # a sample takes block_size + 1 tokens
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         chunk = self.tokens[index : index + self.block_size + 1]  # (block_size + 1,)
@@ -40,10 +31,8 @@ class CharDataset(Dataset):
 
 
 def resolve_path(path: str) -> str:
-    """A URL as is; a relative local path relative to this folder, not to the hydra run dir."""
-    if "://" in path or Path(path).is_absolute():
-        return path
-    return str(HERE / path)
+    """A URL as is; a relative local path relative to 05_mingpt/, wherever the command runs."""
+    return path if "://" in path or Path(path).is_absolute() else str(ROOT / path)
 
 
 def read_text(path: str) -> str:
@@ -56,8 +45,7 @@ def read_text(path: str) -> str:
     except (OSError, ValueError) as e:  # permissions, a directory, an unknown URL protocol ...
         raise ValueError(f"cannot read data file {path}: {e}") from None
     if not raw:
-        raise ValueError(f"data file {path} is empty; set data_config.path to a UTF-8 text "
-                         "file")
+        raise ValueError(f"data file {path} is empty; set data_config.path to a UTF-8 text file")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -68,7 +56,6 @@ def read_text(path: str) -> str:
 
 
 def check_config(data_cfg: DictConfig) -> None:
-    """ValueError (one line) unless data_config has exactly this kind's keys, with usable values."""
     unknown = sorted(set(data_cfg) - set(KEYS))
     if unknown:
         raise ValueError(f"unknown key data_config.{unknown[0]}; allowed: {', '.join(KEYS)}")
@@ -82,27 +69,20 @@ def check_config(data_cfg: DictConfig) -> None:
 
 def build_datasets(data_cfg: DictConfig, block_size: int, seed: int
                    ) -> tuple[CharDataset, CharDataset, dict]:
-    """(train, val, meta) from `data_cfg.path`; the same split and vocabulary on every rank.
-
-    The split is positional: the first `train_fraction` of the text trains, the rest validates.
-    It needs no randomness (`seed` is unused), and no validation character is ever trained on,
-    unlike a random split of overlapping windows, where nearly every validation window shares
-    all but one character with some training window.
-    """
+    """The first `train_fraction` of the text trains, the rest validates: unlike a random split
+    of overlapping windows, no validation character is ever trained on."""
     del seed  # same interface as the image data, whose palette sampling is seeded
     check_config(data_cfg)
     path, fraction = resolve_path(data_cfg.path), float(data_cfg.train_fraction)
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"gpt_config.block_size must be a positive integer, got {block_size!r}")
     text = read_text(path)
-    # The vocabulary: every distinct character, sorted, so the ids do not depend on file order.
-    chars = sorted(set(text))
+    chars = sorted(set(text))  # the vocabulary, sorted: ids do not depend on the file's order
     stoi = {ch: i for i, ch in enumerate(chars)}
     tokens = torch.tensor([stoi[ch] for ch in text], dtype=torch.long)  # (N,)
     n_train = int(len(tokens) * fraction)
     train_tokens, val_tokens = tokens[:n_train], tokens[n_train:]
-    shortest = min(len(train_tokens), len(val_tokens))
-    if block_size >= shortest:
+    if block_size >= min(len(train_tokens), len(val_tokens)):
         raise ValueError(f"gpt_config.block_size ({block_size}) must be smaller than each split of "
                          f"{path} (train {len(train_tokens)}, val {len(val_tokens)} characters); "
                          "use a longer text or a smaller block_size")

@@ -1,17 +1,8 @@
 """CIFAR-10 as sequences of colour tokens, for a GPT that models images pixel by pixel.
 
-    train, val, meta = build_datasets(cfg.data_config, block_size=1023, seed=1337)
-    x, y = train[0]  # (1023,) palette indices each; y is x shifted left by one pixel
-
-Every pixel becomes the index of its nearest colour in a palette of `palette_size` colours (k-means
-on a few random pixels of every training image), so a 32x32 image is a sequence of 1024 tokens and
-the model predicts the next one. The palette is computed once by global rank 0, saved next to the
-data and sent to every other rank, so all ranks tokenise with identical colours.
-
-Images are read with torchvision's CIFAR10 (downloaded into `data_config.root` when
-`download=true`, otherwise read from `<root>/cifar-10-batches-py`). `check_md5=false` accepts
-files in the same layout that are not the official release (e.g. a small test set); only
-torchvision's checksum comparison is skipped, the files are read by its own code.
+Every pixel becomes the index of its nearest colour in a k-means palette of `palette_size`
+colours, so a 32x32 image is 1024 tokens. Global rank 0 computes the palette once, saves it next
+to the data and sends it to every rank. Images are read with torchvision's CIFAR10.
 """
 import os
 import time
@@ -28,11 +19,9 @@ from torchvision.datasets import CIFAR10
 
 from mingpt import ROOT, errors
 
-HERE = ROOT  # 05_mingpt/: paths in the config are relative to it
 SIDE = 32  # CIFAR-10 images are 32x32 RGB
 SEQ_LEN = SIDE * SIDE  # 1024 tokens per image; the model sees 1023 and predicts the next
-# The data meta keys a snapshot must share with this run to resume: the same colour tokens.
-MATCH_KEYS = ("vocab_size", "palette", "permutation")
+MATCH_KEYS = ("vocab_size", "palette", "permutation")  # a resume needs the same colour tokens
 TEXT = False  # decode() gives images (notebooks/play_image.ipynb), not text
 DEFAULTS = {"name": "cifar10", "root": "data/cifar10", "download": True, "check_md5": True,
             "palette_size": 512, "pixels_per_image": 5, "max_train_images": None,
@@ -54,8 +43,7 @@ class ImageTokens(Dataset):
 
 
 class _UncheckedCIFAR10(CIFAR10):
-    """torchvision's CIFAR10 without its md5 sums (check_md5=false): `check_integrity(path,
-    None)` only checks that a file exists; reading, decoding and downloading are unchanged."""
+    """torchvision's CIFAR10 without its md5 sums (check_md5=false): only the files' presence."""
 
     train_list = [[name, None] for name, _ in CIFAR10.train_list]
     test_list = [[name, None] for name, _ in CIFAR10.test_list]
@@ -96,12 +84,10 @@ def compute_palette(images: np.ndarray, palette_size: int, pixels_per_image: int
     if distinct < palette_size:
         raise ValueError(f"data_config.palette_size ({palette_size}) is more than the {distinct} "
                          "distinct colours sampled; lower it or sample more pixels/images")
-    # MiniBatchKMeans: a few seconds for 250k pixels and 512 colours on 2 cores, where full
-    # KMeans takes 15-60 s for a palette that reconstructs pixels only ~3 % better.
+    # MiniBatchKMeans: many times faster than KMeans, for a palette nearly as good.
     kmeans = MiniBatchKMeans(n_clusters=palette_size, batch_size=4096, n_init=1,
                              random_state=seed, compute_labels=False).fit(pixels)
-    # Whole-number colours: dequantised images are exact uint8, and nearest-colour distances
-    # between integers are computed exactly.
+    # Whole numbers: dequantised images are exact uint8, and distances between integers exact.
     return np.clip(np.rint(kmeans.cluster_centers_), 0, 255).astype(np.uint8)
 
 
@@ -109,8 +95,7 @@ def read_palette(path: Path, palette_size: int) -> np.ndarray:
     """A saved palette, checked: ValueError if it is unreadable or not uint8 (palette_size, 3)."""
     try:
         palette = np.load(path, allow_pickle=False)
-    except (OSError, ValueError, EOFError):  # truncated, or not .npy (np.load then suspects
-        # a pickle, which allow_pickle=False refuses: its message would only confuse here)
+    except (OSError, ValueError, EOFError):  # truncated, or not .npy (np.load's pickle refusal)
         raise ValueError(f"palette file {path} is not a readable .npy array; delete it to "
                          "recompute it") from None
     if palette.dtype != np.uint8 or palette.shape != (palette_size, 3):
@@ -139,9 +124,7 @@ def quantise(images: np.ndarray | torch.Tensor, palette: np.ndarray,
     def codes(start: int) -> np.ndarray:  # each colour as one 24-bit number 0xRRGGBB
         rgb = pixels[start:start + step].astype(np.int32)
         return (rgb[:, 0] << 16) | (rgb[:, 1] << 8) | rgb[:, 2]
-
-    # Images repeat colours: find each distinct colour's nearest palette entry once (a k-d tree
-    # over the palette; float64 distances between integers are exact), then look pixels up.
+    # Images repeat colours: each distinct colour's nearest palette entry once, then a lookup.
     seen = np.zeros(1 << 24, dtype=bool)
     for start in range(0, len(pixels), step):
         seen[codes(start)] = True
@@ -187,7 +170,6 @@ def decode(seqs: torch.Tensor, meta: dict) -> torch.Tensor:
 
 
 def check_config(data_cfg: DictConfig | dict) -> None:
-    """ValueError (one line) unless data_config has only this kind's keys, with usable values."""
     options(data_cfg)
 
 
@@ -206,7 +188,6 @@ def options(data_cfg: DictConfig | dict) -> dict:
     def whole(key: str, low: int, high: int = 1 << 62) -> bool:
         value = opts[key]  # bool is an int subclass in Python: reject it explicitly
         return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
-
     for key in ("download", "check_md5", "permute"):
         need(isinstance(opts[key], bool), key, "true or false")
     need(whole("palette_size", 2, 32768), "palette_size", "an integer from 2 to 32768")
@@ -215,8 +196,7 @@ def options(data_cfg: DictConfig | dict) -> dict:
     for key in ("max_train_images", "max_val_images"):
         need(opts[key] is None or whole(key, 1), key, "null (all images) or a positive integer")
     need(isinstance(opts["root"], str) and "://" not in opts["root"], "root", "a local folder")
-    # A relative root is relative to this folder, wherever the command is started.
-    opts["root"] = HERE / Path(opts["root"]).expanduser()
+    opts["root"] = ROOT / Path(opts["root"]).expanduser()  # relative to 05_mingpt/
     return opts
 
 
@@ -224,29 +204,16 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _from_rank0(values: list) -> list:
-    """Rank 0's values on every rank (a no-op without a process group)."""
-    if dist.is_available() and dist.is_initialized():
-        dist.broadcast_object_list(values, src=0)
-    return values
-
-
 def build_datasets(data_cfg: DictConfig | dict, block_size: int, seed: int
                    ) -> tuple[ImageTokens, ImageTokens, dict]:
-    """(train, val, meta): CIFAR-10 train and test images as colour-token sequences.
-
-    Call it after `init_process_group` in a distributed run: each node's first rank downloads
-    the data, global rank 0 computes the palette while the other ranks wait, then every rank
-    uses rank 0's palette.
-    """
+    """CIFAR-10's train and test images as colour tokens; after `init_process_group`, if any."""
     opts = options(data_cfg)
     if block_size != SEQ_LEN - 1:
         raise ValueError(f"cifar10 needs gpt_config.block_size={SEQ_LEN - 1} (32x32 pixels less "
                          f"the one predicted), got {block_size}")
     root, size = opts["root"], opts["palette_size"]
-    # Nodes need not share a filesystem: each node's first process makes sure the images are
-    # on its own storage (downloading them where asked) while the others wait, and every rank
-    # hears of a node that failed (errors.together).
+    # Nodes need not share a filesystem: each node's first process makes sure of its own copy
+    # while the others wait, and every rank hears of a node that failed (errors.together).
     node_first = os.environ.get("LOCAL_RANK", "0") == "0"
     train_images = errors.together(
         lambda: load_images(root, True, opts["download"], opts["check_md5"]) if node_first
@@ -270,14 +237,16 @@ def build_datasets(data_cfg: DictConfig | dict, block_size: int, seed: int
         except (ValueError, OSError) as e:  # OSError: e.g. a read-only root for the palette
             error = str(e)
     # Every rank raises rank 0's error, so a bad path stops the whole job with the same line.
-    palette, error = _from_rank0([palette, error])
+    shared = [palette, error]
+    if dist.is_available() and dist.is_initialized():
+        dist.broadcast_object_list(shared, src=0)
+    palette, error = shared
     if error is not None:
         raise ValueError(error)
     if train_images is None:  # other ranks: their node's first rank made sure of the files
         train_images = load_images(root, True, False, opts["check_md5"])
     train_images = train_images[:opts["max_train_images"]]
     val_images = load_images(root, False, False, opts["check_md5"])[:opts["max_val_images"]]
-
     start = time.perf_counter()
     # int16 holds any palette index (palette_size <= 32768) at a quarter of int64's memory.
     train_tokens = quantise(train_images, palette, torch.int16)  # (N_train, 1024)

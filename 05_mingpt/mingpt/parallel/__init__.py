@@ -1,25 +1,14 @@
-"""The axes of parallelism, one module each, and the one function that composes them.
+"""The axes of parallelism, one module each, and `parallelize`, which composes them.
 
     model = parallelize(GPT(config).to(device), device, "fsdp", tp_size=2, pp_size=2)
     optimizer = optim.build_optimizer(model, "fsdp", lr=3e-3)  # after: FSDP replaces parameters
 
-A layout is a data-parallel flavour plus degrees (layout.py): `distributed_method` names the
-flavour (ddp, zero, fsdp, dp) or a shorthand for degrees (tp, pp, fsdp_tp, fsdp_pp,
-fsdp_tp_pp); tp_size, pp_size and cp_size turn the other axes on. `parallelize` builds the
-mesh and applies each axis in one order, as torchtitan does:
-
-1. pipeline.split: the blocks into stages; this rank keeps its own (pp_size).
-2. then on each part (the whole GPT, or each of this rank's stages):
-   tensor.apply (each block's matmuls over the tp ranks), context.apply (the sequences over
-   the cp ranks), expert.apply (each MoE block's experts over the ep ranks), and the
-   flavour's apply (ddp.py, zero.py, fsdp.py, dataparallel.py), which also takes
-   activation checkpointing and compile per block.
-3. pipeline.schedule: the stages and their schedule (the trainer's step under pp).
-
-TP comes first because its plan names the blocks' own submodules (attn.c_attn, ...), which
-the checkpoint wrapper would hide one level down; the flavour last because it wraps whatever
-the others left. Every rank's model then carries `mesh` and `layout`; the trainer asks
-`runner(model)` for the step of its layout. Adding an axis: README, "Extending".
+A layout is a data-parallel flavour plus degrees (layout.py). `parallelize` builds the mesh and
+applies the axes in one order, as torchtitan does: pipeline.split into stages; on each part
+TP, CP, EP, then the flavour (with checkpointing and compile); pipeline.schedule. TP comes first
+because its plan names the blocks' own submodules (attn.c_attn, ...), which the checkpoint
+wrapper would hide; the flavour last because it wraps whatever the others left. Every rank's
+model then carries `mesh` and `layout`. Adding an axis: README, "Extending".
 """
 from dataclasses import dataclass
 
@@ -47,12 +36,10 @@ STRATEGIES = {
     "fsdp": Strategy("parameters, gradients and optimizer state sharded over all ranks"),
     "zero": Strategy("ddp, with AdamW's state sharded over the ranks"),
     "tp": Strategy("every block's matmuls split over all ranks", tp=True),
-    "fsdp_tp": Strategy("TP inside groups of tp_size ranks, FSDP across the groups",
-                        tp=True),
+    "fsdp_tp": Strategy("TP inside groups of tp_size ranks, FSDP across the groups", tp=True),
     "pp": Strategy("the blocks split into stages over all ranks, micro-batches "
                    "pipelined", pipeline=True),
-    "fsdp_pp": Strategy("pipelines of pp_size ranks, FSDP across the pipelines",
-                        pipeline=True),
+    "fsdp_pp": Strategy("pipelines of pp_size ranks, FSDP across the pipelines", pipeline=True),
     "fsdp_tp_pp": Strategy("TP inside each stage, pipelines of pp_size stages, FSDP "
                            "across", tp=True, pipeline=True),
     "dp": Strategy("nn.DataParallel: one process drives every GPU"),
@@ -64,7 +51,6 @@ def parallelize(model: nn.Module, device: torch.device, method: str = "ddp",
                 **settings) -> nn.Module:
     """`model` laid out by `method` and the degrees in `settings` (Settings: tp_size, pp_size,
     cp_size, precision, ...); its `blocks` (a ModuleList) are the units of every axis.
-
     ValueError (one line) where the world size or the model does not fit the layout."""
     s = Settings(**settings)
     lay = resolve(method, dist.get_world_size(), **layout.degrees(s))
@@ -118,8 +104,7 @@ AXIS_NAMES = {"pp": "pipeline-parallel", "cp": "context-parallel", "tp": "tensor
 
 
 def describe(model: nn.Module) -> str:
-    """The axes that split each model replica, for the log: "pipeline-parallel 2 x
-    tensor-parallel 2"."""
+    """The axes that split each model replica, for the log: "pipeline-parallel 2 x ..."."""
     lay = getattr(unwrap(model), "layout", None)
     if not isinstance(lay, Layout):
         return "none"

@@ -1,7 +1,4 @@
-"""nn.DataParallel: ONE process drives every visible GPU (the legacy contrast to DDP).
-
-    model = apply(model, device, settings)   # parallel.STRATEGIES["dp"]; python main.py only
-"""
+"""nn.DataParallel: ONE process drives every visible GPU (the legacy contrast to DDP)."""
 import os
 
 import torch
@@ -16,10 +13,8 @@ from mingpt.precision import keep_autocast
 
 
 def apply(model: nn.Module, device: torch.device, s: Settings) -> nn.Module:
-    """nn.DataParallel: ONE process drives all visible GPUs (the legacy way, README)."""
-    # Each forward copies the weights from the first GPU to every other one, splits the batch
-    # across them, runs the replicas in threads (under Python's GIL) and gathers the outputs
-    # back on the first GPU. DDP replaced it: one process per GPU, no per-step weight copies.
+    # Each forward copies the weights from the first GPU to every other one, splits the batch,
+    # runs the replicas in threads (under the GIL) and gathers the outputs on the first GPU.
     if device.type != "cuda":
         raise ValueError("distributed_method=dp (nn.DataParallel) splits each batch across "
                          "CUDA GPUs and needs at least one; on the CPU use ddp")
@@ -32,12 +27,9 @@ def apply(model: nn.Module, device: torch.device, s: Settings) -> nn.Module:
 
 
 class DataParallel(nn.DataParallel):
-    """nn.DataParallel whose replicas compute in this run's autocast dtype.
-
-    torch's parallel_apply re-enters autocast in each replica's thread with `enabled` only, and
-    a new thread starts from the default dtype, fp16 on CUDA: a bf16 run would compute every
-    replica in fp16, with no loss scaling. So each replica is called under the dtype of the
-    thread that calls the model (precision.keep_autocast)."""
+    """nn.DataParallel whose replicas compute in this run's autocast dtype: torch's
+    parallel_apply re-enters autocast in each new thread with `enabled` only, whose default
+    dtype on CUDA is fp16, so a bf16 run would compute its replicas in fp16."""
 
     def parallel_apply(self, replicas: list[nn.Module], inputs: list, kwargs: list) -> list:
         calls = [keep_autocast(replica, self.src_device_obj.type) for replica in replicas]
@@ -46,9 +38,8 @@ class DataParallel(nn.DataParallel):
 
 def check_config(t: DictConfig) -> None:
     """nn.DataParallel needs CUDA GPUs and exactly one process; say so before anything starts."""
-    # Before the GPU check, so that a CPU machine (and its tests) sees this line too.
-    # Module.compile() binds the compiled call to the module it compiled; DataParallel's
-    # replicas copy each module's __dict__, so every replica would run GPU 0's block.
+    # Before the GPU check, so that a CPU machine sees it too. Module.compile() binds the call
+    # to its module, and DataParallel's replicas copy each module's __dict__.
     require(not t.compile, "trainer_config.compile", "False with distributed_method=dp (each "
             "GPU's replica would run the first GPU's compiled blocks); use ddp to compile",
             t.compile)

@@ -1,29 +1,9 @@
 """Replica groups that meet every H steps instead of every step (trainer_config.ft_sync):
-torchft's LocalSGD and DiLoCo, for groups joined by a slow network.
+torchft's LocalSGD and DiLoCo, for groups joined by a slow network (DILOCO.md teaches both).
 
-    python main.py trainer_config.ft_replicas=2 trainer_config.ft_sync=diloco \\
-        trainer_config.ft_sync_every=50 ...      # FAULT_TOLERANCE.md starts each group
-
-With ft_sync=step (ft.py) the groups average their gradients at every step. Here each group
-trains alone: its inner optimizer (AdamW, or Muon) steps on the group's own gradients, which
-the layout averages inside the group as ever. Every ft_sync_every steps (H) the groups meet:
-- local_sgd (Stich, arXiv 1805.09767): the groups' weights are averaged.
-- diloco (Douillard et al., arXiv 2311.08105): each group's change since the last meeting
-  (the weights then minus the weights now: the "outer gradient") is averaged, and an outer
-  optimizer (SGD with Nesterov momentum, optimizer_config.outer_lr and outer_momentum) steps
-  the weights of the last meeting with it. outer_lr 1 without momentum is local_sgd again.
-  ft_fragments > 1 (Streaming DiLoCo, arXiv 2501.18512): the parameters are cut into that
-  many fragments, and one fragment meets every H / ft_fragments steps, each every H: the
-  same bytes per step, a fragment's share of them at each meeting.
-So the groups send 1/H of ft_sync=step's bytes, at the price of weights that drift apart
-between meetings. torchft does the work (torchft.local_sgd; its hooks on the inner
-optimizer's step run the meeting); this module cuts the fragments, keeps their state in
-snapshots, and says in the log what each meeting cost.
-
-What a snapshot holds besides weights and AdamW (Sync.state_dict): per parameter, the weights
-of the last meeting and the outer momentum, and the Manager's count of meetings (which
-fragment meets next). A resume is exact; a group that joins mid-run receives the same from a
-peer at the next meeting (torchft registers them with the Manager).
+torchft does the work (torchft.local_sgd: its hooks on the inner optimizer's step hold the
+meeting); this module cuts Streaming DiLoCo's fragments, keeps their state in snapshots
+(Sync.state_dict) and says in the log what each meeting cost.
 """
 import time
 
@@ -53,21 +33,18 @@ def check_config(t: DictConfig, o: DictConfig) -> None:
     require(o.outer_lr > 0, "optimizer_config.outer_lr", "> 0", o.outer_lr)
     require(0 <= o.outer_momentum < 1, "optimizer_config.outer_momentum", "in [0, 1)",
             o.outer_momentum)
-    if t.ft_sync == "step":
-        require(t.ft_fragments == 1, "trainer_config.ft_fragments",
-                "1 unless ft_sync=diloco (fragments of the weights meet in turn)", t.ft_fragments)
-        return
-    require(t.ft_replicas > 0, "trainer_config.ft_sync", "step unless ft_replicas > 0 (it "
-            "says how replica groups meet)", t.ft_sync)
+    require(t.ft_sync == "step" or t.ft_replicas > 0, "trainer_config.ft_sync", "step unless "
+            "ft_replicas > 0 (it says how replica groups meet)", t.ft_sync)
     require(t.ft_fragments == 1 or t.ft_sync == "diloco", "trainer_config.ft_fragments",
             "1 unless ft_sync=diloco (fragments of the weights meet in turn)", t.ft_fragments)
+    if t.ft_sync == "step":
+        return
     # torchft's DiLoCo: each fragment meets every ft_sync_every steps, one at a time.
     require(t.ft_sync_every % t.ft_fragments == 0, "trainer_config.ft_sync_every",
             f"a multiple of ft_fragments={t.ft_fragments} (one fragment meets every "
             "ft_sync_every / ft_fragments steps)", t.ft_sync_every)
-    # Built and tested for a group that is ddp or fsdp: the meeting's weights and outer
-    # gradients are whole tensors or FSDP's shards, each rank's own. Under tp, pp, cp or ep a
-    # rank's parameters are other DTensors whose outer-gradient norm would need their meshes.
+    # Built for groups that are ddp or fsdp (whole tensors or FSDP's shards): under tp, pp, cp
+    # or ep the outer gradient's norm would need the parameters' other meshes.
     flavour, on = SHORTHANDS.get(t.distributed_method, (t.distributed_method, ()))
     axes = [f"{axis}_size={t[f'{axis}_size']}" for axis in ("tp", "pp", "cp", "ep")
             if t[f"{axis}_size"] > 1] or [f"distributed_method={t.distributed_method}"] * bool(on)
@@ -102,7 +79,6 @@ class Sync:
     def __init__(self, t: DictConfig, o: DictConfig, manager, model: nn.Module,
                  inner: torch.optim.Optimizer, meetings: "Meetings") -> None:
         from torchft.local_sgd import DiLoCo, LocalSGD
-
         self.manager, self.kind, self.model = manager, t.ft_sync, unwrap(model)
         self.inner, self.meetings = inner, meetings
         self.writer = None  # TensorBoard's (rank 0), once start() has the trainer's log
@@ -127,9 +103,8 @@ class Sync:
         self.algorithm = DiLoCo(manager, parts, inner, self.outer, t.ft_sync_every)
 
     def _held(self):
-        """For every parameter: its name in the model, the parameter, torchft's copy of its
-        weights at the last meeting and its outer SGD's state (fragments() named each in
-        its fragment as in the model, "/" for ".", in the order its SGD holds them)."""
+        """(name in the model, parameter, torchft's copy of its weights at the last meeting,
+        its outer SGD's state) for every parameter, in the order its SGD holds them."""
         for fragment, sgd in zip(self.algorithm._fragments, self.outer, strict=True):
             for (key, kept), p in zip(fragment.original_parameters.items(),
                                       sgd.param_groups[0]["params"], strict=True):
@@ -148,9 +123,8 @@ class Sync:
         self.norm = squares.sqrt()
 
     def start(self, step: int, writer) -> None:
-        """Hooks on from here, with training at `step` (a resumed run is inside an interval:
-        torchft counts the steps since it was built, so it is told where the interval
-        stands); `writer`: TensorBoard's, on rank 0."""
+        """Hooks on from here, with training at `step` (torchft counts steps since it was built:
+        a resumed run tells it where the interval stands); `writer`: TensorBoard's, on rank 0."""
         if not self.loaded and self.outer:  # a new run, or a snapshot without this state
             self.algorithm._save_parameters()  # the resumed weights are the last meeting's
         every = self.algorithm._sync_every  # DiLoCo's: steps between two fragments' meetings
@@ -179,12 +153,11 @@ class Sync:
         drift = f", outer gradient norm {self.norm.item():.4f}" if self.norm is not None else ""
         print0(f"step {step}: replica groups met ({self.kind}): {seconds * 1e3:.1f} ms, "
                f"rank 0 sent {sent:,} bytes{drift}")
-        writer = self.writer
-        if writer is not None:
-            writer.add_scalar("replicas/sync_ms", seconds * 1e3, step)
-            writer.add_scalar("replicas/sent_mib", sent / 2**20, step)
+        if self.writer is not None:
+            self.writer.add_scalar("replicas/sync_ms", seconds * 1e3, step)
+            self.writer.add_scalar("replicas/sent_mib", sent / 2**20, step)
             if self.norm is not None:
-                writer.add_scalar("replicas/outer_grad_norm", self.norm.item(), step)
+                self.writer.add_scalar("replicas/outer_grad_norm", self.norm.item(), step)
         self.norm = None
 
     def state_dict(self) -> dict:
@@ -241,5 +214,4 @@ class Meetings:
                 faults.hold_quorum(self.step())  # FAULT_HOLD_QUORUM only: a test's gate
             self.started = time.perf_counter()
             start_quorum(*args, **kwargs)
-
         manager.allreduce, manager.start_quorum = counted, gated

@@ -1,27 +1,6 @@
 """Expert parallelism (EP): each MoE block's experts split over the ranks of an ep group, the
-tokens sent to the ranks holding their experts and back with two all-to-alls.
-
-    apply(part, mesh, "fsdp", settings)   # parallelize: after TP and CP, before the flavour
-
-An ep group is ep_size data-parallel ranks (layout.py: the mesh's dp dimension is edp x ep,
-flattened back into "dp"). They still read their own data, as torchtitan and DeepSpeed-MoE
-do: EP divides the experts, not the batch. Rank j of a group holds experts
-[j * E / ep, (j + 1) * E / ep) of every MoE block, as DTensors sharded on dim 0 over "ep", so
-snapshots (DCP) hold each expert tensor whole under its usual name, in any layout.
-
-Forward of one block's experts (ShardedExperts): the rows arrive sorted by expert (model.MoE);
-1. the counts: every rank tells every other how many rows it sends to each of its experts
-   (an all_to_all_single of E integers);
-2. the rows: all_to_all_single with uneven splits (torch.distributed.nn.functional's, which
-   has a backward: each row's gradient goes back to the rank it came from);
-3. the local experts run on the rows they received, regrouped expert by expert;
-4. the outputs go back by the reverse all-to-all, in the order they came.
-
-Gradients. A dense weight's gradient is averaged over every data-parallel rank (the flavour,
-over "dp"). An expert's rows came from every rank of its ep group, so its local gradient
-already sums what the group's losses give it; the flavour averages it over "edp" only (the
-ranks holding the same expert) with the divide factor set to the dp degree: the sum over all
-dp ranks / dp, the same mean a dense weight gets (torchtitan sets FSDP's divide factor too).
+tokens sent to the ranks holding their experts and back with two all-to-alls. MOE.md teaches
+the layout (ep groups of data-parallel ranks, the experts sharded on dim 0) and the gradients.
 """
 import torch
 import torch.distributed as dist
@@ -58,8 +37,7 @@ class ShardedExperts(Experts):
         # 2. the rows, rank by rank (each rank's own rows for my experts, expert by expert).
         got = dist_fn.all_to_all_single(x.new_empty(sum(recv_splits), C), x, recv_splits,
                                         send_splits, group=self.group)
-        # 3. regroup expert by expert (stable: the order within an expert does not matter
-        # for the result, but keeps it reproducible), run them, restore the arrival order.
+        # 3. regroup expert by expert (stable: reproducible), run them, restore arrival order.
         expert_of_row = torch.arange(local, device=x.device).repeat(self.ep) \
             .repeat_interleave(recv.flatten())  # (rows received,)
         order = expert_of_row.argsort(stable=True)
@@ -114,9 +92,8 @@ def apply(part: nn.Module, mesh: DeviceMesh, flavour: str, s: Settings) -> nn.Mo
 
 
 def _wrap(experts: nn.Module, flavour: str, s: Settings, edp: DeviceMesh, divide: int) -> None:
-    """The flavour on one block's experts over the ranks holding the same experts: FSDP2's
-    fully_shard (fsdp) or replicate (ddp: DDP cannot take DTensors, ddp.py), the gradient
-    sum divided by the dp degree."""
+    """The flavour on one block's experts over the ranks holding the same ones: FSDP2's fully_shard
+    (fsdp) or replicate (ddp: DDP cannot take DTensors), the gradient sum divided by dp."""
     from torch.distributed._composable.replicate_with_fsdp import replicate  # noqa: PLC0415
     device = torch.device(edp.device_type)
     if flavour == "fsdp":  # offloaded with the rest where cpu_offload asks (fsdp.policies)
@@ -129,6 +106,3 @@ def _wrap(experts: nn.Module, flavour: str, s: Settings, edp: DeviceMesh, divide
         # A divide factor other than the group's size makes FSDP reduce-scatter with NCCL's
         # PREMUL_SUM, which gloo has not: a plain sum, then the division (edp > 1 only).
         experts.set_force_sum_reduction_for_comms(True)
-
-
-__all__ = ["ShardedExperts", "apply", "check_config"]

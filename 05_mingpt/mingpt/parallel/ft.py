@@ -1,40 +1,8 @@
 """Replica groups that survive each other's failures without a restart (torchft): data
-parallel across replica groups, any layout of mingpt.parallel inside one.
-
-    torchft_lighthouse --min_replicas 1 --join_timeout_ms 1000 &      # once, anywhere reachable
-    TORCHFT_LIGHTHOUSE=http://HOST:29510 torchrun --standalone --nproc_per_node=2 main.py \\
-        trainer_config.ft_replicas=2 trainer_config.ft_replica_group=0 run_name=ft0  # and 1
-
-FAULT_TOLERANCE.md tells the story; this is how it enters. Each replica group is a torchrun
-job of its own, with its own process group (the trainer's collectives: the layout's, the
-loss, evaluation) and no knowledge of the others. torchft's Manager joins them: every step
-its lighthouse forms a quorum of the groups alive, and the gradients are averaged over the
-quorum through torchft's process group (gloo on a CPU, NCCL on GPUs), rank r of each group
-with rank r of the others. A group that dies is left out of the next quorum and the others
-go on; one started again joins a quorum, receives the current state (weights, AdamW, the
-trainer's position and schedule) from a peer over HTTP, and steps with them.
-
-Where it enters: main.py wraps the optimizer (Replicas.optimizer) and gives the Trainer
-Replicas.hooks (its data-parallel rank and size span the groups, so each group reads its own
-rows); nothing in the training loop knows. The optimizer's step averages every local gradient
-(a DTensor's local shard too) across the quorum, asks the Manager whether the step may
-commit (no group failed during it), and only then steps AdamW; zero_grad, the end of a step,
-starts the next step's quorum (as torchft's OptimizerWrapper does).
-
-What differs from one job of the same size:
-- grad_clip clips each group's gradients (its own norm, within the group) before they are
-  averaged across groups: with one process per group and clipping off, two groups compute
-  what DDP over two processes does, bit for bit (tests/test_mingpt_torchft.py).
-- A step during which a group failed does not commit anywhere: the survivors' weights stay,
-  but the trainer counts the step and its batch is not trained on (torchft would retry it;
-  the trainer's loop goes on, as it does everywhere).
-- The rejoined group takes its peers' position (step, epoch, samples, lr schedule), but its
-  data loader goes on from where its own epoch stood until the next epoch.
-- Each group writes its own snapshots (give each a run_name of its own); evaluation runs
-  over each group's share of the validation rows.
-
-trainer_config.ft_sync=local_sgd or diloco: the groups meet every ft_sync_every steps
-instead, and the optimizer's step is the group's own (diloco.py).
+parallel across replica groups, any layout of mingpt.parallel inside one (FAULT_TOLERANCE.md;
+DILOCO.md: groups that meet every H steps). main.py wraps the optimizer (Replicas.optimizer)
+and gives the Trainer Replicas.hooks (its data-parallel rank and size span the groups); nothing
+in the training loop knows.
 """
 from collections.abc import Callable
 from datetime import timedelta
@@ -53,8 +21,7 @@ from mingpt.trainer import DeviceHooks
 
 
 def check_config(t: DictConfig, o: DictConfig) -> None:
-    """ValueError (one line) unless ft_replicas and ft_replica_group name a group, and
-    ft_sync's keys (diloco.py) fit."""
+    """ValueError (one line) unless the ft_ keys name a group and ft_sync fits (diloco.py)."""
     if t.ft_replicas < 0:
         raise ValueError(f"trainer_config.ft_replicas must be an integer >= 0 (0: off), got "
                          f"{t.ft_replicas}")
@@ -88,19 +55,16 @@ class Hooks(DeviceHooks):
 
 
 class Optimizer(torch.optim.Optimizer):
-    """`inner` with its gradients averaged across the quorum and its step taken only where
-    the Manager says the step commits. Not torchft's OptimizerWrapper, which leaves the
-    averaging to torchft's DDP (it replaces the layout's own data parallelism: a replica's
-    ranks would no longer average among themselves) and starts a quorum at every zero_grad,
-    the last step's too, with no step after it to join."""
+    """`inner` with its gradients averaged across the quorum, stepping only where the Manager
+    says the step commits. Not torchft's OptimizerWrapper: it averages through torchft's DDP,
+    replacing the layout's own, and starts a quorum at every zero_grad, the last one's too."""
 
     def __init__(self, manager, inner: torch.optim.Optimizer) -> None:
         # No Optimizer.__init__: param_groups and state are the inner optimizer's (below),
         # which GradScaler, the lr scheduler and snapshots read and change.
         self.manager, self.inner = manager, inner
-        # None (ft_sync=step): the groups meet at every step, here. Else the owner of
-        # torchft's hooks on the inner optimizer's step, which hold a meeting every
-        # ft_sync_every steps (diloco.py).
+        # None (ft_sync=step): the groups meet here, every step. Else diloco.py's, whose
+        # torchft hooks on the inner optimizer's step hold a meeting every ft_sync_every steps.
         self.sync: diloco.Sync | None = None
         # Replicas.start: the step the next quorum is for, None where no step follows.
         self.next_step: Callable[[], int | None] = lambda: None
@@ -154,10 +118,8 @@ class Optimizer(torch.optim.Optimizer):
         if local:
             flat = torch.cat([g.reshape(-1) for g in local])
             self.manager.allreduce(flat).wait()
-            offset = 0
-            for g in local:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+            for g, mean in zip(local, flat.split([g.numel() for g in local]), strict=True):
+                g.copy_(mean.view_as(g))
         # False where any group's all-reduce failed (a group died during the step): no group
         # steps, so the survivors keep the same weights.
         if self.manager.should_commit():
@@ -176,21 +138,17 @@ class Replicas:
                  device: torch.device) -> None:
         from torchft import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
-
         t = cfg.trainer_config
         timeout = timedelta(seconds=t.collective_timeout_s)
         pg = (ProcessGroupNCCL(timeout=timeout) if device.type == "cuda"
               else ProcessGroupGloo(timeout=timeout))
-        self.model, self.trainer = model, None
+        self.trainer = None
         # The replica id ends in the group's number: torchft reads the ranks of its quorum
-        # from it. MASTER_ADDR/MASTER_PORT (this group's torchrun store) and the lighthouse's
-        # address (TORCHFT_LIGHTHOUSE, read by rank 0's Manager server) come from the
-        # environment.
-        # init_sync off: every group draws the same initial weights (the same seed), so the
-        # first step needs no copy; with it on, the groups that copied would sit that step out
-        # (a healing group sends zeros) and the first step would average fewer gradients.
-        # A quorum every step starts in the background (the step's all-reduce waits for it);
-        # LocalSGD and DiLoCo need it formed, and a joining group healed, when it returns.
+        # from it. This group's torchrun store and TORCHFT_LIGHTHOUSE come from the environment.
+        # init_sync off: every group draws the same initial weights (the same seed); with it
+        # on, the groups that copied would sit the first step out (a healing group sends zeros).
+        # Async quorum (ft_sync=step): the step's all-reduce waits for it; LocalSGD and DiLoCo
+        # need it formed, and a joining group healed, when start_quorum returns.
         self.manager = Manager(
             pg=pg, load_state_dict=None, state_dict=None, min_replica_size=1,
             timeout=timeout, quorum_timeout=timeout, rank=dist.get_rank(),
@@ -199,7 +157,8 @@ class Replicas:
         # Bytes sent between the groups, and the meetings' gate (diloco.Meetings).
         self.meetings = diloco.Meetings(self.manager, lambda: self.trainer.step + 1,
                                         gate=t.ft_sync != "step")
-        self.manager.register_state_dict_fn("model", self._load_model, self._model_state)
+        self.manager.register_state_dict_fn("model", unwrap(model).load_state_dict,
+                                            unwrap(model).state_dict)
         self.optimizer = Optimizer(self.manager, optimizer)
         if t.ft_sync != "step":  # torchft's LocalSGD or DiLoCo on the group's own optimizer
             self.optimizer.sync = diloco.Sync(t, cfg.optimizer_config, self.manager, model,
@@ -210,12 +169,6 @@ class Replicas:
         # The Trainer's data-parallel rank across the groups: its rows, and its dropout stream
         # (each group draws the masks DDP's rank of the same rows would).
         self.hooks = Hooks(t.ft_replica_group, t.ft_replicas)
-
-    def _model_state(self) -> dict:
-        return unwrap(self.model).state_dict()
-
-    def _load_model(self, state: dict) -> None:
-        unwrap(self.model).load_state_dict(state)
 
     def _trainer_state(self) -> dict:
         """Where the trainer stands, for a group that joins: not Trainer.state_dict, a

@@ -1,8 +1,4 @@
-"""Gradients of any layout: clipping across meshes and pipeline stages, sync per micro-step.
-
-    clip_grad_norm_(model.parameters(), 1.0)      # DTensor and plain gradients together
-    with set_grad_sync(model, sync=last_micro_step): loss.backward()
-"""
+"""Gradients of any layout: clipping across meshes and pipeline stages, sync per micro-step."""
 from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
 
@@ -17,15 +13,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float,
                     stages: dist.ProcessGroup | None = None, not_counted: set[int] = frozenset()
                     ) -> torch.Tensor:
-    """torch's clip_grad_norm_, also for gradients that live on different meshes (TP), and
-    over a pipeline's `stages` (each rank holds some of the parameters: the squared norms are
-    summed over that group; `not_counted`: ids of parameters another stage counts, the tied
-    embedding that the first and the last stage both hold).
-
-    Under TP some gradients are DTensors (sharded over the TP or the 2-D mesh), others plain
-    replicated tensors (LayerNorms, embeddings), and torch's version refuses to mix them. So
-    the norm is taken per kind, each made global (`full_tensor()` sums a sharded norm over its
-    mesh), and the squares added up."""
+    """torch's clip_grad_norm_, also for gradients on different meshes (TP: DTensors and plain
+    tensors, which torch's refuses to mix) and over a pipeline's `stages` (squares summed over
+    that group; `not_counted`: ids of parameters another stage counts, the tied embedding)."""
     params = [p for p in parameters if p.grad is not None]
     kinds: dict = {}  # mesh (None: plain tensors) -> its parameters, in parameter order
     for p in params:
@@ -56,24 +46,17 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float,
 
 
 def _foreach(mesh: object, params: list[nn.Parameter]) -> bool | None:
-    """The `foreach` argument of torch's norm and clip for the gradients of one of
-    clip_grad_norm_'s kinds (`mesh` None: plain tensors): True for plain ones on a CPU or
-    GPU, else None (torch's own choice)."""
-    # True is what torch picks by default for plain CPU and GPU gradients: its fused (foreach)
-    # kernels. Said here because torch decides by the tensors' type, and the dry run's fake
-    # tensors would take the per-tensor loop instead: other ops than a real step runs, which
-    # the predicted step time counts. DTensor gradients take the loop in both.
+    """The `foreach` argument of torch's norm and clip for one of clip_grad_norm_'s kinds
+    (`mesh` None: plain tensors): True for plain ones on a CPU or GPU, else None."""
+    # True is torch's default for plain CPU and GPU gradients, said here because the dry run's
+    # fake tensors would take the per-tensor loop instead: other ops than the real step's.
     plain = mesh is None and params and params[0].grad.device.type in ("cpu", "cuda")
     return True if plain else None
 
 
 def set_grad_sync(model: nn.Module, sync: bool) -> AbstractContextManager:
-    """A context for one micro-step: skip the gradient all-reduce unless `sync`.
-
-    DDP has the `no_sync()` context; FSDP2 has a switch that stays set until changed.
-    """
+    """A context for one micro-step: skip the gradient all-reduce unless `sync` (DDP's
+    no_sync(); FSDP2's switch, which stays set until changed)."""
     if isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(sync)
-    if isinstance(model, DDP) and not sync:
-        return model.no_sync()
-    return nullcontext()
+    return model.no_sync() if isinstance(model, DDP) and not sync else nullcontext()

@@ -1,31 +1,13 @@
 """A layout: a data-parallel flavour plus the degree of every other axis, and the mesh they make.
 
     layout = resolve("fsdp", world=8, tp_size=2, pp_size=2)  # ValueError (one line) if it can't
-    layout.dp, layout.whole                                 # 2, False (sharded)
     mesh = build_mesh(layout, device)                       # dims pp, dp, cp, tp (sizes > 1)
 
-The flavour (trainer_config.distributed_method) says how the data-parallel ranks share the
-model: ddp (a whole replica each, gradients all-reduced), zero (ddp with AdamW's state
-sharded), fsdp (parameters, gradients and optimizer state sharded) or dp (nn.DataParallel: one
-process, every GPU; it combines with nothing). The degrees say how many ranks split each model
-replica, axis by axis: tp_size (each block's matmuls), pp_size (the blocks, into stages),
-cp_size (each sequence); 0 or 1 is off. The data-parallel degree is what the world size leaves:
-dp = world / (pp x cp x tp). ep_size (expert parallelism, expert.py) is no such axis: it
-cuts each MoE block's experts over groups of ep data-parallel ranks, which still read their
-own data (torchtitan's and DeepSpeed-MoE's way), so it splits dp instead of adding to it:
-mesh dims edp x ep where dp was, flattened back into "dp" for the data and the dense
-gradients; the experts' gradients average over "edp" (the ranks holding the same experts).
-
-The older names stay shorthands for degrees: tp and pp are one tensor-parallel group or one
-pipeline over every rank (no data-parallel axis; tp_size or pp_size 0 means every rank),
-fsdp_tp, fsdp_pp and fsdp_tp_pp are fsdp with those axes on (tp_size 0: every rank).
-
-Mesh order, outermost first: pp, dp, cp, tp (torchtitan's). Rank r sits at
-((pp_rank x dp + dp_rank) x cp + cp_rank) x tp + tp_rank: a TP group is tp consecutive ranks
-(inside a node, where the fast links carry its per-block all-reduces), a CP ring the next
-level (its K/V exchanges every layer), data parallelism across those, and pipeline stages
-farthest apart (one activation per micro-batch, point to point). Only the axes that are on
-become mesh dimensions (dp always), so a plain ddp run keeps the one default process group.
+dp is what the world size leaves, world / (pp x cp x tp); ep_size splits it (edp x ep, flattened
+back into "dp"; MOE.md). Mesh order, outermost first: pp, dp, cp, tp (torchtitan's): a TP group
+is tp consecutive ranks (inside a node, for its per-block all-reduces), a CP ring the next
+level, pipeline stages farthest apart (point to point). Only the axes that are on become mesh
+dimensions (dp always), so a plain ddp run keeps the one default process group.
 """
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -45,7 +27,6 @@ class Settings(NamedTuple):
     compile: bool = False  # torch.compile: per block, or the whole model (ddp, zero)
     tp_size: int = 0  # ranks per tensor-parallel group (0: every rank)
     cp_size: int = 0  # ranks per context-parallel group (0, 1: off; context.py)
-    # Pipeline parallelism (pipeline.py): stages, schedule, micro-batches per round.
     ep_size: int = 0  # data-parallel ranks per expert-parallel group (0, 1: off; expert.py)
     pp_size: int = 0  # ranks per pipeline (0: every rank, or every rank of a TP group)
     pp_schedule: str = "1f1b"  # gpipe, 1f1b, interleaved_1f1b, looped_bfs, interleaved_zb, ...
@@ -56,10 +37,8 @@ class Settings(NamedTuple):
     comm_hook: str = "none"  # DDP's gradient all-reduce: none, fp16 or bf16 compressed (ddp.py)
 
 
-# Flavours: how the data-parallel ranks hold the model. (None: no data-parallel axis; the
-# tp and pp shorthands.)
-FLAVOURS = ("ddp", "zero", "fsdp", "dp")
-# Shorthand -> (flavour, axes that are on, 0 meaning every rank).
+FLAVOURS = ("ddp", "zero", "fsdp", "dp")  # how the data-parallel ranks hold the model
+# Shorthand -> (flavour, None: no data-parallel axis; axes that are on, 0 meaning every rank).
 SHORTHANDS = {
     "tp": (None, ("tp",)),
     "fsdp_tp": ("fsdp", ("tp",)),
@@ -69,14 +48,12 @@ SHORTHANDS = {
 }
 METHODS = (*FLAVOURS, *SHORTHANDS)
 AXES = ("pp", "dp", "cp", "tp")  # mesh order, outermost first
-# The keys of trainer_config (and of Settings) that give a degree: resolve and check_axes
-# take them by name, and every caller passes degrees(config), so an axis added
-# here reaches every check without a change at any call site.
+# The keys of trainer_config (and Settings) that give a degree: every caller passes
+# degrees(config), so an axis added here reaches every check without a change elsewhere.
 DEGREES = ("tp_size", "pp_size", "cp_size", "ep_size")
 
 
 def degrees(source: object) -> dict[str, int]:
-    """The degrees of a trainer_config or a Settings, by name (DEGREES)."""
     return {key: getattr(source, key) for key in DEGREES}
 
 
@@ -110,13 +87,11 @@ class Layout:
 
     @property
     def pipeline_averages(self) -> bool:
-        """The pipeline all-reduces its stages' gradients itself: zero's stages stay plain
-        modules (zero.py), with no data-parallel wrapper to average them."""
+        """The pipeline averages its stages' gradients itself: zero's stay plain (zero.py)."""
         return self.flavour == "zero" and self.pp > 1
 
     def sizes(self) -> dict[str, int]:
-        """The mesh's dimensions, outermost first: dp always (edp x ep with experts split),
-        the other axes where on."""
+        """The mesh's dimensions, outermost first: dp always (edp x ep), others where on."""
         every = {"pp": self.pp, "dp": self.dp, "cp": self.cp, "tp": self.tp}
         sizes = {axis: size for axis, size in every.items()
                  if axis == "dp" or size > 1 or axis in self.on}
@@ -135,8 +110,7 @@ class Layout:
 def resolve(method: str, world: int, tp_size: int = 0, pp_size: int = 0, cp_size: int = 0,
             ep_size: int = 0) -> Layout:
     """The layout `method` names with these degrees on `world` ranks; ValueError (one line)
-    where they do not fit. main.py calls it with torchrun's WORLD_SIZE before any process
-    group exists, parallelize() again with the group's size: the same checks, the same line."""
+    where they do not fit (main.py calls it before any process group, parallelize() again)."""
     check_axes(method, tp_size, pp_size, cp_size, ep_size)
     flavour, on = SHORTHANDS.get(method, (method, ()))
     cp = max(cp_size, 1)
@@ -190,35 +164,28 @@ def check_axes(method: str, tp_size: int = 0, pp_size: int = 0, cp_size: int = 0
                          "ZeroRedundancyOptimizer broadcasts plain tensors, and tensor "
                          "parallelism's weights are DTensors; use fsdp, which shards the "
                          "optimizer state too")
-    if ep_size > 1:
-        _check_ep(flavour, on, tp_size, cp_size, ep_size)
-
-
-def _check_ep(flavour: str | None, on: tuple[str, ...], tp_size: int, cp_size: int,
-              ep_size: int) -> None:
-    """Expert parallelism's refusals (nn.DataParallel's is check_axes' own)."""
-    if flavour is None:  # tp, pp: one group or pipeline, no data-parallel ranks to split
-        raise ValueError(f"ep_size={ep_size} splits the data-parallel ranks, and "
-                         f"distributed_method={'pp' if 'pp' in on else 'tp'} has none; use "
-                         "ddp or fsdp (with pp_size)")
-    if flavour == "zero":
-        raise ValueError(f"distributed_method=zero cannot take ep_size={ep_size}: its "
-                         "ZeroRedundancyOptimizer broadcasts plain tensors, and the split "
-                         "experts are DTensors; use fsdp, which shards the optimizer state too")
-    if tp_size > 1 or "tp" in on:
-        raise ValueError(f"ep_size={ep_size} with tensor parallelism (tp_size={tp_size}): "
-                         "the experts would need a TP plan of their own (torchtitan's ETP), "
-                         "which is not built; use one of the two")
-    if cp_size > 1:
-        raise ValueError(f"ep_size={ep_size} with cp_size={cp_size}: the experts' gradients "
-                         "would average over the cp ranks too, which is not built; use one of "
-                         "the two")
+    if ep_size > 1:  # expert parallelism's refusals
+        if flavour is None:  # tp, pp: one group or pipeline, no data-parallel ranks to split
+            raise ValueError(f"ep_size={ep_size} splits the data-parallel ranks, and "
+                             f"distributed_method={'pp' if 'pp' in on else 'tp'} has none; use "
+                             "ddp or fsdp (with pp_size)")
+        if flavour == "zero":
+            raise ValueError(f"distributed_method=zero cannot take ep_size={ep_size}: its "
+                             "ZeroRedundancyOptimizer broadcasts plain tensors, and the split "
+                             "experts are DTensors; use fsdp, which shards the optimizer state too")
+        if tp_size > 1 or "tp" in on:
+            raise ValueError(f"ep_size={ep_size} with tensor parallelism (tp_size={tp_size}): "
+                             "the experts would need a TP plan of their own (torchtitan's ETP), "
+                             "which is not built; use one of the two")
+        if cp_size > 1:
+            raise ValueError(f"ep_size={ep_size} with cp_size={cp_size}: the experts' gradients "
+                             "would average over the cp ranks too, which is not built; use one of "
+                             "the two")
 
 
 def build_mesh(layout: Layout, device: torch.device) -> DeviceMesh:
-    """The DeviceMesh of `layout` over this process group, its dimensions named after the
-    axes; a flattened `dp_cp` where cp is on (the ranks that share gradients: data-parallel
-    replicas, and the cp ranks, whose tokens differ)."""
+    """The DeviceMesh of `layout` over this process group, dims named after the axes; a
+    flattened `dp_cp` where cp is on (the ranks that share gradients: dp and cp's)."""
     sizes = layout.sizes()
     if layout.world != dist.get_world_size():
         raise RuntimeError(f"a layout for {layout.world} ranks on {dist.get_world_size()}")

@@ -4,51 +4,14 @@ data-parallel flavour (ddp, zero, fsdp) with tp and cp inside each stage.
 
     stages = split(model, mesh, settings)      # parallel.parallelize: this rank's stages,
     model.pipeline = schedule(model, wrapped, mesh, settings, device)  # as the axes left them
-    model.pipeline.forward_backward(micro_batches, scaler, mark)  # the trainer's step (runner)
 
-The mesh is (pp, dp, cp, tp), pp outermost and tp innermost, as torchtitan orders it: rank
-r = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank. So a TP group is tp consecutive
-ranks, inside a node when tp divides the GPUs per node (TP all-reduces every block's
-activations: it wants the fast links); a pipeline's stages are dp * cp * tp ranks apart, so PP
-crosses nodes, which suits it:
-a stage sends one activation per micro-batch to the next, point to point, nothing else.
-
-What each rank holds. Each rank keeps the GPT that model.py builds, with every part owned by
-another rank replaced by an nn.Identity (no parameters): its own blocks, the embeddings where
-it runs the first stage, the final LayerNorm and the head where it runs the last. The names
-of what it keeps are unchanged (`blocks.3.attn.c_attn.weight`), so every other layout, and
-any other pp split, resumes a pipeline's snapshot, and it resumes theirs (DCP reshards by
-name). The forward of a stage is `Stage.forward` below, the
-GPT's own forward cut into pieces (model.py stays free of any of this).
-
-The tied embedding. wte and lm_head share one weight. The first and the last stage both use
-it, often on different ranks: both ranks hold it (under both names, as the whole model does),
-and after backward its two gradients are summed over those two ranks (Megatron-LM's way), so
-both copies take the same AdamW step and stay equal. The clip norm counts it once. An untied
-head (gpt_config.untied_head) is two weights: the first stage holds wte, the last lm_head.
-
-Stages per rank. gpipe and 1f1b: one stage per rank (stage s on pp rank s). The looped
-schedules (interleaved_1f1b, looped_bfs, interleaved_zb): `pp_stages_per_rank` stages each,
-stage s on pp rank s % pp. Blocks are split over the stages as evenly as possible (earlier
-stages get the extra ones), or as `pp_split` gives them.
-
-Micro-batches and gradient accumulation. A step is still grad_accum_steps x batch_size
-sequences per data-parallel rank, as for every strategy (so runs compare with DDP's). Each of
-the trainer's micro-steps is one round of the schedule: its batch_size sequences cut into
-`microbatches` micro-batches that fill and drain the pipeline once. Every round pays the
-bubble, (p - 1) / (m + p - 1) of each rank's time for 1f1b and gpipe (p stages, m
-micro-batches), so raise microbatches, not grad_accum_steps, to shrink it (bench/README.md:
-Pipeline bubble). Each micro-batch's mean loss is divided by grad_accum_steps x microbatches
-before its backward: the arithmetic of a one-process run with that many micro-steps of
-batch_size / microbatches sequences (tests/test_mingpt_pipeline.py holds them equal).
-
-The rest of training. Evaluation runs the schedule forward only (`eval`), validation batches
-padded to the training shape. Mixed precision: autocast around the rounds (bf16; fp16's loss
-scaling would have to run inside the schedule, so it is refused), FSDP's policy under
-fsdp_pp. Activation checkpointing and compile wrap each kept block, as elsewhere. The ranks
-of one pipeline see the same data: data_parallel() reads the mesh's dp dimension. Sampling
-needs the whole model: main.py reads the final snapshot into one GPT on rank 0. The mesh
-order is checked rank by rank in tests/test_mingpt_pipeline.py (2 x 2 x 2 on 8 processes).
+Each rank keeps the GPT that model.py builds, every part another rank runs replaced by an
+nn.Identity, so the names are unchanged and any layout resumes a pipeline's snapshot (DCP
+reshards by name). The tied embedding (wte = lm_head) is held by the ranks of the first and the
+last stage; its two gradients are summed over those two ranks (Megatron-LM's way), so both
+copies take the same step. Each of the trainer's micro-steps is one round of the schedule over
+`microbatches` micro-batches (README: Strategies, for the bubble), each micro-batch's mean loss
+divided by grad_accum_steps x microbatches: a one-process run's arithmetic.
 """
 from collections.abc import Callable
 
@@ -67,34 +30,27 @@ from mingpt.parallel.grads import clip_grad_norm_
 from mingpt.parallel.layout import Settings
 from mingpt.precision import DTYPES, autocast
 
-# pp_schedule -> torch's class. Single: one stage per rank; looped: several, stage s on rank
-# s % pp. Left out: the V schedules (ScheduleZBVZeroBubble, ScheduleDualPipeV). They train
-# here, but their forward-only eval() fails in torch 2.14.1 ("can't steal_bwd_input if this
-# stage doesn't have backward"), and the trainer evaluates through the schedule.
-# The classes by name: torch.distributed.pipelining is imported only by a run with pp (it
-# imports torch._dynamo, about half a second of every other run's start, on every rank).
+# pp_schedule -> torch's class, by name: torch.distributed.pipelining imports torch._dynamo,
+# so only a run with pp imports it. Left out: the V schedules (ScheduleZBVZeroBubble,
+# ScheduleDualPipeV), whose forward-only eval() fails ("can't steal_bwd_input if this stage
+# doesn't have backward"), and the trainer evaluates through the schedule.
 SINGLE = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 LOOPED = {"interleaved_1f1b": "ScheduleInterleaved1F1B", "looped_bfs": "ScheduleLoopedBFS",
           "interleaved_zb": "ScheduleInterleavedZeroBubble"}
 SCHEDULES = {**SINGLE, **LOOPED}
 
 
-# --- the layout: pure functions --------------------------------------------------------------
-
 def stages_per_rank(schedule: str, per_rank: int) -> int:
-    """Stages each rank runs: 1 (gpipe, 1f1b), `per_rank` (the looped ones)."""
     return 1 if schedule in SINGLE else per_rank
 
 
 def rank_of_stage(stage: int, pp: int) -> int:
-    """The pp rank that runs `stage`: stage s on rank s, looping (s % pp) with more stages."""
     return stage % pp
 
 
 def split_blocks(n_layer: int, n_stages: int, split: list[int] | None = None) -> list[range]:
     """The blocks of each stage: `split` (block counts), or as even as possible, the earlier
-    stages taking the extra ones (the last also runs the head: the largest matmul with a real
-    vocabulary). ValueError (one line) where they do not fit."""
+    stages taking the extra ones (the last runs the head). ValueError where they do not fit."""
     if split is None:
         if n_layer < n_stages:
             raise ValueError(f"pipeline parallelism over {n_stages} stages needs at least "
@@ -109,12 +65,9 @@ def split_blocks(n_layer: int, n_stages: int, split: list[int] | None = None) ->
     return [range(start, start + count) for start, count in zip(starts, split, strict=True)]
 
 
-# --- one stage's forward: the GPT's own, cut into pieces ---------------------------------------
-
 class Stage(nn.Module):
-    """The part of the GPT one stage runs: the embeddings (first stage), some blocks, the final
-    LayerNorm and the head (last stage). It registers the GPT's own modules (shared, not
-    copied), so the optimizer, the snapshot and this see the same parameters."""
+    """The part of the GPT one stage runs (embeddings first, head last), registering the GPT's
+    own modules: the optimizer, the snapshot and this see the same parameters."""
 
     # The positions of the tokens this rank computes, (seq_len, device) -> (T_kept,); None:
     # all of them. context.apply sets it where cp splits each sequence over ranks.
@@ -130,11 +83,9 @@ class Stage(nn.Module):
         # Both halves of the tied weight, on either end: FSDP then shards the one tensor
         # once and sets it on both modules (a module it does not manage would keep the
         # unsharded tensor, and the snapshot a stale copy). Untied: each end its own.
-        holds = _holds(gpt.config, first, last)
-        if "wte" in holds:
-            self.wte = gpt.wte
-        if "lm_head" in holds:
-            self.lm_head = gpt.lm_head
+        for name in ("wte", "lm_head"):
+            if name in _holds(gpt.config, first, last):
+                setattr(self, name, getattr(gpt, name))
         if first:
             self.wpe, self.drop = gpt.wpe, gpt.drop
         self.blocks = nn.ModuleList(gpt.blocks[i] for i in blocks)
@@ -152,14 +103,12 @@ class Stage(nn.Module):
             pos = torch.arange(seq_len, dtype=torch.long, device=x.device)  # (T,)
         else:  # this cp rank's tokens only, at their places in the sequence
             pos = self.positions(seq_len, x.device)  # (T / cp,)
-        if self.first and self.positions is not None:
-            x = x[:, pos]  # (B, T / cp)
+            x = x[:, pos] if self.first else x  # (B, T / cp) on the first stage
         x = self.layers(x, pos, None, self.first)  # (B, T, C): GPT.forward's, on this stage
         moe = [m for m in self.blocks.modules() if isinstance(m, MoE)]
         if moe and self.training and self.config.aux_loss_coef:
-            # The experts' balancing loss never reaches the last stage's loss: its gradient
-            # rides on this stage's output, with the weight GPT.forward gives it (a mean over
-            # every block, divided by the step's micro-batches as _loss divides the loss).
+            # The balancing loss never reaches the last stage's loss: its gradient rides on this
+            # stage's output, weighted as GPT.forward weighs it (aux_scale: / micro-batches).
             aux = torch.stack([m.aux_loss for m in moe]).sum()
             x = AuxLossGrad.apply(x, aux, self.config.aux_loss_coef / self.config.n_layer
                                   * self.aux_scale)
@@ -187,14 +136,9 @@ def _trim(gpt: nn.Module, owned: set[int], first: bool, last: bool) -> None:
         setattr(gpt, name, nn.Identity())
 
 
-# --- the schedule, and what the trainer calls ----------------------------------------------------
-
 class Pipeline:
-    """This rank's stages and their schedule; the trainer's entry points for pp.
-
-    train_step runs one round (backward included); the gradients then need finish() (the
-    tied weight's sum) before clipping. Losses come back on every rank of the pipeline
-    (broadcast from the last stage), so each rank logs and checks the same numbers."""
+    """This rank's stages and their schedule: the trainer's step under pp (runner.Runner's three
+    methods). Losses come back on every rank of the pipeline, so each logs the same numbers."""
 
     def __init__(self, stages: list, schedule: str, microbatches: int,
                  mesh: DeviceMesh, last_rank: int, tied: torch.nn.Parameter | None,
@@ -222,20 +166,15 @@ class Pipeline:
             self._time(stage)
         from torch.distributed import pipelining  # noqa: PLC0415 (runs with pp only: SINGLE)
         cls = getattr(pipelining, SCHEDULES[schedule])
-        # scale_grads=False: _loss divides by the micro-batches itself, as the trainer's
-        # gradient accumulation does (loss / n), so the arithmetic is the same.
-        self.schedule = (cls(stages[0], microbatches, loss_fn=self._loss, scale_grads=False)
-                         if schedule in SINGLE else
-                         cls(stages, microbatches, loss_fn=self._loss, scale_grads=False))
-
-    # --- the runner interface (runner.Runner's three methods), which the trainer calls ---------
+        # scale_grads=False: _loss divides by the micro-batches itself, as the trainer does.
+        self.schedule = cls(stages[0] if schedule in SINGLE else stages, microbatches,
+                            loss_fn=self._loss, scale_grads=False)
 
     def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
                          scaler: torch.amp.GradScaler, mark: Callable[[str], None]
                          ) -> list[tuple[torch.Tensor, int]]:
-        """Each micro-step one round of the schedule over its `microbatches` micro-batches;
-        every micro-batch's (loss, tokens), on every rank of the pipeline. (`scaler`: unused,
-        config.py refuses fp16 under a pipeline.)"""
+        """One round of the schedule per micro-step; every micro-batch's (loss, tokens), on
+        every rank of the pipeline (`scaler`: unused, config.py refuses fp16 under a pipeline)."""
         self.mark, self.last_phase = mark, "forward"
         try:
             self.start_step(len(micro_batches))
@@ -251,21 +190,16 @@ class Pipeline:
         return [(loss, tokens) for loss in losses]
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """The norm over every stage's gradients (squares summed over the pipeline's ranks),
-        the tied embedding counted once."""
+        """The norm over every stage's gradients on the pipeline's ranks, the tied weight once."""
         return clip_grad_norm_(self.params, max_norm, self.group, self.not_counted)
 
     def _time(self, stage) -> None:  # noqa: ANN001 (a pipelining.PipelineStage)
-        """Mark the step timer's forward and backward around each chunk the schedule runs.
-
-        A schedule interleaves the forward and backward of its micro-batches and waits for
-        its neighbours in between: the time up to a chunk counts with the chunk before it
-        (its sends and the wait for the next input), the time inside it as its own phase."""
+        """Mark the step timer's forward and backward around each chunk the schedule runs: the
+        time up to a chunk (its sends, the wait for the next input) counts with the chunk
+        before it, the time inside it as its own phase."""
         for name, phase in (("forward_one_chunk", "forward"), ("backward_one_chunk", "backward"),
                             ("backward_weight_one_chunk", "backward")):
-            method = getattr(stage, name, None)
-            if method is None:
-                continue
+            method = getattr(stage, name)
 
             def timed(*args, _method=method, _phase=phase, **kwargs):
                 if self.mark is not None:
@@ -275,7 +209,6 @@ class Pipeline:
                     self.mark(_phase)
                     self.last_phase = _phase
                 return out
-
             setattr(stage, name, timed)  # the schedules call it on the stage object
 
     def _loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -294,11 +227,9 @@ class Pipeline:
         """The round's inputs, pre-split into micro-batches for the stages this rank runs."""
         # Consecutive rows: micro-batch i is what a one-process run's micro-step i would see.
         xs, ys = x.tensor_split(self.microbatches), y.tensor_split(self.microbatches)
-        # The first stage keeps its own tokens of x (Stage.forward); the loss takes the
-        # targets of the same positions.
-        ys = [self._kept(c) for c in ys]
+        # The first stage keeps its own tokens of x (Stage.forward); the loss, their targets.
         return {"arg_mbs": [(c,) for c in xs] if self.has_first else None,
-                "target_mbs": list(ys) if self.has_last else None}
+                "target_mbs": [self._kept(c) for c in ys] if self.has_last else None}
 
     def _kept(self, y: torch.Tensor) -> torch.Tensor:
         """The targets of the tokens this rank computes: all, or cp's share (B, T / cp)."""
@@ -323,9 +254,8 @@ class Pipeline:
             self.losses[before:] = self.losses[-self.microbatches:]
 
     def finish_step(self) -> torch.Tensor:
-        """After the last round: the tied weight's gradients summed, and averaged over the
-        data-parallel ranks where no wrapper did (zero); the step's micro-batch losses (on
-        every rank of the pipeline: broadcast from the last stage)."""
+        """After the last round: the tied weight's gradients summed (and all averaged where no
+        wrapper did: zero); the step's micro-batch losses, broadcast from the last stage."""
         if self.tied_group is not None and self.tied.grad is not None:
             grad = self.tied.grad
             # In place on the local shard (fsdp_pp: both ranks hold the same dp shard).
@@ -333,7 +263,10 @@ class Pipeline:
                             group=self.tied_group)
         if self.average is not None:
             self._average_grads()
-        return self._broadcast(self.losses, self.scale)
+        losses = (torch.stack(self.losses).float() if self.has_last
+                  else torch.zeros(self.scale, device=self.stages[0].device))
+        dist.broadcast(losses, group=self.group, group_src=self.last_rank)
+        return losses
 
     def _average_grads(self) -> None:
         """Every gradient of this rank's stages averaged over self.average in one all-reduce
@@ -344,20 +277,12 @@ class Pipeline:
         for grad, mean in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
             grad.copy_(mean.view_as(grad))
 
-    def _broadcast(self, values: list[torch.Tensor], n: int) -> torch.Tensor:
-        device = self.stages[0].device
-        out = torch.stack(values).float() if self.has_last else torch.zeros(n, device=device)
-        dist.broadcast(out, group=self.group, group_src=self.last_rank)
-        return out
-
     @torch.no_grad()
     def evaluate(self, x: torch.Tensor, y: torch.Tensor, rows: int) -> tuple[torch.Tensor,
                                                                                 torch.Tensor]:
         """(summed loss, tokens) of one validation batch on the last stage's rank, zeros on
-        the others (so an all-reduce over every rank counts each pipeline once).
-
-        The stages' buffers have the training micro-batch's shape: a shorter last batch is
-        padded to `rows` sequences with targets -1, which cross_entropy ignores."""
+        the others (so an all-reduce over every rank counts each pipeline once). The stages'
+        buffers have the training shape: a shorter batch is padded to `rows`, targets -1."""
         pad = rows - x.size(0)
         if pad:
             x = torch.cat([x, x.new_zeros(pad, x.size(1))])
@@ -373,8 +298,6 @@ class Pipeline:
             return zero, zero
         return torch.stack(self.losses).sum(), (self._kept(y) != -1).sum().float()
 
-
-# --- split and schedule: parallelize's two calls ------------------------------------------------
 
 def _tied_group(mesh: DeviceMesh, first_rank: int, last_rank: int) -> dist.ProcessGroup | None:
     """The group of the two ranks that hold the tied weight (first and last stage) at this
@@ -401,22 +324,19 @@ def _plan(model: nn.Module, mesh: DeviceMesh, s: Settings) -> tuple[list[range],
 
 
 def split(model: nn.Module, mesh: DeviceMesh, s: Settings) -> list[Stage]:
-    """`model` trimmed to this rank's stages, and those stages (each one part for the other
-    axes: parallelize applies TP and the data-parallel flavour to each)."""
+    """`model` trimmed to this rank's stages, and those stages (each a part for the other axes)."""
     blocks, mine = _plan(model, mesh, s)
-    n_stages = len(blocks)
-    first, last = 0 in mine, n_stages - 1 in mine
+    first, last = 0 in mine, len(blocks) - 1 in mine
     # Built whole (the same draws as every other layout), then trimmed: the weights equal
     # a one-process model's bit for bit; the whole model exists only while being built.
     _trim(model, {b for i in mine for b in blocks[i]}, first, last)
-    return [Stage(model, blocks[i], i == 0, i == n_stages - 1) for i in mine]
+    return [Stage(model, blocks[i], i == 0, i == len(blocks) - 1) for i in mine]
 
 
 def schedule(model: nn.Module, stages: list[nn.Module], mesh: DeviceMesh, s: Settings,
              device: torch.device, average: dist.ProcessGroup | None = None) -> Pipeline:
-    """This rank's `stages` (as the other axes left them: FSDP roots, replicate, plain) in
-    torch's PipelineStage and their schedule: the Pipeline the trainer runs (parallel.runner).
-    `average`: the ranks over which the pipeline averages the gradients itself (zero.py)."""
+    """This rank's `stages`, as the other axes left them, in torch's PipelineStage and their
+    schedule; `average`: the ranks over which it averages the gradients itself (zero.py)."""
     blocks, mine = _plan(model, mesh, s)
     n_stages, pp = len(blocks), mesh["pp"].size()
     first, last = 0 in mine, n_stages - 1 in mine
@@ -438,18 +358,16 @@ def schedule(model: nn.Module, stages: list[nn.Module], mesh: DeviceMesh, s: Set
 def _static_shapes(config, s: Settings, stage: int, n_stages: int,
                    group: dist.ProcessGroup, fsdp2: bool) -> dict:
     """What a stage receives and sends, given up front on torch's fake process group (the dry
-    run, mingpt/dry_run.py), where the shapes cannot be learned from a first exchange; empty
-    elsewhere (torch infers them in the first round). `fsdp2`: the stage is FSDP2's (fsdp, or
-    ddp's replicate), which computes in `precision` (its mixed-precision policy)."""
+    run), where no first exchange can tell the shapes; empty elsewhere. `fsdp2`: the stage is
+    FSDP2's (fsdp, or ddp's replicate), which computes in `precision`."""
     if dist.get_backend(group) != "fake":
         return {}
     rows, seq = s.batch_size // s.microbatches, config.block_size
     kept = seq // max(1, s.cp_size)  # cp: stages pass this rank's share of each sequence
     low = DTYPES[s.precision]
-    # The residual stream, as a training stage sends it: with its gradient to come back (a
-    # received input that did not require grad would keep no backward for its first op). In
-    # `precision` where FSDP2 casts the weights and inputs; autocast alone (no FSDP2) leaves
-    # the residual additions in fp32. The logits come from a matmul: `precision` either way.
+    # The residual stream with its gradient to come back (a received input that did not
+    # require grad would keep no backward for its first op); in fp32 unless FSDP2 casts the
+    # inputs (autocast keeps the residual additions in fp32). The logits: `precision` always.
     stream = torch.empty(rows, kept, config.n_embd, device="meta", requires_grad=True,
                          dtype=low if fsdp2 else torch.float32)
     inputs = torch.empty(rows, seq, dtype=torch.long, device="meta") if stage == 0 else stream
@@ -473,8 +391,6 @@ def check_config(t: DictConfig) -> None:
     require(t.pp_stages_per_rank >= 2 or t.pp_schedule not in LOOPED,
             "trainer_config.pp_stages_per_rank", f">= 2 with pp_schedule={t.pp_schedule}",
             t.pp_stages_per_rank)
-    # fp16's GradScaler scales the loss the trainer backpropagates; here the schedule runs
-    # backward from inside, on the last stage only.
     require(t.precision != "fp16", "trainer_config.precision",
             "fp32 or bf16 with pipeline parallelism (fp16's loss scaling would have to run "
             "inside the schedule)", t.precision)

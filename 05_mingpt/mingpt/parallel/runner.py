@@ -1,12 +1,7 @@
 """The step of every layout without a pipeline: a forward and a backward per micro-batch.
 
-    runner = parallel.runner(model, device, precision)        # this, or the pipeline's
-    losses = runner.forward_backward(micro_batches, scaler, mark)   # [(loss, tokens), ...]
-    norm = runner.clip_grad_norm(max_norm)
-    loss_sum, tokens = runner.evaluate(x, y, rows)
-
-The trainer calls these three and nothing else of a layout, so it has one loop for all of
-them; pipeline.Pipeline is the other implementation (a schedule round per micro-batch).
+The trainer calls its three methods (forward_backward, clip_grad_norm, evaluate) and nothing
+else of a layout, so it has one loop for all of them; pipeline.Pipeline is the other runner.
 """
 from collections.abc import Callable
 
@@ -51,8 +46,8 @@ class Runner:
     @torch.no_grad()
     def evaluate(self, x: torch.Tensor, y: torch.Tensor, rows: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(summed loss, tokens) of one validation batch on this rank. (`rows`: the training
-        batch's, which only a pipeline's fixed buffers need.)"""
+        """(summed loss, tokens) of one validation batch on this rank (`rows`: the training
+        batch's, which only a pipeline's fixed buffers need)."""
         with autocast(self.device, self.precision):
             _, loss = self.model(x, y)
             loss = loss.mean()  # nn.DataParallel: one loss per GPU

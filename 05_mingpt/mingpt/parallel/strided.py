@@ -4,10 +4,9 @@ the row runs each rank holds.
     whole = whole_strided(model.state_dict())        # collective: every rank, whole tensors
     dcp.save(checkpointable(state), ...)             # each rank's own rows, no gathering
 
-tensor.py cuts `attn.c_attn` with `_StridedShard(0, split_factor=3)` (QKVColwiseParallel), so
-each rank's slice is three separate row ranges of the global tensor (its q, k and v rows), and
-under FSDP a dp chunk of that slice. DTensor's own gather and DCP's one-offset shards do not
-describe that layout; this module does, and snapshot.py and the tests use it.
+tensor.py cuts `attn.c_attn` with `_StridedShard(0, split_factor=3)`, so each rank's slice is
+three row ranges of the global tensor (its q, k and v rows), under FSDP a dp chunk of that
+slice: a layout that neither DTensor's own gather nor DCP's one-offset shards describe.
 """
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -16,10 +15,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 
 def is_qkv(value: object) -> bool:
-    """A q/k/v tensor of QKVColwiseParallel: strided over the TP (last) mesh dimension.
-
-    (fsdp_tp's other column-wise tensors are strided too, over dp, in the layout FSDP2 + TP
-    always has: DCP saves and reshards those itself.)"""
+    """A q/k/v tensor of QKVColwiseParallel: strided over the TP (last) mesh dimension (not
+    fsdp_tp's other strided tensors, which DCP saves and reshards itself)."""
     return isinstance(value, DTensor) and isinstance(value.placements[-1], _StridedShard) \
         and value.placements[-1].split_factor == 3
 
@@ -36,9 +33,8 @@ def _meshes(value: DTensor) -> tuple[DeviceMesh | None, DeviceMesh]:
 
 def _whole(value: DTensor) -> torch.Tensor:
     """The global tensor of a q/k/v DTensor, gathered on every rank."""
-    # FSDP over the q/k/v slice: FSDP cut this rank's TP slice ([q_r; k_r; v_r]) into dp
-    # chunks along dim 0, a layout DTensor's nested strided placement does not describe. So
-    # gather in two steps, as it was cut: the dp chunks into the TP slice, then the slices.
+    # FSDP cut this rank's TP slice [q_r; k_r; v_r] into dp chunks, a layout no DTensor
+    # placement describes: gather as it was cut, the chunks into the slice, then the slices.
     dp_mesh, tp_mesh = _meshes(value)
     local = value.to_local()
     rows = value.shape[0] // tp_mesh.size()  # the TP slice's rows (3 * n_embd / tp)
@@ -52,10 +48,8 @@ def _whole(value: DTensor) -> torch.Tensor:
 
 
 def whole_strided(tree: object) -> object:
-    """`tree` (a state dict, or one tensor) with every q/k/v DTensor gathered whole.
-
-    Collective, and every rank then holds the whole tensors: for comparing weights (tests)
-    and for tools, not for snapshots, which save each rank's own rows (checkpointable)."""
+    """`tree` (a state dict, or one tensor) with every q/k/v DTensor gathered whole on every
+    rank (collective): for tests and tools; snapshots save each rank's rows (checkpointable)."""
     if isinstance(tree, dict):
         return {key: whole_strided(value) for key, value in tree.items()}
     return _whole(tree) if is_qkv(tree) else tree
@@ -64,12 +58,9 @@ def whole_strided(tree: object) -> object:
 def qkv_rows(rows: int, tp_rank: int, tp_size: int, dp_rank: int = 0, dp_size: int = 1
              ) -> list[tuple[int, int, int]]:
     """The row runs of a q/k/v tensor (`rows` = 3 * n_embd global rows) that one rank holds:
-    (first local row, first global row, number of rows) per run, in local order.
-
-    TP rank r holds [q_r; k_r; v_r], n_embd / tp rows of each of q, k and v
-    (QKVColwiseParallel); under fsdp_tp, FSDP keeps dp chunk d of that slice (dim 0, as
-    torch.chunk cuts: ceil-sized chunks, the last ones shorter or empty). A chunk can start
-    inside q_r and end inside v_r: up to three runs, each contiguous in the global tensor."""
+    (first local row, first global row, number of rows) per run, in local order. TP rank r
+    holds [q_r; k_r; v_r]; under fsdp_tp FSDP keeps dp chunk d of that (torch.chunk's cut), which
+    can start inside q_r and end inside v_r: up to three runs, each contiguous globally."""
     part = rows // 3 // tp_size  # rows of q (and of k, of v) per TP rank
     chunk = -(-3 * part // dp_size)  # FSDP's chunk of the TP slice, rounded up
     start, end = min(dp_rank * chunk, 3 * part), min((dp_rank + 1) * chunk, 3 * part)
@@ -84,7 +75,6 @@ def qkv_rows(rows: int, tp_rank: int, tp_size: int, dp_rank: int = 0, dp_size: i
 
 
 def _runs(value: DTensor) -> list[tuple[int, int, int]]:
-    """qkv_rows of this rank for the q/k/v DTensor `value`."""
     mesh = value.device_mesh
     coordinate = mesh.get_coordinate()  # (tp,) under tp, (dp, tp) under fsdp_tp
     sharded = mesh.ndim == 2 and not value.placements[0].is_replicate()  # not ddp's replicate
@@ -120,20 +110,9 @@ def _checkpointable(value: DTensor) -> torch.Tensor:
 
 def checkpointable(tree: object) -> object:
     """`tree` (a state dict) for dcp.save and dcp.load, q/k/v DTensors replaced by plain
-    tensors on their memory that describe themselves as several pieces of the global tensor.
-
-    TP's fused q/k/v weights are strided shards (QKVColwiseParallel): a rank's slice is
-    three separate row ranges of the global tensor, and DCP describes a DTensor's shard by
-    one offset, so it cannot save them as they are. Gathering them whole for the save (and
-    reading them whole to cut on load) held every layer's q/k/v and both AdamW moments on
-    every rank at once: about 4.4 GB more per GPU for gpt2-xl. Instead each rank hands DCP
-    its own rows, as up to three runs (CheckpointableTensor: global_offsets, local_offsets,
-    local_sizes), which DCP records as chunks of the one global tensor, exactly as it does
-    any other shard: no rank ever holds a whole q/k/v. The snapshot keeps GPT-2's layout
-    (one global tensor per name), so every strategy, sample.py and another number of ranks
-    read it (DCP maps saved chunks onto any requested ones); snapshots that earlier code
-    wrote whole load the same way. dcp.load writes into the views, so the DTensors in `tree`
-    itself (not changed) hold the loaded values."""
+    tensors on their memory that describe themselves as up to three row runs of the global
+    tensor (CheckpointableTensor), which DCP records as chunks of it: no rank ever holds a
+    whole q/k/v. dcp.load writes into the views, so the DTensors in `tree` get the values."""
     if isinstance(tree, dict):
         return {key: checkpointable(value) for key, value in tree.items()}
     return _checkpointable(tree) if is_qkv(tree) else tree

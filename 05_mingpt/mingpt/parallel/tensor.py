@@ -1,44 +1,27 @@
 """Tensor parallelism (TP) for the GPT blocks, with DTensor's `parallelize_module`.
 
-    apply(model, mesh["tp"])   # parallelize: then CP, then the flavour (FSDP over mesh["dp"])
-
-Each block's matmuls are split across the `tp` ranks of a group (Megatron-LM's layout):
-- attention: q, k and v column-wise, so every rank computes its own n_head / tp heads; the
-  output projection row-wise, so the partial results are summed by one all-reduce.
-- MLP: the widening matmul column-wise (4 * n_embd / tp columns each), GELU on the local
-  columns, the projection row-wise (one more all-reduce).
-Two all-reduces per block forward (and two in backward), so TP belongs on fast links (inside
-a node). The embeddings, LayerNorms and lm_head stay whole on every rank of the group: with a
-65-character vocabulary, sharding them would save nothing and add communication.
-
-All ranks of one TP group must see the same batch and draw the same dropout masks outside
-attention: the trainer deals data out over the `dp` mesh dimension only (data_parallel()).
-model.py knows nothing of this: its attention derives the local head count from the width of
-the q/k/v projection it gets (n_embd / tp under TP, n_embd otherwise).
+Megatron-LM's layout over the `tp` ranks of a group: q, k, v and the MLP's widening matmul
+column-wise (each rank its own n_head / tp heads, 4 * n_embd / tp columns), both output
+projections row-wise, their partial results summed by one all-reduce each: two per block
+forward, two in backward, so TP belongs on fast links (inside a node). The embeddings,
+LayerNorms and lm_head stay whole on every rank. model.py knows nothing of this: its attention
+derives the local head count from the width of the q/k/v projection it gets.
 """
 import torch
 from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import distribute_tensor
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    RowwiseParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from mingpt.errors import require
 
 
 class QKVColwiseParallel(ColwiseParallel):
-    """Column-wise for the fused q/k/v projection `c_attn` (weight (3 * C, C), GPT-2's layout).
-
-    A plain column-wise split would give rank 0 of 2 all of q and half of k. Instead each of
-    q, k and v is split on its own and every rank gets its slice of all three: the placement
-    `_StridedShard(0, split_factor=3)` ("cut into 3 chunks, then shard each chunk") says so,
-    so the parameter names, the saved (global) weights and GPT-2 checkpoints stay as they are.
-    """
+    """Column-wise for the fused q/k/v projection `c_attn` (weight (3 * C, C), GPT-2's layout):
+    where a plain split would give rank 0 of 2 all of q and half of k, every rank gets its slice
+    of each of q, k and v (`_StridedShard(0, split_factor=3)`), the global weights unchanged."""
 
     def __init__(self) -> None:
         # The matmul's output keeps the same interleaving: locally (B, T, 3 * C / tp) = the
@@ -66,36 +49,11 @@ def check_tp(n_head: int, n_embd: int, tp_size: int) -> None:
                          "change the model or trainer_config.tp_size")
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Shard every block's attention and MLP over `tp_mesh`, in place."""
-    check_tp(model.config.n_head, model.config.n_embd, tp_mesh.size())
-    # Keys name submodules of each block. Column-wise: the input whole (Replicate) on every
-    # rank, the output sharded on its last dim and returned as a plain local tensor.
-    plan = {
-        "attn.c_attn": QKVColwiseParallel(),
-        # Row-wise: the input arrives sharded on its last dim (the local heads, or the local
-        # MLP columns); the output is summed over the group and comes back whole (Replicate).
-        "attn.c_proj": RowwiseParallel(),
-        "mlp.c_fc": ColwiseParallel(),
-        "mlp.c_proj": RowwiseParallel(),
-    }
-    for block in model.blocks:  # per block: the plan's keys are relative to it
-        parallelize_module(block, tp_mesh, plan)
-
-
 class HeadDropoutStream:
-    """CausalSelfAttention.attend under TP: the attention dropout of this rank's heads drawn
-    from a stream of this TP rank's own, everything else from the stream the group shares.
-
-    The ranks of a TP group share one RNG stream (seeded alike), so that the dropout of what
-    they hold alike (embeddings, the residual stream after each all-reduce) is one mask. But
-    attention's dropout falls on each rank's own heads: from the shared stream, head h on rank
-    r got the very mask of head h on every other rank, where one process draws every head
-    its own. Megatron-LM gives tensor-parallel regions their own streams; here each call
-    draws one seed from the shared stream (the same on every rank of the group, and restored
-    with it by activation checkpointing's recompute and by a resume), seeds a fork of the RNG
-    with it plus the TP rank for the heads' masks, and leaves the shared stream as if it had
-    drawn that one number only."""
+    """CausalSelfAttention.attend under TP: the dropout of this rank's heads from a stream of
+    its own, as Megatron-LM's TP regions (from the group's shared one, head h would get the same
+    mask on every rank). Each call draws a seed from the shared stream (which checkpointing's
+    recompute and a resume restore) and seeds a fork of the RNG with it plus the TP rank."""
 
     def __init__(self, attend, tp_rank: int, device: torch.device) -> None:
         self.attend, self.tp_rank = attend, tp_rank
@@ -113,13 +71,22 @@ class HeadDropoutStream:
 
 def apply(part: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     """Every block of `part` (the GPT, or a pipeline stage) split over the ranks of `tp_mesh`,
-    in place; each rank's heads draw their own attention dropout (HeadDropoutStream). The
-    ranks of one TP group see the same batch: the trainer deals data out over the mesh's dp
-    dimension only (data_parallel())."""
-    apply_tp(part, tp_mesh)  # checks the heads and the width per TP rank first
+    in place; each rank's heads draw their own attention dropout (HeadDropoutStream)."""
+    check_tp(part.config.n_head, part.config.n_embd, tp_mesh.size())
+    # Keys name submodules of each block. Column-wise: the input whole (Replicate) on every
+    # rank, the output sharded on its last dim and returned as a plain local tensor.
+    plan = {
+        "attn.c_attn": QKVColwiseParallel(),
+        # Row-wise: the input arrives sharded on its last dim (the local heads, or the local
+        # MLP columns); the output is summed over the group and comes back whole (Replicate).
+        "attn.c_proj": RowwiseParallel(),
+        "mlp.c_fc": ColwiseParallel(),
+        "mlp.c_proj": RowwiseParallel(),
+    }
     device = torch.device(tp_mesh.device_type, torch.cuda.current_device()) \
         if tp_mesh.device_type == "cuda" else torch.device("cpu")
-    for block in part.blocks:
+    for block in part.blocks:  # per block: the plan's keys are relative to it
+        parallelize_module(block, tp_mesh, plan)
         block.attn.attend = HeadDropoutStream(block.attn.attend, tp_mesh.get_local_rank(),
                                               device)
     return part
@@ -127,9 +94,8 @@ def apply(part: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
 
 def check_config(t: DictConfig) -> None:
     """TP's own rule without FSDP: fp16's loss scaler unscales all gradients in one foreach
-    pass, and under tp some are DTensors and some plain tensors (LayerNorms, embeddings), or
-    DTensors of two meshes (ddp): torch refuses the mix. (FSDP makes every parameter a
-    DTensor of one mesh, and fp16 works.)"""
+    pass, which torch refuses for DTensors mixed with plain tensors or of two meshes (FSDP
+    makes every parameter a DTensor of one mesh, and fp16 works)."""
     method = t.distributed_method if t.distributed_method == "tp" else \
         f"{t.distributed_method} and tp_size"
     require(t.precision != "fp16", "trainer_config.precision",
