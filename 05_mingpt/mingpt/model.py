@@ -1,6 +1,8 @@
 """A minGPT-style GPT: token + position embeddings, a stack of transformer blocks, a tied LM head.
-Plain PyTorch with no distributed code; GPT-2's names (`c_attn`, `ln_1`, ...), so its weights map
-one to one. OPTIONS: four from modded-nanogpt's speedrun, off by default (GPT-2 lacks them).
+
+Plain PyTorch with no distributed code (parallel/ wraps the model after it is built); GPT-2's
+names (`c_attn`, `ln_1`, ...), so its weights map one to one. OPTIONS: four from
+modded-nanogpt's speedrun, off by default (GPT-2 lacks them).
 """
 import math
 from collections.abc import Callable
