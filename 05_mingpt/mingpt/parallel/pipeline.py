@@ -10,8 +10,9 @@ nn.Identity, so the names are unchanged and any layout resumes a pipeline's snap
 reshards by name). The tied embedding (wte = lm_head) is held by the ranks of the first and the
 last stage; its two gradients are summed over those two ranks (Megatron-LM's way), so both
 copies take the same step. Each of the trainer's micro-steps is one round of the schedule over
-`microbatches` micro-batches (README: Strategies, for the bubble), each micro-batch's mean loss
-divided by grad_accum_steps x microbatches: a one-process run's arithmetic.
+`microbatches` micro-batches, each micro-batch's mean loss divided by grad_accum_steps x
+microbatches: a one-process run's arithmetic. Each round pays the bubble, (p - 1) / (m + p - 1)
+of a rank's time for 1f1b: raise microbatches, not grad_accum_steps (bench/README.md).
 """
 from collections.abc import Callable
 
