@@ -30,6 +30,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401  imported before any group exists (test_teardown.py)
+import yaml
+from omegaconf import OmegaConf
 
 import feature_matrix
 from conftest import in_process
@@ -105,6 +107,26 @@ def m():
         yield modules
 
 
+def configs(m: dict, layouts: dict[str, list[str]], *extra: str) -> dict:
+    """Each layout's config (`extra` added), as config.load([*BASE, *overrides, *extra]) makes
+    it, with hydra's composition done once (test_mingpt_strategies.configure's way: the
+    layouts differ only in keys put into a copy and checked by validate), and the model each
+    builds: the data read once (the same text and vocabulary for all)."""
+    base = m["config"].load([*BASE, *extra])
+    d = base.data_config
+    _, _, meta = m["data"].data_module(d.name).build_datasets(d, base.gpt_config.block_size,
+                                                              base.trainer_config.seed)
+    out = {}
+    for name, overrides in layouts.items():
+        cfg = base.copy()
+        for arg in [*overrides, *extra]:
+            key, value = arg.split("=", 1)
+            OmegaConf.update(cfg, key, yaml.safe_load(value))
+        m["config"].validate(cfg)
+        out[name] = cfg, m["config"].model_config(cfg, meta)[0]
+    return out
+
+
 def _real_worker(rank: int, world: int, store_path: str, out_dir: str,
                  layouts: dict[str, list[str]]) -> None:
     """One rank of a real gloo run: each of `layouts` built as main.py builds it, one step
@@ -115,13 +137,11 @@ def _real_worker(rank: int, world: int, store_path: str, out_dir: str,
     sys.path.insert(0, str(MINGPT))
     m = {name.rpartition(".")[2]: importlib.import_module(name) for name in (
         "mingpt.config", "mingpt.dry_run", "mingpt.model", "mingpt.parallel", "mingpt.optim",
-        "mingpt.distributed")}
+        "mingpt.distributed", "mingpt.data")}
     parallel, dry_run = m["parallel"], m["dry_run"]
     results = {}
-    for name, overrides in layouts.items():
-        cfg = m["config"].load([*BASE, *overrides])
+    for name, (cfg, gpt_config) in configs(m, layouts).items():
         t, o = cfg.trainer_config, cfg.optimizer_config
-        gpt_config = dry_run.model_config(cfg)
         torch.manual_seed(t.seed)
         model = parallel.parallelize(m["model"].GPT(gpt_config), dry_run.CPU,
                                      t.distributed_method,
@@ -149,9 +169,8 @@ def dry_against_real(m, tmp_path: Path, world: int, layouts: dict[str, list[str]
     start_world(_real_worker, world, world, str(tmp_path / "store"), str(tmp_path), layouts)
     real = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     wrong = []
-    for name, overrides in layouts.items():
-        cfg = m["config"].load([*BASE, *overrides, f"trainer_config.dry_run={world}"])
-        lay, plans = m["dry_run"].plan(cfg)
+    for name, (cfg, gpt_config) in configs(m, layouts, f"trainer_config.dry_run={world}").items():
+        lay, plans = m["dry_run"].plan(cfg, gpt_config)
         # Each representative rank planned, at least one: the comparison is not vacuous.
         ranks = sorted(m["dry_run"].representative_ranks(lay))
         assert ranks and sorted(plans) == ranks, (name, sorted(plans), ranks)

@@ -1,6 +1,7 @@
 """A dry run: what each rank of an N-rank job would hold and send, planned on one machine: a few
 ranks that stand for all each run one real training step on torch's fake process group, the
 model as fake tensors (shapes without memory), counted (DRY_RUN.md)."""
+import gc
 import itertools
 import logging
 import multiprocessing
@@ -320,8 +321,11 @@ def plan_ranks(jobs: list[tuple[DictConfig, GPTConfig, int, int]],
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["mingpt.dry_run", "torch._dynamo"])
     try:
-        with ProcessPoolExecutor(2, mp_context=context, max_tasks_per_child=1) as pool:
-            # A fresh process per job (max_tasks_per_child=1): no mesh cached from another rank.
+        # A fresh process per job (max_tasks_per_child=1): no mesh cached from another rank.
+        # gc.freeze: the server's heap is shared until written, and a full collection would
+        # visit, and so copy, all of it; frozen, the collector leaves it alone.
+        with ProcessPoolExecutor(2, mp_context=context, max_tasks_per_child=1,
+                                 initializer=gc.freeze) as pool:
             futures = [pool.submit(plan_rank, *job) for job in jobs]
             return [_outcome(future, keep_refusals) for future in futures]
     except BrokenProcessPool:
