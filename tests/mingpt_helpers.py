@@ -65,12 +65,15 @@ def copy_mingpt(dest: Path) -> Path:
 
 
 # Warm worlds are forks of multiprocessing's fork server: one process per test worker that
-# imports torch and the libraries every rank uses once (PRELOAD) and starts no thread, so a
+# imports torch and the libraries the ranks use once (PRELOAD) and starts no thread, so a
 # fork of it is safe. A rank then starts in a fraction of a second; a spawned one imported
-# all of it again (about 4 s of CPU each, 8 ranks sharing 2 cores). 05's dry run starts the
-# same server with its own preload when it runs first in a worker: the ranks import the rest.
+# all of it again (about 4 s of CPU each, 8 ranks sharing 2 cores). transformers (init_from's
+# GPT-2: 2 s of CPU), s3fs and torchft are imported only by the runs that use them, but dozens
+# of forked ranks do (the feature matrix's). 05's dry run starts the same server with its own
+# preload when it runs first in a worker: the ranks import the rest.
 PRELOAD = ["torch", "torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.fsdp",
-           "torch.distributed.pipelining", "torch.utils.tensorboard", "hydra", "fsspec"]
+           "torch.distributed.pipelining", "torch.utils.tensorboard", "hydra", "fsspec",
+           "transformers.models.gpt2.modeling_gpt2", "s3fs", "torchft"]
 
 
 def start_world(worker: Callable, world: int, *args: object, spawn: bool = False) -> None:
