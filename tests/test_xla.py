@@ -185,9 +185,11 @@ def test_xla_ends_at_eager_cpus_weights(runs):
 # Run in .venv-xla, in 05_mingpt/: xla_main.py's own build and Trainer, then every parameter
 # and AdamW moment as XLA holds it (its sharding and each device's shard), once after a fresh
 # start and one step (max_steps=1, saved), once right after a resume (the moments loaded from
-# the file).
+# the file). Then, in the same process (its imports and compiled steps paid once),
+# xla_main.main on the arguments after "--" (test_xla_stops_at_a_nan_loss_before_saving_it's
+# run): its exit status and what it wrote on stderr.
 PROBE = """
-import json, sys, torch, torch_xla
+import contextlib, io, json, sys, torch, torch_xla
 from torch_xla.distributed.spmd.xla_sharding import wrap_as_sharded_tensor
 from mingpt import distributed
 import xla_main
@@ -210,7 +212,8 @@ def shards(model, optimizer):
                 "rebuilt": torch.equal(rebuilt, whole)}
     return found
 
-cfg = xla_main.load_config(sys.argv[1:])
+split = sys.argv.index("--")
+cfg = xla_main.load_config(sys.argv[1:split])
 mesh, device = xla_main.make_mesh(), torch_xla.device()
 distributed.setup("cpu")  # xla_main.train's one-rank group
 report = {}
@@ -219,16 +222,30 @@ for phase in ("fresh", "resumed"):
     if phase == "fresh":  # one step: AdamW's moments exist from then on
         trainer.train()
     report[phase] = shards(trainer.model, trainer.optimizer)
+distributed.release()  # xla_main.main makes its own group
+err, code = io.StringIO(), 0
+with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+    try:
+        xla_main.main(sys.argv[split + 1:])
+    except SystemExit as e:  # as the interpreter turns it into an exit status
+        code = e.code
+report["nan"] = {"code": code, "stderr": err.getvalue()}
 print(json.dumps(report))
 """
+
+
+# The nan run: the loss turns nan at step 2 (lr 1e30), a save step but no log step.
+NAN = ("optimizer_config.lr=1e30", "trainer_config.max_steps=4", "trainer_config.log_every=4",
+       "trainer_config.save_every=2", "trainer_config.sample_tokens=0")
 
 
 @pytest.fixture(scope="module")
 def shard_report(runs, xla_python) -> dict:
     out = runs["out"]
-    proc = run([xla_python, "-c", PROBE, *tiny("trainer_config.max_steps=1", *QUIET,
-                                               f"data_config.path={out}/input.txt",
-                                               f"run_dir={out}/probe")],
+    data = f"data_config.path={out}/input.txt"
+    proc = run([xla_python, "-c", PROBE, *tiny("trainer_config.max_steps=1", *QUIET, data,
+                                               f"run_dir={out}/probe"),
+                "--", *tiny(*NAN, data, f"run_dir={out}/nan")],
                cwd=runs["folder"], timeout=600, **XLA_ENV)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -284,22 +301,21 @@ def test_sample_reads_the_xla_snapshot(runs):
     assert proc.stdout.strip() == sampled and len(sampled) > 20, (proc.stdout, sampled)
 
 
-def test_xla_stops_at_a_nan_loss_before_saving_it(xla_python, tmp_path):
+def test_xla_stops_at_a_nan_loss_before_saving_it(runs, shard_report):
     """The Trainer's check, on XLA too: the loss turns nan at step 2 (lr 1e30), a save step
     but no log step, and the run stops there with one line, no snapshot written. (xla_main.py's
-    loop of its own checked at log steps only: it saved step 2's nan weights.)"""
-    out, folder = tmp_path, copy_mingpt(tmp_path)
-    (out / "input.txt").write_text((REPO / "05_mingpt/data/input.txt").read_text()[:40_000])
-    proc = run([xla_python, "xla_main.py", *tiny(
-        f"data_config.path={out}/input.txt", f"run_dir={out}/nan", "optimizer_config.lr=1e30",
-        "trainer_config.max_steps=4", "trainer_config.log_every=4",
-        "trainer_config.save_every=2", "trainer_config.sample_tokens=0")],
-        cwd=folder, check=False, timeout=600, **XLA_ENV)
+    loop of its own checked at log steps only: it saved step 2's nan weights.) xla_main.main
+    in the probe's process: the exit status and the line are the command's (the refusals
+    below launch it)."""
+    out, nan = runs["out"], shard_report["nan"]
     assert not (out / "nan/snapshot").exists()
-    assert (proc.returncode, proc.stderr.strip()) == (2, (
+    # (torch_xla warns on stderr too: the probe's mesh turned SPMD on before this run's did)
+    errors = [line for line in nan["stderr"].splitlines() if line.startswith("error:")]
+    assert (nan["code"], errors) == (2, [
         f"error: the loss became nan or inf at step 2: training stopped and saved nothing "
         f"after it ({out}/nan/snapshot keeps the last good snapshot, if any); lower "
-        "optimizer_config.lr or set trainer_config.grad_clip, then resume")), proc.stderr
+        "optimizer_config.lr or set trainer_config.grad_clip, then resume"]), nan
+    assert "Traceback" not in nan["stderr"], nan
 
 
 def test_xla_refuses_what_only_main_py_has(xla_python, tmp_path):
