@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -171,15 +171,55 @@ def run_job(cwd: Path, nproc: int, *args: str, timeout: float = 400, **env: str)
     return out
 
 
+class Peer:
+    """A forked rank with a Popen's wait(timeout) (TimeoutExpired past it) and returncode."""
+
+    def __init__(self, process: multiprocessing.Process) -> None:
+        self.process = process
+
+    def wait(self, timeout: float) -> int:
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired("the peer", timeout)
+        return self.process.exitcode
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.exitcode
+
+
+@contextlib.contextmanager
+def forked_peer(cwd: Path, script: str, argv: list[str], env: dict[str, str]) -> Iterator[Peer]:
+    """step_helpers.peer_process's other rank (`python SCRIPT ARGV` in `cwd`, `env` its
+    launcher's variables), forked from the fork server as a Job's rank is, not a fresh
+    interpreter: its imports are the server's (about 2.5 s of CPU less a launch). Its output
+    in cwd/peer.out and peer.err; killed if it still runs when the block ends."""
+    out, err = cwd / "peer.out", cwd / "peer.err"
+    out.write_text("")
+    err.write_text("")
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    process = multiprocessing.get_context("forkserver").Process(
+        target=_job_rank, args=(0, child_env(**env), str(cwd), script, argv, str(out), str(err)))
+    process.start()
+    try:
+        yield Peer(process)
+    finally:
+        if process.is_alive():
+            process.kill()
+        process.join()
+
+
 def _job_rank(rank: int, environ: dict, cwd: str, script: str, argv: list[str],
-              log: str) -> None:
-    """One rank of a Job: `python SCRIPT ARGV` in a fork of the fork server."""
+              log: str, err: str | None = None) -> None:
+    """One rank of a Job: `python SCRIPT ARGV` in a fork of the fork server; its stderr in
+    `err` where given, else in `log` with its stdout. A RANK or LOCAL_RANK in `environ` wins
+    over `rank` (forked_peer's one worker of its node)."""
     # The server's imports are shared with this fork until written: a full garbage collection
     # would visit, and so copy, every object of them (0.3 s of CPU and 17,000 page faults per
     # rank of a 2-step run, measured). Frozen, the collector ignores them.
     gc.freeze()
     os.environ.clear()
-    os.environ.update(environ, RANK=str(rank), LOCAL_RANK=str(rank))
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), **environ})
     torch.set_num_threads(int(environ["OMP_NUM_THREADS"]))  # the server read it at its start
     os.chdir(cwd)
     sys.path.insert(0, cwd)  # as `python SCRIPT` puts the script's folder first
@@ -189,9 +229,8 @@ def _job_rank(rank: int, environ: dict, cwd: str, script: str, argv: list[str],
     for name in [name for name in sys.modules if is_mingpt_module(name)]:
         del sys.modules[name]
     sys.argv = [script, *argv]
-    fd = os.open(log, os.O_WRONLY | os.O_APPEND)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
+    os.dup2(os.open(log, os.O_WRONLY | os.O_APPEND), 1)
+    os.dup2(os.open(err or log, os.O_WRONLY | os.O_APPEND), 2)
     # Line by line, as PYTHONUNBUFFERED gives a launched rank: tests wait for a line.
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (the process's own)
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115

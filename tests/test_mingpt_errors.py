@@ -11,9 +11,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import PYTHON
-from mingpt_helpers import copy_mingpt, script_in_process, tiny
-from step_helpers import node_envs, peer_process
+from mingpt_helpers import copy_mingpt, forked_peer, script_in_process, tiny
+from step_helpers import node_envs
 
 
 @pytest.fixture
@@ -226,13 +225,14 @@ def test_an_epoch_too_small_for_one_step_is_one_error_line(main_py, tmp_path):
 @pytest.mark.timeout(180, method="thread")  # node a waits in C++ (in this process) for node b
 def test_nodes_without_shared_storage_fail_with_one_line(mingpt_modules, tmp_path):
     # Two "nodes" on this machine, each in its own folder: only node a has a snapshot there.
-    # Node b's worker is a process, node a's runs here, each with the variables torchrun gives
-    # the one worker of a node (what is checked is the workers' agreement, not torchrun).
+    # Node b's worker is a process (forked), node a's runs here, each with the variables
+    # torchrun gives the one worker of a node (what is checked is the workers' agreement, not
+    # torchrun).
     nodes = [copy_mingpt(tmp_path / name) for name in ("a", "b")]
     args = tiny("run_name=shared", "trainer_config.max_steps=2", "trainer_config.sample_tokens=0")
     assert script_in_process(mingpt_modules["main"], nodes[0], *args).returncode == 0
     env = node_envs(2)
-    with peer_process([PYTHON, "main.py", *args], nodes[1], env[1]) as node_b:
+    with forked_peer(nodes[1], "main.py", args, env[1]) as node_b:
         node_a = script_in_process(mingpt_modules["main"], nodes[0], *args, **env[0])
         node_b.wait(timeout=120)
     assert node_a.returncode != 0 and node_b.returncode != 0
@@ -259,7 +259,7 @@ def test_a_data_error_on_another_node_is_printed_and_stops_every_node(mingpt_mod
     args = tiny("run_name=local_data", "trainer_config.max_steps=2",
                 "trainer_config.sample_tokens=0")
     env = node_envs(2)
-    with peer_process([PYTHON, "main.py", *args], nodes[1], env[1]) as node_b:
+    with forked_peer(nodes[1], "main.py", args, env[1]) as node_b:
         node_a = script_in_process(mingpt_modules["main"], nodes[0], *args, **env[0])
         node_b.wait(timeout=120)
     b_err = (nodes[1] / "peer.err").read_text()

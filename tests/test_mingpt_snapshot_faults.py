@@ -3,12 +3,13 @@ line, naming that rank and the file, within seconds; the snapshot before it stay
 resumes bit for bit.
 
 Two ranks, as two one-worker "nodes" of one job on this machine (rank 0 in this process, rank
-1 in its own), so that each prints its own node's line: the two lines must be the same, which
-shows that both ranks stopped on the agreed error rather than one on its own and the other on
-its absence (before: rank 0's failed commit, or a write of its file, left rank 1 in the next
-collective: gloo's "Connection closed by peer" there, a second `error:` line; on NCCL, a wait
-of the collective timeout). The faults are injected on one rank only (mingpt/faults.py,
-FAULT_WRITE_ERROR / FAULT_READ_ERROR), or are real: a shard file deleted.
+1 in its own, forked: mingpt_helpers.forked_peer), so that each prints its own node's line:
+the two lines must be the same, which shows that both ranks stopped on the agreed error rather
+than one on its own and the other on its absence (before: rank 0's failed commit, or a write
+of its file, left rank 1 in the next collective: gloo's "Connection closed by peer" there, a
+second `error:` line; on NCCL, a wait of the collective timeout). The faults are injected on
+one rank only (mingpt/faults.py, FAULT_WRITE_ERROR / FAULT_READ_ERROR), or are real: a shard
+file deleted.
 """
 import hashlib
 import json
@@ -23,15 +24,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import PYTHON, TORCHRUN, run
+from conftest import TORCHRUN, run
 from mingpt_helpers import (
     copy_mingpt,
+    forked_peer,
     mingpt_imported,
     script_in_process,
     start_world,
     tiny,
 )
-from step_helpers import node_envs, peer_process
+from step_helpers import node_envs
 
 # The bound from the fault to the exit of every rank: the agreement is one
 # all_gather_object, but this machine is a loaded 2-core one.
@@ -52,7 +54,7 @@ def two_ranks(mingpt_modules, mingpt: Path, *args: str, **env: str) -> dict:
     fault's time (where one was injected) and when the last rank ended."""
     envs = node_envs(2)
     args = tiny(*args, *ARGS)
-    with peer_process([PYTHON, "main.py", *args], mingpt, {**envs[1], **env}) as peer:
+    with forked_peer(mingpt, "main.py", args, {**envs[1], **env}) as peer:
         a = script_in_process(mingpt_modules["main"], mingpt, *args, **envs[0], **env)
         peer.wait(timeout=240)
         ended = time.time()
