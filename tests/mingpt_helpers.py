@@ -199,7 +199,8 @@ def forked_peer(cwd: Path, script: str, argv: list[str], env: dict[str, str]) ->
     err.write_text("")
     multiprocessing.set_forkserver_preload(PRELOAD)
     process = multiprocessing.get_context("forkserver").Process(
-        target=_job_rank, args=(0, child_env(**env), str(cwd), script, argv, str(out), str(err)))
+        target=_job_rank, args=(None, child_env(**env), str(cwd), script, argv, str(out),
+                                str(err)))
     process.start()
     try:
         yield Peer(process)
@@ -209,17 +210,19 @@ def forked_peer(cwd: Path, script: str, argv: list[str], env: dict[str, str]) ->
         process.join()
 
 
-def _job_rank(rank: int, environ: dict, cwd: str, script: str, argv: list[str],
+def _job_rank(rank: int | None, environ: dict, cwd: str, script: str, argv: list[str],
               log: str, err: str | None = None) -> None:
-    """One rank of a Job: `python SCRIPT ARGV` in a fork of the fork server; its stderr in
-    `err` where given, else in `log` with its stdout. A RANK or LOCAL_RANK in `environ` wins
-    over `rank` (forked_peer's one worker of its node)."""
+    """One rank of a Job: `python SCRIPT ARGV` in a fork of the fork server, RANK and
+    LOCAL_RANK `rank` (None: environ's, forked_peer's one worker of its node); its stderr in
+    `err` where given, else in `log` with its stdout."""
     # The server's imports are shared with this fork until written: a full garbage collection
     # would visit, and so copy, every object of them (0.3 s of CPU and 17,000 page faults per
     # rank of a 2-step run, measured). Frozen, the collector ignores them.
     gc.freeze()
     os.environ.clear()
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), **environ})
+    os.environ.update(environ)
+    if rank is not None:
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
     torch.set_num_threads(int(environ["OMP_NUM_THREADS"]))  # the server read it at its start
     os.chdir(cwd)
     sys.path.insert(0, cwd)  # as `python SCRIPT` puts the script's folder first
