@@ -189,7 +189,7 @@ def test_xla_ends_at_eager_cpus_weights(runs):
 # xla_main.main on the arguments after "--" (test_xla_stops_at_a_nan_loss_before_saving_it's
 # run): its exit status and what it wrote on stderr.
 PROBE = """
-import contextlib, io, json, sys, torch, torch_xla
+import contextlib, io, json, sys, warnings, torch, torch_xla
 from torch_xla.distributed.spmd.xla_sharding import wrap_as_sharded_tensor
 from mingpt import distributed
 import xla_main
@@ -223,6 +223,9 @@ for phase in ("fresh", "resumed"):
         trainer.train()
     report[phase] = shards(trainer.model, trainer.optimizer)
 distributed.release()  # xla_main.main makes its own group
+# A second use_spmd in one process warns that XLA_USE_SPMD (set by the first) is deprecated;
+# a launched xla_main.py calls it once. Only that warning is silenced.
+warnings.filterwarnings("ignore", "XLA_USE_SPMD is being deprecated")
 err, code = io.StringIO(), 0
 with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
     try:
@@ -309,13 +312,10 @@ def test_xla_stops_at_a_nan_loss_before_saving_it(runs, shard_report):
     below launch it)."""
     out, nan = runs["out"], shard_report["nan"]
     assert not (out / "nan/snapshot").exists()
-    # (torch_xla warns on stderr too: the probe's mesh turned SPMD on before this run's did)
-    errors = [line for line in nan["stderr"].splitlines() if line.startswith("error:")]
-    assert (nan["code"], errors) == (2, [
+    assert (nan["code"], nan["stderr"].strip()) == (2, (
         f"error: the loss became nan or inf at step 2: training stopped and saved nothing "
         f"after it ({out}/nan/snapshot keeps the last good snapshot, if any); lower "
-        "optimizer_config.lr or set trainer_config.grad_clip, then resume"]), nan
-    assert "Traceback" not in nan["stderr"], nan
+        "optimizer_config.lr or set trainer_config.grad_clip, then resume")), nan
 
 
 def test_xla_refuses_what_only_main_py_has(xla_python, tmp_path):
