@@ -23,6 +23,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import yaml
+from omegaconf import OmegaConf
 
 from conftest import REPO, child_env, free_port, in_process
 
@@ -275,6 +277,18 @@ def retrace(run_dir: Path, text: Path, max_steps: int, *overrides: str) -> list[
                 "gpt_config.dropout=0.0", "trainer_config.min_lr_ratio=1.0",
                 "trainer_config.log_every=1", "trainer_config.save_every=0",
                 "trainer_config.eval_batches=2", "trainer_config.sample_tokens=0")
+
+
+def overridden(config, cfg, overrides: list[str]):
+    """A copy of `cfg` (config.load's, `config`: mingpt/config.py) with `overrides` put in and
+    checked by validate, as config.load(its overrides + these) makes it where the overrides
+    set keys only (no config group): hydra's composition, the slow part, is not redone."""
+    cfg = cfg.copy()
+    for arg in overrides:
+        key, value = arg.split("=", 1)
+        OmegaConf.update(cfg, key, yaml.safe_load(value) if key != "run_dir" else value)
+    config.validate(cfg)
+    return cfg
 
 
 def assert_refused(config, overrides: list[str], message: str) -> None:

@@ -30,12 +30,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401  imported before any group exists (test_teardown.py)
-import yaml
-from omegaconf import OmegaConf
 
 import feature_matrix
 from conftest import in_process
-from mingpt_helpers import MINGPT, mingpt_imported, start_world
+from mingpt_helpers import MINGPT, mingpt_imported, overridden, start_world
 
 # A model small enough for 8 processes on 2 cores; dropout 0 (cp requires it).
 BASE = ["gpt_config.model_type=null", "gpt_config.n_layer=2", "gpt_config.n_head=2",
@@ -109,8 +107,8 @@ def m():
 
 def configs(m: dict, layouts: dict[str, list[str]], *extra: str) -> dict:
     """Each layout's config (`extra` added), as config.load([*BASE, *overrides, *extra]) makes
-    it, with hydra's composition done once (test_mingpt_strategies.configure's way: the
-    layouts differ only in keys put into a copy and checked by validate), and the model each
+    it, with hydra's composition done once (mingpt_helpers.overridden: the layouts differ
+    only in keys put into a copy and checked by validate), and the model each
     builds: the data read once (the same text and vocabulary for all)."""
     base = m["config"].load([*BASE, *extra])
     d = base.data_config
@@ -118,11 +116,7 @@ def configs(m: dict, layouts: dict[str, list[str]], *extra: str) -> dict:
                                                               base.trainer_config.seed)
     out = {}
     for name, overrides in layouts.items():
-        cfg = base.copy()
-        for arg in [*overrides, *extra]:
-            key, value = arg.split("=", 1)
-            OmegaConf.update(cfg, key, yaml.safe_load(value))
-        m["config"].validate(cfg)
+        cfg = overridden(m["config"], base, [*overrides, *extra])
         out[name] = cfg, m["config"].model_config(cfg, meta)[0]
     return out
 

@@ -16,8 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401  imported before any group exists (test_teardown.py)
-import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -30,6 +29,7 @@ from mingpt_helpers import (
     log_units,
     mingpt_imported,
     other_cpu_kernels,
+    overridden,
     real_step,
     retrace,
     spawn_world,
@@ -118,12 +118,7 @@ def configure(m: dict, args: list[str], base: dict = {}) -> DictConfig:  # noqa:
     runs differ only in the keys overrides() sets, put into a copy and checked by validate."""
     if "cfg" not in base:
         base["cfg"] = m["config"].load(args)
-    cfg = base["cfg"].copy()
-    for arg in args:
-        key, value = arg.split("=", 1)
-        OmegaConf.update(cfg, key, yaml.safe_load(value) if key != "run_dir" else value)
-    m["config"].validate(cfg)
-    return cfg
+    return overridden(m["config"], base["cfg"], args)
 
 
 def full(m: dict, t: torch.Tensor) -> torch.Tensor:
