@@ -481,7 +481,7 @@ MINGPT_MODULES = {
 EXTRA_MODULES = {"bpe_dataset": "mingpt.data.bpe", "image_dataset": "mingpt.data.image",
                  "pretrained": "mingpt.pretrained", "dry_run": "mingpt.dry_run",
                  "step_time": "mingpt.step_time"}
-SCRIPTS = ("main", "sample", "launch", "prepare", "model_size", "export_hf")
+SCRIPTS = ("main", "sample", "launch", "prepare", "model_size", "export_hf", "analyze_hang")
 
 
 def is_mingpt_module(name: str) -> bool:

@@ -51,7 +51,11 @@ def launch(mingpt, run_name: str, *overrides: str, **env: str):
 
 
 def analyze(folder) -> str:
-    proc = run([PYTHON, "analyze_hang.py", str(folder)], cwd=REPO / "05_mingpt")
+    """`python analyze_hang.py FOLDER`'s report, run in this process (main(), as the command
+    runs it): the command itself, as each error line names it, runs in the first test."""
+    with mingpt_imported("analyze_hang") as modules:
+        proc = script_in_process(modules["analyze_hang"], REPO / "05_mingpt", str(folder))
+    assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 
 
@@ -87,7 +91,10 @@ def test_a_stalled_rank_ends_in_the_timeout_with_every_ranks_trace(mingpt):
     # The analysis: rank 1 never issued the gradient all-reduce of step 3 (every parameter in
     # DDP's one bucket), rank 0 waited in it, and rank 1 was in the fault's sleep.
     params = re.search(r"model: ([0-9,]+) parameters", proc.stdout)[1].replace(",", "")
-    out = analyze(run_dir)
+    # The command the error line gives, as a user runs it (the other tests read the report
+    # in this process: analyze()); on the run's folder, which it finds the dumps in.
+    out = run([PYTHON, "analyze_hang.py", str(run_dir)], cwd=REPO / "05_mingpt").stdout
+    assert out == analyze(run_dir)
     assert "missing ranks: {1}" in out
     seq = int(re.search(r"Not all ranks joining collective, sequence number: (\d+)", out)[1])
     assert f"rank 1: last issued #{seq - 1} all_reduce [[{params}]] Float, 1 behind: never " \
