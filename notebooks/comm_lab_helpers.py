@@ -25,7 +25,7 @@ from mingpt.step_time import BUS_FACTOR
 
 launch, shutdown = ph.launch, ph.shutdown
 # This module's workers run in forks of a server that imported it (and pitfalls_helpers).
-ph.CONTEXT.set_forkserver_preload([__name__])
+ph.CONTEXT.set_forkserver_preload([__name__, *ph.SERVER_IMPORTS])
 # Tiny Shakespeare's characters, as 05's char data reads them: the runs below learn real
 # text, so their validation losses mean something. The first 200,000 characters are plenty.
 TEXT = (ph.MINGPT / "data/input.txt").read_text()

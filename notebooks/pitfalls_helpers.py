@@ -8,7 +8,8 @@
 A process started with `spawn` unpickles the function it runs by its module and name, and a
 function defined in a notebook cell has neither: so every worker lives here. The processes
 come from one fork server that imported torch, 05_mingpt's package and step 02's train.py
-once (about 4 s); a group of 4 ranks then starts in a tenth of a second, not 2 s per process.
+once (and torch._dynamo, below: about 4 s of CPU); a group of 4 ranks then starts in a tenth
+of a second, not 4 s per process.
 Each worker gets its rank and the world size first, in a gloo group that `launch` created
 (unless group=False: step 02's own code creates its group itself).
 """
@@ -68,9 +69,12 @@ def _load_step02():
 
 step02 = _load_step02()
 # Fork server: the workers are forks of a process that has imported all of the above, and
-# nothing else (forking the notebook's kernel itself would copy its threads' locks).
+# nothing else (forking the notebook's kernel itself would copy its threads' locks). And
+# torch._dynamo, which torch imports at the first call of any function it keeps from the
+# compiler (an optimizer's step, DDP's forward): about 1 s of CPU in every worker otherwise.
+SERVER_IMPORTS = ["torch._dynamo"]
 CONTEXT = mp.get_context("forkserver")
-CONTEXT.set_forkserver_preload([__name__])
+CONTEXT.set_forkserver_preload([__name__, *SERVER_IMPORTS])
 CPU = torch.device("cpu")
 # A tiny GPT for the sections that use 05's code: odd sizes, so FSDP's shards are uneven.
 TINY = dict(model_type=None, n_layer=2, n_head=2, n_embd=18, vocab_size=11, block_size=8,
