@@ -4,6 +4,7 @@ Everything runs on CPU with the gloo backend. Child processes get one intra-op t
 the CI machine has two cores and the tests start several processes at once.
 """
 import contextlib
+import gc
 import io
 import os
 import re
@@ -244,6 +245,10 @@ def in_process(main: Callable[[], object], args: list[str], cwd: Path, unset: tu
     # One thread, as child_env gives a launched command: beside the other test worker, a
     # second one only spins (OpenMP waits busily) and costs more CPU than it saves.
     torch.set_num_threads(1)
+    # The test process's heap (torch, transformers, pytest, every test module: a million
+    # objects) kept out of the run's garbage collections, as a launched process has none of
+    # it: distributed.release's gc.collect and gc.get_objects then see what the run made.
+    gc.freeze()
     code = 0
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -254,6 +259,7 @@ def in_process(main: Callable[[], object], args: list[str], cwd: Path, unset: tu
                     print(e.code, file=sys.stderr)
                 code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     finally:
+        gc.unfreeze()
         os.chdir(old_cwd)
         os.environ.clear()
         os.environ.update(old_env)
