@@ -33,6 +33,7 @@ from mingpt_helpers import (
     exported_weights,
     join_world,
     mingpt_imported,
+    overridden,
     script_in_process,
     snapshot_at,
     spawn_world,
@@ -107,13 +108,18 @@ def case_overrides(config, names: tuple[str, ...], run_dir: Path, text: Path,
                 "trainer_config.sample_tokens=0", "trainer_config.microbatches=2")
 
 
-def train(m: dict, names: tuple[str, ...], args: list[str]) -> str:
-    """Run `args` in this world (test_mingpt_strategies.run); rank 0's log. A run on BPE data
-    (init_from) is composed by hydra afresh: run's composition, shared by the others, is of
-    the char data, whose keys differ."""
+def train(m: dict, names: tuple[str, ...], args: list[str],
+          bpe: dict = {}) -> str:  # noqa: B006 (a cache)
+    """Run `args` in this world (test_mingpt_strategies.run); rank 0's log. The runs on BPE
+    data (init_from) share a composition of their own (`bpe`): run's, shared by the others,
+    is of the char data, whose keys differ. Its config group, data_config=bpe, is in it: the
+    keys each run sets are put into a copy (mingpt_helpers.overridden)."""
     if "init_from" not in names:
         return run(m, args)[0]
-    return train_here(m, m["config"].load(args))[0]
+    if "cfg" not in bpe:
+        bpe["cfg"] = m["config"].load(args)
+    keys = [arg for arg in args if arg != "data_config=bpe"]
+    return train_here(m, overridden(m["config"], bpe["cfg"], keys))[0]
 
 
 def _worker(rank: int, store: str, out: str, text: str, runs: list,
