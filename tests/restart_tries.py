@@ -69,9 +69,14 @@ def one_try(target: str, workdir: Path, nproc: int, timeout_s: float) -> dict:
         out, err = proc.communicate()
         code = "timeout"
     failures = FAILED_ATTEMPT.findall(err)
+    # Steps 03 and 04: the epochs rank 0 trained after the last resume line (every rank prints
+    # its line before the first epoch's all-reduce, so none comes after an epoch's).
+    after = out.split("Resuming training")[-1] if "Resuming training" in out else ""
     return {"exit": code, "seconds": round(time.monotonic() - start, 1),
-            "failed_attempts": len(failures), "mesh_failures": err.count(MESH_FAILURE),
-            "resumed": resumed in out,
+            "failed_attempts": len(failures), "exit_codes": [int(c) for c in failures],
+            "mesh_failures": err.count(MESH_FAILURE), "resumed": resumed in out,
+            "epochs_after_resume": [int(e) for e in re.findall(r"Epoch (\d+) \| Batchsize",
+                                                                after)],
             # the job came back: one kill, one restart, and it finished
             "recovered": code == 0 and len(failures) == 1 and resumed in out,
             "log_tail": err[-1500:]}

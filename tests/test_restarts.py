@@ -8,6 +8,7 @@ refused" at each restart, or hung, in 5 of 6 jobs of step 03 measured before the
 (restarts.py). tests/restart_tries.py runs the tries; the other tests set the variable
 (conftest.child_env), so only these show the command as a new user runs it.
 """
+import signal
 import sys
 
 import pytest
@@ -28,6 +29,10 @@ def test_step03_command_as_written_recovers_in_every_try(tmp_path):
         # exit 0, exactly one failed attempt (the kill), and the resume line after it
         assert (result["exit"], result["failed_attempts"], result["resumed"]) == (0, 1, True), \
             (i, result)
+        # The kill was the fault's SIGKILL in epoch 2; epochs 0 and 1 were snapshotted, so the
+        # restart trained 2 and 3 (not 1, not only 3). Bit for bit: test_crash_storm.py.
+        assert result["exit_codes"] == [-signal.SIGKILL], result
+        assert result["epochs_after_resume"] == [2, 3], result
 
 
 @pytest.mark.parametrize("target", ["04", "05"])
