@@ -400,3 +400,17 @@ def test_the_quick_check_names_files_and_tests_that_exist():
         defined = [p.name for p in tests.glob("test_*.py")
                    if re.search(rf"^def {name}\(", p.read_text(), re.M)]
         assert len(defined) == 1 and defined[0] not in ROBUSTNESS_FILES, (name, defined)
+
+
+def test_test_names_in_the_docs_are_defined():
+    """Every test a page names in backticks (a test function, with or without its case in
+    brackets, or a test file) is a test function or a test file under tests/: a renamed test
+    leaves no reader looking for one that is gone."""
+    tests = sorted((REPO / "tests").glob("test_*.py"))
+    defined = {p.stem for p in tests} | {name for p in tests for name in
+                                         re.findall(r"^def (test_\w+)\(", p.read_text(), re.M)}
+    named = {(md.relative_to(REPO).as_posix(), name) for md in MARKDOWN for name in
+             re.findall(r"`(test_\w+)(?:\.py)?(?:\[[^`]*\])?`", md.read_text())}
+    assert len(named) > 50, f"only {len(named)} test names found: has the format changed?"
+    missing = sorted((md, name) for md, name in named if name not in defined)
+    assert not missing, f"tests named in the docs but not defined: {missing}"
