@@ -33,7 +33,6 @@ from mingpt_helpers import (
     exported_weights,
     join_world,
     mingpt_imported,
-    overridden,
     script_in_process,
     snapshot_at,
     spawn_world,
@@ -41,7 +40,7 @@ from mingpt_helpers import (
     weights_at,
 )
 from test_mingpt_s3 import s3_env  # noqa: F401 (a fixture: the moto server and its bucket)
-from test_mingpt_strategies import run, train_here
+from test_mingpt_strategies import run
 
 WORLD = feature_matrix.WORLD
 README = REPO / "tests/README.md"
@@ -108,20 +107,6 @@ def case_overrides(config, names: tuple[str, ...], run_dir: Path, text: Path,
                 "trainer_config.sample_tokens=0", "trainer_config.microbatches=2")
 
 
-def train(m: dict, names: tuple[str, ...], args: list[str],
-          bpe: dict = {}) -> str:  # noqa: B006 (a cache)
-    """Run `args` in this world (test_mingpt_strategies.run); rank 0's log. The runs on BPE
-    data (init_from) share a composition of their own (`bpe`): run's, shared by the others,
-    is of the char data, whose keys differ. Its config group, data_config=bpe, is in it: the
-    keys each run sets are put into a copy (mingpt_helpers.overridden)."""
-    if "init_from" not in names:
-        return run(m, args)[0]
-    if "cfg" not in bpe:
-        bpe["cfg"] = m["config"].load(args)
-    keys = [arg for arg in args if arg != "data_config=bpe"]
-    return train_here(m, overridden(m["config"], bpe["cfg"], keys))[0]
-
-
 def _worker(rank: int, store: str, out: str, text: str, runs: list,
             pretrained: tuple[str, str]) -> None:
     join_world(rank, store, WORLD)
@@ -129,12 +114,12 @@ def _worker(rank: int, store: str, out: str, text: str, runs: list,
     with mingpt_imported("main") as m:
         for names in map(tuple, runs):
             case = out_dir / "+".join(names)
-            train(m, names, case_overrides(m["config"], names, case / "whole", text, pretrained))
+            run(m, case_overrides(m["config"], names, case / "whole", text, pretrained))
             if rank == 0:
                 snapshot_at(location(names, case / "whole"), location(names, case / "resumed"), 1)
             dist.barrier()
-            log = train(m, names, case_overrides(m["config"], names, case / "resumed", text,
-                                                 pretrained))
+            log = run(m, case_overrides(m["config"], names, case / "resumed", text,
+                                        pretrained))[0]
             if rank == 0:
                 (case / "resumed.log").write_text(log)
     m["distributed"].release()  # every reference dropped first: gloo's threads are joined

@@ -114,11 +114,13 @@ def overrides(name: str, run_dir: Path, text: Path, max_steps: int) -> list[str]
 
 
 def configure(m: dict, args: list[str], base: dict = {}) -> DictConfig:  # noqa: B006 (a cache)
-    """config.load(args), with hydra's composition (0.5 s on a busy CI machine) done once: the
-    runs differ only in the keys overrides() sets, put into a copy and checked by validate."""
-    if "cfg" not in base:
-        base["cfg"] = m["config"].load(args)
-    return overridden(m["config"], base["cfg"], args)
+    """config.load(args), with hydra's composition (0.5 s on a busy CI machine) done once per
+    choice of data_config, the config's one group (`data_config=bpe`: its keys differ): the
+    runs differ only in the keys they set, put into a copy and checked by validate."""
+    group = tuple(arg for arg in args if arg.startswith("data_config="))
+    if group not in base:
+        base[group] = m["config"].load(args)
+    return overridden(m["config"], base[group], [arg for arg in args if arg not in group])
 
 
 def full(m: dict, t: torch.Tensor) -> torch.Tensor:
