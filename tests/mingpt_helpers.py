@@ -78,6 +78,12 @@ PRELOAD = ["torch", "torch._dynamo", "torch.distributed.checkpoint", "torch.dist
            "transformers.models.gpt2.modeling_gpt2", "s3fs", "torchft"]
 
 
+def fork_server() -> multiprocessing.context.ForkServerContext:
+    """multiprocessing's fork server, which imports PRELOAD when it starts (once per process)."""
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    return multiprocessing.get_context("forkserver")
+
+
 def start_world(worker: Callable, world: int, *args: object, spawn: bool = False) -> None:
     """`worker(rank, *args)` in `world` processes, forked from the fork server (or spawned:
     `spawn`, for a check of what a fresh interpreter reads at start, such as the kernel set);
@@ -86,7 +92,7 @@ def start_world(worker: Callable, world: int, *args: object, spawn: bool = False
     if spawn:
         mp.start_processes(worker, args=args, nprocs=world, start_method="spawn")
         return
-    multiprocessing.set_forkserver_preload(PRELOAD)
+    fork_server()
     mp.start_processes(_in_environment, args=(dict(os.environ), worker, *args), nprocs=world,
                        start_method="forkserver")
 
@@ -113,8 +119,7 @@ class Job:
         self.log, self.returncode = log, None
         environ = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                             WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), **env)
-        multiprocessing.set_forkserver_preload(PRELOAD)
-        context = multiprocessing.get_context("forkserver")
+        context = fork_server()
         self.ranks = [context.Process(target=_job_rank, daemon=False,
                                       args=(rank, environ, str(cwd), script, argv, str(log)))
                       for rank in range(nproc)]
@@ -199,8 +204,7 @@ def forked_peer(cwd: Path, script: str, argv: list[str], env: dict[str, str]) ->
     out, err = cwd / "peer.out", cwd / "peer.err"
     out.write_text("")
     err.write_text("")
-    multiprocessing.set_forkserver_preload(PRELOAD)
-    process = multiprocessing.get_context("forkserver").Process(
+    process = fork_server().Process(
         target=_job_rank, args=(None, child_env(**env), str(cwd), script, argv, str(out),
                                 str(err)))
     process.start()
