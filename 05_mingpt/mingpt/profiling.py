@@ -1,7 +1,7 @@
 """Where a step's time goes: a breakdown per log line, a profiler trace per rank, CUDA memory.
 
 The trainer's marks (start, "data", "forward" and "backward" per micro-step, end_step) split a
-step into PHASES: CUDA events on a GPU (GPU times, no host sync), else perf_counter reads.
+step into PHASES: CUDA events on a GPU (GPU times, no host sync), else StepTimer.clock's reads.
 Backward holds the gradient communication that did not overlap it (DEBUGGING.md).
 """
 import contextlib
@@ -22,8 +22,11 @@ MEMORY_EVENTS = 100_000  # the newest allocations a memory snapshot keeps, as to
 class StepTimer:
     """Time per phase of a step; with `profile_steps`, a trace of that many steps per rank."""
 
+    # On a CPU: the wall clock, what a step costs its rank, waits for the others included.
+    clock = staticmethod(time.perf_counter)
+
     def __init__(self, device: torch.device, profile_steps: int = 0, run_dir: str = ".") -> None:
-        self.cuda = device.type == "cuda"  # CUDA events, else perf_counter
+        self.cuda = device.type == "cuda"  # CUDA events, else clock
         self.seconds = dict.fromkeys(PHASES, 0.0)  # per phase, since the last report
         self.events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []  # on a GPU
         self.last: float | torch.cuda.Event | None = None  # the previous mark
@@ -53,7 +56,7 @@ class StepTimer:
             event = torch.cuda.Event(enable_timing=True)
             event.record()  # queued behind the work issued so far: no host sync
             return event
-        return time.perf_counter()
+        return self.clock()
 
     def start(self) -> None:
         self.last = self._now()
