@@ -1,6 +1,7 @@
 """Shared pieces of the 05_mingpt trainer tests: a private copy of the folder, tiny overrides,
 parsers for the trainer's log lines, and the warm worlds of gloo ranks (start_world)."""
 import contextlib
+import faulthandler
 import gc
 import importlib
 import json
@@ -10,6 +11,7 @@ import os
 import re
 import runpy
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -155,19 +157,36 @@ class Job:
             rank.kill()
         self.wait(60)
 
-    def finish(self, timeout: float = 400) -> str:
-        """Its log once every rank has ended; a job past `timeout` is killed and fails the
-        test, with the log's tail."""
+    def finish(self, timeout: float = 240) -> str:
+        """Its log once every rank has ended; a job past `timeout` (under pytest's 300 s, so
+        that this report is the one seen) is killed and fails the test, with the log's tail
+        and every live rank's Python stacks (faulthandler's, on SIGUSR1: see _job_rank)."""
         try:
             self.wait(timeout)
         except subprocess.TimeoutExpired:
+            self.dump_stacks()
             self.kill()
             pytest.fail(f"{self.log.name}: the job ran past {timeout} s:\n"
-                        f"{self.log.read_text()[-4000:]}")
+                        f"{self.log.read_text()[-12000:]}")
         return self.log.read_text()
 
+    def dump_stacks(self) -> None:
+        """Every live rank's threads' stacks, into the log: faulthandler writes them from its
+        signal handler, one "Current thread" line in each, a rank after the other (one that
+        cannot take the signal writes none: after 10 s the next one's turn comes)."""
+        for rank in [rank for rank in self.ranks if rank.is_alive()]:  # one at a time
+            before = self.log.read_text().count(ONE_PER_DUMP)
+            os.kill(rank.pid, signal.SIGUSR1)
+            deadline = time.monotonic() + 10
+            while (self.log.read_text().count(ONE_PER_DUMP) == before
+                   and time.monotonic() < deadline):
+                time.sleep(0.1)
 
-def run_job(cwd: Path, nproc: int, *args: str, timeout: float = 400, **env: str) -> str:
+
+ONE_PER_DUMP = "Current thread 0x"  # once in each faulthandler dump of all threads
+
+
+def run_job(cwd: Path, nproc: int, *args: str, timeout: float = 240, **env: str) -> str:
     """`torchrun --standalone --nproc_per_node=NPROC main.py ARGS` in `cwd` run to its end as
     a Job, for a run whose claim is the run's, not torchrun's: its log (stdout and stderr,
     runs/<run_name>.log beside main.py); a failure or a run past `timeout` fails the test."""
@@ -243,6 +262,8 @@ def _job_rank(rank: int | None, environ: dict, cwd: str, script: str, argv: list
     # Line by line, as PYTHONUNBUFFERED gives a launched rank: tests wait for a line.
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (the process's own)
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    # A stuck job's ranks say where they are (Job.dump_stacks); the series uses no SIGUSR1.
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     # An absolute __file__, as Python gives `python SCRIPT`: a process it spawns (DCP's
     # staging process) imports the script again from there.
     runpy.run_path(os.path.join(cwd, script), run_name="__main__")
