@@ -34,6 +34,7 @@ import torch.distributed.nn  # noqa: F401  imported before any group exists (tes
 import feature_matrix
 from conftest import in_process
 from mingpt_helpers import MINGPT, mingpt_imported, overridden, start_world
+from test_feature_matrix import pretrained  # noqa: F401 (a fixture: init_from's stand-in)
 
 # A model small enough for 8 processes on 2 cores; dropout 0 (cp requires it).
 BASE = ["gpt_config.model_type=null", "gpt_config.n_layer=2", "gpt_config.n_head=2",
@@ -107,17 +108,23 @@ def m():
 
 def configs(m: dict, layouts: dict[str, list[str]], *extra: str) -> dict:
     """Each layout's config (`extra` added), as config.load([*BASE, *overrides, *extra]) makes
-    it, with hydra's composition done once (mingpt_helpers.overridden: the layouts differ
-    only in keys put into a copy and checked by validate), and the model each
-    builds: the data read once (the same text and vocabulary for all)."""
-    base = m["config"].load([*BASE, *extra])
-    d = base.data_config
-    _, _, meta = m["data"].data_module(d.name).build_datasets(d, base.gpt_config.block_size,
-                                                              base.trainer_config.seed)
+    it, with hydra's composition done once per data (its `data_config...` overrides: the
+    config group and the path; mingpt_helpers.overridden puts the other keys into a copy and
+    checks them by validate), and the model each builds: each data read once."""
+    bases: dict[tuple[str, ...], tuple] = {}
     out = {}
     for name, overrides in layouts.items():
-        cfg = overridden(m["config"], base, [*overrides, *extra])
-        out[name] = cfg, m["config"].model_config(cfg, meta)[0]
+        data = tuple(arg for arg in overrides if arg.startswith("data_config"))
+        if data not in bases:
+            base = m["config"].load([*BASE, *data, *extra])
+            d = base.data_config
+            _, _, meta = m["data"].data_module(d.name).build_datasets(
+                d, base.gpt_config.block_size, base.trainer_config.seed)
+            bases[data] = base, meta
+        base, meta = bases[data]
+        rest = [arg for arg in overrides if arg not in data]
+        cfg = overridden(m["config"], base, [*rest, *extra])
+        out[name] = cfg, m["config"].model_config(cfg, meta)[0]  # init_from: its sizes
     return out
 
 
@@ -198,15 +205,23 @@ PLAN_KEYS = tuple(key for key in KEYS if key != "work")
 
 # 58 s alone on 2 cores; beside another test worker, about twice that: room for a slower one.
 @pytest.mark.timeout(600)
-def test_the_dry_run_plans_each_run_of_the_feature_matrix_as_it_steps(m, tmp_path):
+def test_the_dry_run_plans_each_run_of_the_feature_matrix_as_it_steps(
+        m, tmp_path, pretrained):  # noqa: F811 (pretrained: imported)
     """tests/README.md's grid, dry_run's row: each covering run of the feature matrix
     (feature_matrix.dry_runs: its features on, with this file's small model) planned dry on
     feature_matrix.WORLD ranks holds and sends, on every rank it plans, what its real step
-    does, to the byte."""
+    does, to the byte. init_from's runs start from the stand-in GPT-2 (test_feature_matrix's,
+    the same sizes as BASE) on its BPE data: the sizes the dry run plans are read from its
+    folder, as a real run reads them before it loads the weights."""
     on = feature_matrix.features(m["config"])
-    layouts = {"+".join(names): [arg for arg in feature_matrix.overrides(on, *names)
-                                 if arg not in feature_matrix.BASE]
+    gpt2, bpe = pretrained
+    stand_in = {"gpt_config.init_from=gpt2": [f"gpt_config.init_from={gpt2}", "data_config=bpe",
+                                              f"data_config.path={bpe}"]}
+    layouts = {"+".join(names): [new for arg in feature_matrix.overrides(on, *names)
+                                 if arg not in feature_matrix.BASE
+                                 for new in stand_in.get(arg, [arg])]
                for names in feature_matrix.dry_runs(m["config"])}
+    assert any("data_config=bpe" in args for args in layouts.values())  # init_from is planned
     wrong = dry_against_real(m, tmp_path, feature_matrix.WORLD, layouts, PLAN_KEYS)
     assert not wrong, "\n".join(f"{w[:3]}: dry {w[3]}, real {w[4]}" for w in wrong)
 
