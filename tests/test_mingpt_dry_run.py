@@ -248,6 +248,23 @@ def test_a_refused_layout_is_one_error_line_in_dry_and_real_run(m, overrides, me
         assert dry.stderr == message + "\n"
 
 
+# --- replica groups: one group's plan, and the dry run says so ---------------------------------
+
+@pytest.mark.parametrize("sync, when", [("step", "every step"), ("diloco", "every 50 steps")])
+def test_a_dry_run_of_replica_groups_says_it_plans_one_group(m, sync, when):
+    """With ft_replicas, each group is a torchrun job of its own: the plan is one group's
+    step, and the groups' meetings are not in it (DRY_RUN.md, Open). The table said nothing
+    of them: a plan read as the whole job's."""
+    args = [*BASE, "trainer_config.dry_run=2", "trainer_config.ft_replicas=2",
+            f"trainer_config.ft_sync={sync}"]
+    proc = in_process(lambda: m["main"].main(args), args, MINGPT)
+    assert proc.returncode == 0, proc.stderr
+    assert (f"replica groups: the plan above is one of trainer_config.ft_replicas=2 groups; "
+            f"what the groups send each other when they meet (ft_sync={sync}: {when}) is not "
+            "planned\n") in proc.stdout
+    assert proc.stdout.startswith("dry run: ddp: dp 2 (2 ranks)")  # one group's ranks
+
+
 # --- a script without the __main__ guard: an error, not a wait --------------------------------
 
 def test_a_script_without_the_main_guard_ends_in_one_error(tmp_path):

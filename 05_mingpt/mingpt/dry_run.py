@@ -418,6 +418,11 @@ def run(cfg: DictConfig) -> tuple[layout.Layout, dict[int, dict]]:
     lay, plans = plan(cfg)
     print(report(lay, plans))
     t = cfg.trainer_config
+    if t.ft_replicas:  # each group is a job of its own: the plan is one group's (DRY_RUN.md)
+        when = "every step" if t.ft_sync == "step" else f"every {t.ft_sync_every} steps"
+        print(f"replica groups: the plan above is one of trainer_config.ft_replicas="
+              f"{t.ft_replicas} groups; what the groups send each other when they meet "
+              f"(ft_sync={t.ft_sync}: {when}) is not planned")
     path = ROOT / t.dry_run_profile  # a relative path: from 05_mingpt/, as every path
     try:
         profile = step_time.load_profile(path)
