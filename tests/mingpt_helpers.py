@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -95,15 +96,57 @@ def start_world(worker: Callable, world: int, *args: object, spawn: bool = False
         mp.start_processes(worker, args=args, nprocs=world, start_method="spawn")
         return
     fork_server()
-    mp.start_processes(_in_environment, args=(dict(os.environ), worker, *args), nprocs=world,
-                       start_method="forkserver")
+    stacks = Path(tempfile.mkdtemp(prefix="world-stacks-"))  # see _in_environment
+    context = mp.start_processes(_in_environment, args=(dict(os.environ), str(stacks), worker,
+                                                        *args),
+                                 nprocs=world, start_method="forkserver", join=False)
+    try:
+        while not context.join():
+            pass
+    except pytest.fail.Exception as e:  # pytest's timeout (its signal, in this thread)
+        live = [p for p in context.processes if p.is_alive()]
+        dump_stacks([(p.pid, stacks / f"rank{r}.txt") for r, p in enumerate(context.processes)
+                     if p in live])
+        for p in live:
+            p.kill()
+        said = "".join(f"rank {r}:\n{path.read_text()}" for r in range(world)
+                       if (path := stacks / f"rank{r}.txt").stat().st_size)
+        pytest.fail(f"{e}\nthe world's live ranks, where they were:\n{said}")
+    finally:
+        shutil.rmtree(stacks, ignore_errors=True)
 
 
-def _in_environment(rank: int, environ: dict, worker: Callable, *args: object) -> None:
+def _in_environment(rank: int, environ: dict, stacks: str, worker: Callable,
+                    *args: object) -> None:
     gc.freeze()  # the server's heap: see _job_rank
     os.environ.clear()
     os.environ.update(environ)
+    # A world still running at pytest's timeout says where each rank was (start_world): its
+    # stderr is the fork server's, a file pytest's capture has left, so a file of its own.
+    _stacks_file.append(open(os.path.join(stacks, f"rank{rank}.txt"), "w"))  # noqa: SIM115
+    faulthandler.register(signal.SIGUSR1, file=_stacks_file[-1], all_threads=True)
     worker(rank, *args)
+
+
+_stacks_file: list = []  # a rank's file for faulthandler's dump, open while the rank lives
+
+
+def dump_stacks(ranks: list[tuple[int, Path]]) -> None:
+    """Each (pid, file) rank writes its threads' stacks to its file, after a line naming its
+    pid: faulthandler, from its SIGUSR1 handler, one "Current thread" line in each dump; a
+    rank after the other, so that dumps into one file do not interleave (one that cannot
+    take the signal writes none: after 10 s the next one's turn comes)."""
+    for pid, path in ranks:
+        before = path.read_text().count(ONE_PER_DUMP)
+        with path.open("a") as f:
+            f.write(f"--- the stacks of pid {pid} ---\n")
+        os.kill(pid, signal.SIGUSR1)
+        deadline = time.monotonic() + 10
+        while path.read_text().count(ONE_PER_DUMP) == before and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
+ONE_PER_DUMP = "Current thread 0x"  # once in each faulthandler dump of all threads
 
 
 class Job:
@@ -159,31 +202,20 @@ class Job:
 
     def finish(self, timeout: float = 240) -> str:
         """Its log once every rank has ended; a job past `timeout` (under pytest's 300 s, so
-        that this report is the one seen) is killed and fails the test, with the log's tail
-        and every live rank's Python stacks (faulthandler's, on SIGUSR1: see _job_rank)."""
+        that this report is the one seen) or still running at pytest's own timeout is killed
+        and fails the test, with the log's tail and every live rank's Python stacks (each
+        rank's faulthandler, on SIGUSR1: see _job_rank)."""
         try:
             self.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.dump_stacks()
+        except (subprocess.TimeoutExpired, pytest.fail.Exception) as e:
+            dump_stacks([(rank.pid, self.log) for rank in self.ranks if rank.is_alive()])
             self.kill()
-            pytest.fail(f"{self.log.name}: the job ran past {timeout} s:\n"
+            said = (f"the job ran past {timeout} s" if isinstance(e, subprocess.TimeoutExpired)
+                    else str(e).rstrip("."))
+            pids = ", ".join(f"rank {r} {rank.pid}" for r, rank in enumerate(self.ranks))
+            pytest.fail(f"{self.log.name}: {said} (pids: {pids}):\n"
                         f"{self.log.read_text()[-12000:]}")
         return self.log.read_text()
-
-    def dump_stacks(self) -> None:
-        """Every live rank's threads' stacks, into the log: faulthandler writes them from its
-        signal handler, one "Current thread" line in each, a rank after the other (one that
-        cannot take the signal writes none: after 10 s the next one's turn comes)."""
-        for rank in [rank for rank in self.ranks if rank.is_alive()]:  # one at a time
-            before = self.log.read_text().count(ONE_PER_DUMP)
-            os.kill(rank.pid, signal.SIGUSR1)
-            deadline = time.monotonic() + 10
-            while (self.log.read_text().count(ONE_PER_DUMP) == before
-                   and time.monotonic() < deadline):
-                time.sleep(0.1)
-
-
-ONE_PER_DUMP = "Current thread 0x"  # once in each faulthandler dump of all threads
 
 
 def run_job(cwd: Path, nproc: int, *args: str, timeout: float = 240, **env: str) -> str:
