@@ -28,10 +28,11 @@ from mingpt_helpers import (
     assert_refused,
     copy_mingpt,
     mingpt_imported,
+    script_in_process,
     snapshot_weights,
     tiny,
 )
-from test_mingpt_torchft import Lighthouse, group, snapshot, wait_for
+from test_mingpt_torchft import COMMON, Lighthouse, group, snapshot, wait_for
 
 
 def groups(mingpt, lighthouse, name: str, *args: str, n: int = 2, nproc: int = 1,
@@ -165,6 +166,16 @@ def test_two_groups_of_two_fsdp_processes_meet_shard_by_shard(tmp_path):
     assert all(whole / 2 <= b <= 0.51 * whole for _, b in meetings), (meetings, whole)
     a, b = (snapshot_weights(mingpt / "runs" / f"shards{g}") for g in (0, 1))
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
+    # The dry run of the same group (trainer_config.dry_run=2) plans those bytes: rank 0's
+    # shards, to the byte, per interval of 2 steps.
+    with mingpt_imported("main") as m:
+        dry = script_in_process(m["main"], mingpt, *tiny(
+            *args, *COMMON, "trainer_config.ft_replicas=2", "trainer_config.dry_run=2"))
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    planned = re.search(r"^replica groups: .* per 2 steps: rank 0 ([\d,]+) bytes, rank 1",
+                        dry.stdout, re.M)
+    assert planned and {b for _, b in meetings} == {int(planned[1].replace(",", ""))}, (
+        dry.stdout[-2000:], meetings)
 
 
 def test_a_group_killed_mid_interval_rejoins_at_the_next_meeting_bit_for_bit(tmp_path):

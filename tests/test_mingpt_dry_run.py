@@ -250,19 +250,28 @@ def test_a_refused_layout_is_one_error_line_in_dry_and_real_run(m, overrides, me
 
 # --- replica groups: one group's plan, and the dry run says so ---------------------------------
 
-@pytest.mark.parametrize("sync, when", [("step", "every step"), ("diloco", "every 50 steps")])
-def test_a_dry_run_of_replica_groups_says_it_plans_one_group(m, sync, when):
+@pytest.mark.parametrize("sync, when, per", [
+    (["trainer_config.ft_sync=step"], "every step (ft_sync=step)", "step"),
+    (["trainer_config.ft_sync=diloco", "trainer_config.ft_sync_every=10",
+      "trainer_config.ft_fragments=2"],
+     "every 10 steps, 2 fragments in turn (one every 5 steps) (ft_sync=diloco)", "10 steps"),
+])
+def test_a_dry_run_of_replica_groups_plans_one_group_and_what_it_sends(m, sync, when, per):
     """With ft_replicas, each group is a torchrun job of its own: the plan is one group's
-    step, and the groups' meetings are not in it (DRY_RUN.md, Open). The table said nothing
-    of them: a plan read as the whole job's."""
-    args = [*BASE, "trainer_config.dry_run=2", "trainer_config.ft_replicas=2",
-            f"trainer_config.ft_sync={sync}"]
+    step (the table said nothing of the groups: a plan read as the whole job's), and a line
+    says what each rank sends the same rank of the other groups: every parameter it holds,
+    once per interval (test_mingpt_diloco.py holds the bytes against a real run's, fsdp)."""
+    args = [*BASE, "trainer_config.dry_run=2", "trainer_config.ft_replicas=2", *sync]
     proc = in_process(lambda: m["main"].main(args), args, MINGPT)
     assert proc.returncode == 0, proc.stderr
-    assert (f"replica groups: the plan above is one of trainer_config.ft_replicas=2 groups; "
-            f"what the groups send each other when they meet (ft_sync={sync}: {when}) is not "
-            "planned\n") in proc.stdout
     assert proc.stdout.startswith("dry run: ddp: dp 2 (2 ranks)")  # one group's ranks
+    cfg = m["config"].load(args)
+    model = m["model"].GPT(m["dry_run"].model_config(cfg))
+    held = 4 * sum(p.numel() for p in model.parameters())  # ddp: all of it, float32
+    assert (f"replica groups: the plan above is one of trainer_config.ft_replicas=2 groups; "
+            f"they meet {when}, each rank with the same rank of the other groups through "
+            f"torchft's all-reduce, per {per}: rank 0 {held:,} bytes, rank 1 {held:,} "
+            "bytes\n") in proc.stdout
 
 
 # --- a script without the __main__ guard: an error, not a wait --------------------------------

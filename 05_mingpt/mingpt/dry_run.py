@@ -412,17 +412,31 @@ def time_report(plans: dict[int, dict], predicted: dict, profile: dict, where: s
     return "\n".join(lines)
 
 
+def replica_line(t: DictConfig, plans: dict[int, dict]) -> str:
+    """What each planned rank sends the other replica groups: every parameter it holds, once
+    per interval, as it holds them (ft.py's step: one all-reduce of its gradients; torchft's
+    LocalSGD and DiLoCo: the weights, or the outer gradients, a fragment at each meeting)."""
+    every = 1 if t.ft_sync == "step" else t.ft_sync_every
+    when = "every step" if every == 1 else f"every {every} steps"
+    if t.ft_fragments > 1:
+        when += (f", {t.ft_fragments} fragments in turn (one every "
+                 f"{every // t.ft_fragments} steps)")
+    interval = "step" if every == 1 else f"{every} steps"
+    sent = ", ".join(f"rank {r} {plans[r]['parameters']:,} bytes" for r in plans)
+    return (f"replica groups: the plan above is one of trainer_config.ft_replicas="
+            f"{t.ft_replicas} groups; they meet {when} (ft_sync={t.ft_sync}), each rank with "
+            f"the same rank of the other groups through torchft's all-reduce, per {interval}: "
+            f"{sent}")
+
+
 def run(cfg: DictConfig) -> tuple[layout.Layout, dict[int, dict]]:
     """main.py with trainer_config.dry_run=N: print the plan and, with a machine profile, the
     predicted step; ValueError (one line) where a real run would be refused. As plan()."""
     lay, plans = plan(cfg)
     print(report(lay, plans))
     t = cfg.trainer_config
-    if t.ft_replicas:  # each group is a job of its own: the plan is one group's (DRY_RUN.md)
-        when = "every step" if t.ft_sync == "step" else f"every {t.ft_sync_every} steps"
-        print(f"replica groups: the plan above is one of trainer_config.ft_replicas="
-              f"{t.ft_replicas} groups; what the groups send each other when they meet "
-              f"(ft_sync={t.ft_sync}: {when}) is not planned")
+    if t.ft_replicas:  # each group is a job of its own: the plan is one group's
+        print(replica_line(t, plans))
     path = ROOT / t.dry_run_profile  # a relative path: from 05_mingpt/, as every path
     try:
         profile = step_time.load_profile(path)
