@@ -248,7 +248,7 @@ def test_a_refused_layout_is_one_error_line_in_dry_and_real_run(m, overrides, me
         assert dry.stderr == message + "\n"
 
 
-# --- replica groups: one group's plan, and the dry run says so ---------------------------------
+# --- replica groups: one group's plan, and what each rank sends the others --------------------
 
 @pytest.mark.parametrize("sync, when, per", [
     (["trainer_config.ft_sync=step"], "every step (ft_sync=step)", "step"),
