@@ -104,13 +104,12 @@ def start_world(worker: Callable, world: int, *args: object, spawn: bool = False
         while not context.join():
             pass
     except pytest.fail.Exception as e:  # pytest's timeout (its signal, in this thread)
-        live = [p for p in context.processes if p.is_alive()]
-        dump_stacks([(p.pid, stacks / f"rank{r}.txt") for r, p in enumerate(context.processes)
-                     if p in live])
-        for p in live:
-            p.kill()
-        said = "".join(f"rank {r}:\n{path.read_text()}" for r in range(world)
-                       if (path := stacks / f"rank{r}.txt").stat().st_size)
+        live = {r: (p.pid, stacks / f"rank{r}.txt") for r, p in enumerate(context.processes)
+                if p.is_alive()}
+        dump_stacks(list(live.values()))
+        for r in live:
+            context.processes[r].kill()
+        said = "".join(f"rank {r}:\n{path.read_text()}" for r, (_, path) in live.items())
         pytest.fail(f"{e}\nthe world's live ranks, where they were:\n{said}")
     finally:
         shutil.rmtree(stacks, ignore_errors=True)
@@ -137,9 +136,9 @@ def dump_stacks(ranks: list[tuple[int, Path]]) -> None:
     rank after the other, so that dumps into one file do not interleave (one that cannot
     take the signal writes none: after 10 s the next one's turn comes)."""
     for pid, path in ranks:
-        before = path.read_text().count(ONE_PER_DUMP)
-        with path.open("a") as f:
+        with path.open("a") as f:  # (made here if the rank has not made it yet)
             f.write(f"--- the stacks of pid {pid} ---\n")
+        before = path.read_text().count(ONE_PER_DUMP)
         os.kill(pid, signal.SIGUSR1)
         deadline = time.monotonic() + 10
         while path.read_text().count(ONE_PER_DUMP) == before and time.monotonic() < deadline:
