@@ -10,13 +10,15 @@ run in test_feature_matrix_groups.py).
   covering runs; every pair lies in one): 2 steps with a snapshot after each, then the
   snapshot of step 1 resumed to step 2, which must end with the uninterrupted run's weights,
   bit for bit (step 2's update reads the optimizer's state and the dropout streams the
-  snapshot restored). The s3 runs keep their snapshots in a moto server's bucket
-  (test_mingpt_s3.py's); the init_from runs start from a stand-in GPT-2 on its BPE tokens
-  (test_mingpt_pretrained.py's). A refused pair is refused by the config, before any process group:
-  one line, the grid's.
+  snapshot restored). compile's runs trace with dynamo and AOTAutograd and run the traced
+  graphs with the aot_eager backend (inductor's kernels: test_mingpt_train.py). The s3 runs
+  keep their snapshots in a moto server's bucket (test_mingpt_s3.py's); the init_from runs
+  start from a stand-in GPT-2 on its BPE tokens (test_mingpt_pretrained.py's). A refused
+  pair is refused by the config, before any process group: one line, the grid's.
 - Every run's snapshot exports (export_hf.py) to GPT-2 holding its weights bit for bit, or,
   where the run has a part GPT-2 has not (experts, a model option), is refused in one line.
 """
+import functools
 from pathlib import Path
 
 import pytest
@@ -110,6 +112,13 @@ def case_overrides(config, names: tuple[str, ...], run_dir: Path, text: Path,
 def _worker(rank: int, store: str, out: str, text: str, runs: list,
             pretrained: tuple[str, str]) -> None:
     join_world(rank, store, WORLD)
+    # compile's runs: nn.Module.compile (every compile of main.py's layouts) with the
+    # aot_eager backend. Dynamo and AOTAutograd trace as under inductor, the graphs run as
+    # traced: inductor's kernels cost 3.5 minutes of g++ here (feature_matrix.GROUP_RUNNABLE)
+    # and are checked against eager by test_mingpt_train.py. The world's own process: no other
+    # test sees it.
+    torch.nn.Module.compile = functools.partialmethod(torch.nn.Module.compile,
+                                                      backend="aot_eager")
     out_dir, text = Path(out), Path(text)
     with mingpt_imported("main") as m:
         for names in map(tuple, runs):
