@@ -102,18 +102,13 @@ GROUPS, GROUP = 2, 2
 # (test_feature_matrix.py; s3 against a moto server, init_from with a stand-in GPT-2); each
 # accepted pair of one of them with one of REPLICAS runs in replica groups (runs(groups=True)).
 # The others plan rather than train (dry_run: dry_runs below) or need what a CPU lacks (dp,
-# memory_snapshot). compile: the world's ranks trace with dynamo and AOTAutograd (what meets
-# the layouts: FSDP's hooks, DTensors, checkpointing, autocast) and run the traced graphs
-# with torch's aot_eager backend, not inductor's C++ kernels (test_feature_matrix._worker).
+# memory_snapshot). compile: the ranks (the world's, the replica groups') trace with dynamo
+# and AOTAutograd and run the traced graphs with torch's aot_eager backend, not inductor's
+# C++ kernels (mingpt_helpers.compile_with).
 RUNNABLE = ("grad_accum", "zero", "fsdp", "bf16", "activation_checkpointing", "tp_size",
             "cp_size", "ep_size", "pp_size", "dropout", "experts", "cpu_offload", "muon",
             "rotary", "qk_norm", "relu2", "untied_head", "fp16", "profile", "async_save", "s3",
             "init_from", "fp16_hook", "compile")
-# What replica groups train beside REPLICAS: RUNNABLE but compile. Their ranks are jobs of
-# main.py as a user runs it, so they would compile with inductor: 157 C++ kernels, 3.5 minutes
-# of g++ on 2 cores for the world's five compiled runs (measured, a cold cache; all five
-# resumed bit for bit and exported), more than the groups' whole file.
-GROUP_RUNNABLE = tuple(name for name in RUNNABLE if name != "compile")
 
 # dry_run's pairs: the dry run of each covering run (runs()) plans, on every rank it plans,
 # what the real step holds and sends with the same features on: model state, activations and
@@ -243,14 +238,14 @@ def method(config, *names: str) -> tuple[str, str]:
 
 def proven_pairs(config, groups: bool = False) -> list[tuple[str, str]]:
     """The pairs of RUNNABLE features the config takes (what the warm world runs), or with
-    `groups` those of one of REPLICAS with one of GROUP_RUNNABLE or REPLICAS (what the replica
+    `groups` those of one of REPLICAS with one of RUNNABLE or REPLICAS (what the replica
     groups run)."""
     names, cells = grid(config)
     if not groups:
         return [(a, b) for (a, b), line in cells.items()
                 if line is None and a in RUNNABLE and b in RUNNABLE]
     return [(a, b) for (a, b), line in cells.items() if line is None
-            and {a, b} & set(REPLICAS) and {a, b} <= set(GROUP_RUNNABLE) | set(REPLICAS)]
+            and {a, b} & set(REPLICAS) and {a, b} <= set(RUNNABLE) | set(REPLICAS)]
 
 
 def runs(config, groups: bool = False,
@@ -275,7 +270,7 @@ def _cover(config, groups: bool) -> list[tuple[str, ...]]:
     names, cells = grid(config)
     on = features(config)
     pairs = set(proven_pairs(config, groups))
-    among = GROUP_RUNNABLE + REPLICAS if groups else RUNNABLE
+    among = RUNNABLE + REPLICAS if groups else RUNNABLE
     flavour = {pair: method(config, *pair) for pair in pairs}  # what a run must share with it
     left = [pair for pair in cells if pair in pairs]  # the grid's order
 

@@ -2,6 +2,7 @@
 parsers for the trainer's log lines, and the warm worlds of gloo ranks (start_world)."""
 import contextlib
 import faulthandler
+import functools
 import gc
 import importlib
 import json
@@ -159,13 +160,14 @@ class Job:
     so a test can wait for one job's line while another runs."""
 
     def __init__(self, cwd: Path, script: str, argv: list[str], nproc: int, log: Path,
-                 **env: str) -> None:
+                 compile_backend: str | None = None, **env: str) -> None:
         self.log, self.returncode = log, None
         environ = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                             WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), **env)
         context = fork_server()
         self.ranks = [context.Process(target=_job_rank, daemon=False,
-                                      args=(rank, environ, str(cwd), script, argv, str(log)))
+                                      args=(rank, environ, str(cwd), script, argv, str(log),
+                                            None, compile_backend))
                       for rank in range(nproc)]
         log.touch()
         for rank in self.ranks:
@@ -266,11 +268,23 @@ def forked_peer(cwd: Path, script: str, argv: list[str], env: dict[str, str]) ->
         process.join()
 
 
+def compile_with(backend: str) -> None:
+    """Every nn.Module.compile of this process (a warm world's or a job's rank; each of
+    main.py's layouts compiles through it) with torch.compile's `backend`. The feature
+    matrix's compiled runs use aot_eager: dynamo and AOTAutograd trace as under inductor (what
+    meets FSDP's hooks, DTensors, checkpointing, autocast), and the graphs run as traced,
+    without inductor's C++ kernels (its five runs took 3.5 minutes of g++ on 2 cores with a
+    cold cache, and passed); inductor against eager: test_mingpt_train.py."""
+    torch.nn.Module.compile = functools.partialmethod(torch.nn.Module.compile,
+                                                      backend=backend)
+
+
 def _job_rank(rank: int | None, environ: dict, cwd: str, script: str, argv: list[str],
-              log: str, err: str | None = None) -> None:
+              log: str, err: str | None = None, compile_backend: str | None = None) -> None:
     """One rank of a Job: `python SCRIPT ARGV` in a fork of the fork server, RANK and
     LOCAL_RANK `rank` (None: environ's, forked_peer's one worker of its node); its stderr in
-    `err` where given, else in `log` with its stdout."""
+    `err` where given, else in `log` with its stdout; its compiles with `compile_backend`
+    where given (compile_with)."""
     # The server's imports are shared with this fork until written: a full garbage collection
     # would visit, and so copy, every object of them (0.3 s of CPU and 17,000 page faults per
     # rank of a 2-step run, measured). Frozen, the collector ignores them.
@@ -287,6 +301,8 @@ def _job_rank(rank: int | None, environ: dict, cwd: str, script: str, argv: list
     # a folder that has mingpt: not the tests', but the purge does not rely on that).
     for name in [name for name in sys.modules if is_mingpt_module(name)]:
         del sys.modules[name]
+    if compile_backend:
+        compile_with(compile_backend)
     sys.argv = [script, *argv]
     os.dup2(os.open(log, os.O_WRONLY | os.O_APPEND), 1)
     os.dup2(os.open(err or log, os.O_WRONLY | os.O_APPEND), 2)

@@ -18,7 +18,6 @@ run in test_feature_matrix_groups.py).
 - Every run's snapshot exports (export_hf.py) to GPT-2 holding its weights bit for bit, or,
   where the run has a part GPT-2 has not (experts, a model option), is refused in one line.
 """
-import functools
 from pathlib import Path
 
 import pytest
@@ -32,6 +31,7 @@ from bpe_fixture import write_hf_gpt2, write_tokenizer
 from conftest import REPO
 from mingpt_helpers import (
     MINGPT,
+    compile_with,
     exported_weights,
     join_world,
     mingpt_imported,
@@ -112,13 +112,7 @@ def case_overrides(config, names: tuple[str, ...], run_dir: Path, text: Path,
 def _worker(rank: int, store: str, out: str, text: str, runs: list,
             pretrained: tuple[str, str]) -> None:
     join_world(rank, store, WORLD)
-    # compile's runs: nn.Module.compile (every compile of main.py's layouts) with the
-    # aot_eager backend. Dynamo and AOTAutograd trace as under inductor, the graphs run as
-    # traced: inductor's kernels cost 3.5 minutes of g++ here (feature_matrix.GROUP_RUNNABLE)
-    # and are checked against eager by test_mingpt_train.py. The world's own process: no other
-    # test sees it.
-    torch.nn.Module.compile = functools.partialmethod(torch.nn.Module.compile,
-                                                      backend="aot_eager")
+    compile_with("aot_eager")  # compile's runs (in the world's own processes only)
     out_dir, text = Path(out), Path(text)
     with mingpt_imported("main") as m:
         for names in map(tuple, runs):

@@ -5,7 +5,8 @@ refused in one line (tests/README.md's grid; test_feature_matrix.py holds the ot
 - feature_matrix.runs(groups=True): a few runs that turn many features on at once, every such
   pair in one of them under its own flavour. Each run is two replica groups of two ranks (each
   group a job of main.py's ranks as FAULT_TOLERANCE.md starts it with torchrun, forked:
-  mingpt_helpers.Job; a torchft lighthouse of their own) that train with a snapshot after
+  mingpt_helpers.Job, compiling with aot_eager as the warm world does; a torchft lighthouse
+  of their own) that train with a snapshot after
   every step; then both groups again from their own snapshots of step 1, to the end. Each
   group ends with the weights of its run that never stopped, bit for bit.
 - The groups agree: with ft_sync=step (gradients averaged at every step) and local_sgd
@@ -67,7 +68,8 @@ def train(schema, names: tuple[str, ...], case: Path, kind: str, text: Path,
     with Lighthouse(case, min_replicas=feature_matrix.GROUPS) as lighthouse:
         jobs = [Job(MINGPT, "main.py",
                     group_args(schema, names, case / f"{kind}{g}", text, gpt2, g),
-                    feature_matrix.GROUP, case / f"{kind}{g}.log", **env,
+                    feature_matrix.GROUP, case / f"{kind}{g}.log", compile_backend="aot_eager",
+                    **env,
                     TORCHFT_LIGHTHOUSE=f"http://localhost:{lighthouse.port}")
                 for g in range(feature_matrix.GROUPS)]
         for job in jobs:
