@@ -268,15 +268,27 @@ def forked_peer(cwd: Path, script: str, argv: list[str], env: dict[str, str]) ->
         process.join()
 
 
+# The graphs compile_with's backend has compiled in this process: a compiled run that
+# compiled none would prove nothing.
+COMPILED_GRAPHS = [0]
+
+
 def compile_with(backend: str) -> None:
     """Every nn.Module.compile of this process (a warm world's or a job's rank; each of
-    main.py's layouts compiles through it) with torch.compile's `backend`. The feature
-    matrix's compiled runs use aot_eager: dynamo and AOTAutograd trace as under inductor (what
-    meets FSDP's hooks, DTensors, checkpointing, autocast), and the graphs run as traced,
-    without inductor's C++ kernels (its five runs took 3.5 minutes of g++ on 2 cores with a
-    cold cache, and passed); inductor against eager: test_mingpt_train.py."""
+    main.py's layouts compiles through it) with torch.compile's `backend`, counted in
+    COMPILED_GRAPHS. The feature matrix's compiled runs use aot_eager: dynamo and AOTAutograd
+    trace as under inductor (what meets FSDP's hooks, DTensors, checkpointing, autocast), and
+    the graphs run as traced, without inductor's C++ kernels (its five runs took 3.5 minutes of
+    g++ on 2 cores with a cold cache, and passed); inductor against eager:
+    test_mingpt_train.py."""
+    compiler = torch._dynamo.lookup_backend(backend)
+
+    def counted(graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        COMPILED_GRAPHS[0] += 1
+        return compiler(graph, example_inputs)
+
     torch.nn.Module.compile = functools.partialmethod(torch.nn.Module.compile,
-                                                      backend=backend)
+                                                      backend=counted)
 
 
 def _job_rank(rank: int | None, environ: dict, cwd: str, script: str, argv: list[str],
@@ -284,7 +296,7 @@ def _job_rank(rank: int | None, environ: dict, cwd: str, script: str, argv: list
     """One rank of a Job: `python SCRIPT ARGV` in a fork of the fork server, RANK and
     LOCAL_RANK `rank` (None: environ's, forked_peer's one worker of its node); its stderr in
     `err` where given, else in `log` with its stdout; its compiles with `compile_backend`
-    where given (compile_with)."""
+    where given (compile_with; their count, the log's last line)."""
     # The server's imports are shared with this fork until written: a full garbage collection
     # would visit, and so copy, every object of them (0.3 s of CPU and 17,000 page faults per
     # rank of a 2-step run, measured). Frozen, the collector ignores them.
@@ -313,7 +325,11 @@ def _job_rank(rank: int | None, environ: dict, cwd: str, script: str, argv: list
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     # An absolute __file__, as Python gives `python SCRIPT`: a process it spawns (DCP's
     # staging process) imports the script again from there.
-    runpy.run_path(os.path.join(cwd, script), run_name="__main__")
+    try:
+        runpy.run_path(os.path.join(cwd, script), run_name="__main__")
+    finally:
+        if compile_backend:
+            print(f"compile_with: {COMPILED_GRAPHS[0]} graphs compiled", flush=True)
 
 
 def spawn_world(worker: Callable, world: int, out: Path, *args: object,

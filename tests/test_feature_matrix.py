@@ -30,6 +30,7 @@ import feature_matrix
 from bpe_fixture import write_hf_gpt2, write_tokenizer
 from conftest import REPO
 from mingpt_helpers import (
+    COMPILED_GRAPHS,
     MINGPT,
     compile_with,
     exported_weights,
@@ -125,6 +126,7 @@ def _worker(rank: int, store: str, out: str, text: str, runs: list,
                                         pretrained))[0]
             if rank == 0:
                 (case / "resumed.log").write_text(log)
+                (case / "graphs").write_text(str(COMPILED_GRAPHS[0]))  # so far, in rank 0
     m["distributed"].release()  # every reference dropped first: gloo's threads are joined
 
 
@@ -181,10 +183,14 @@ def test_the_runs_hold_every_pair_under_its_own_flavour(config, groups):
 @pytest.mark.timeout(600)
 def test_every_runnable_pair_resumes_bit_for_bit(world, config):
     out, runs = world
-    apart = {}
+    apart, graphs = {}, 0
     for names in runs:
         case = out / "+".join(names)
         assert "resumed from" in (case / "resumed.log").read_text(), names
+        # compile's runs compiled graphs (both the whole run and the resumed one), the others
+        # none: rank 0's count, after each run's two
+        before, graphs = graphs, int((case / "graphs").read_text())
+        assert (graphs > before) == ("compile" in names), (names, before, graphs)
         whole, resumed = (weights_at(location(names, case / kind)) for kind in ("whole", "resumed"))
         worst = max((whole[k] - resumed[k]).abs().max().item() for k in whole)
         if worst > 0:

@@ -81,6 +81,11 @@ def one_error_line(proc, *fragments: str) -> str:
      ["ep_size=2 splits the data-parallel ranks, and distributed_method=pp has none"]),
     (["gpt_config.n_expert=4", "trainer_config.distributed_method=fsdp_tp"],
      ["a layout without tensor parallelism for a MoE model"]),
+    # The feature matrix's compiled runs count their graphs: this one compiled none.
+    (["gpt_config.n_expert=4", "trainer_config.compile=true",
+      "trainer_config.activation_checkpointing=true"],
+     ["trainer_config.compile must be False with activation_checkpointing for a MoE model",
+      "got True"]),
 ])
 def test_config_mistakes_are_one_line(mingpt_modules, overrides, fragments):
     config = mingpt_modules["config"]

@@ -52,7 +52,8 @@ class ShardedExperts(Experts):
 
 def check_config(t: DictConfig, n_expert: int) -> None:
     """The experts against the layout: ep_size needs experts and must divide their number;
-    TP's plan names the dense MLP's matmuls (no plan for experts)."""
+    TP's plan names the dense MLP's matmuls (no plan for experts); compile with activation
+    checkpointing would compile no block."""
     if t.ep_size > 1:
         require(n_expert > 0, "trainer_config.ep_size",
                 "0 or 1 for a dense model (gpt_config.n_expert=0)", t.ep_size)
@@ -64,6 +65,13 @@ def check_config(t: DictConfig, n_expert: int) -> None:
                 "trainer_config.distributed_method",
                 "a layout without tensor parallelism for a MoE model (TP's plan splits the "
                 "dense MLP; experts have none)", t.distributed_method)
+        # torch.compile traces a checkpointed block as one region, which cannot break its
+        # graph; the router's shapes depend on the data (tokens per expert: bincount), which
+        # breaks it, so the whole block ran uncompiled: a run with ep_size compiled nothing.
+        require(not (t.compile and t.activation_checkpointing), "trainer_config.compile",
+                "False with activation_checkpointing for a MoE model (a checkpointed block "
+                "cannot break its graph at the router's data-dependent shapes, so no block "
+                "would compile)", t.compile)
 
 
 def apply(part: nn.Module, mesh: DeviceMesh, flavour: str, s: Settings) -> nn.Module:
