@@ -36,9 +36,10 @@ from test_feature_matrix import (
 from test_mingpt_s3 import s3_env  # noqa: F401 (a fixture: the moto server and its bucket)
 from test_mingpt_torchft import Lighthouse
 
-# The first test trains every run (the module's fixture): 22 pairs of jobs, 171 s alone and
-# 254 s in a whole run on 2 cores (EPYC); with a third pytest worker on those cores it ran past
-# pyproject's 300 s for a test. A hang ends sooner: each job stops at Job.finish's 400 s.
+# The first test trains every run (the module's fixture): 22 pairs of jobs, 152 s alone and
+# 210 s in a whole run on 2 cores (EPYC, e53554f); with a third pytest worker on those cores
+# it once ran past pyproject's 300 s for a test. A hang ends sooner: each job stops at
+# Job.finish's 240 s.
 pytestmark = pytest.mark.timeout(900)
 
 # How the groups meet (settings, not features): every 2 steps; diloco in 2 fragments, one at
