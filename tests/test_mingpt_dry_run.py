@@ -274,6 +274,21 @@ def test_a_dry_run_of_replica_groups_plans_one_group_and_what_it_sends(m, sync, 
             "bytes\n") in proc.stdout
 
 
+# --- compile: the eager step's plan, and a line that says so ---------------------------------
+
+def test_a_dry_run_with_compile_plans_the_eager_step_and_says_so(m):
+    """compile's cell of dry_run's row stays "·" (tests/README.md): the dry run plans the
+    eager step, the same table as without compile, and a line under it says so (before, the
+    table was read as the compiled step's)."""
+    args = [*BASE, "trainer_config.distributed_method=fsdp", "trainer_config.dry_run=2"]
+    eager, compiled = (in_process(lambda a=a: m["main"].main(a), a, MINGPT)
+                       for a in (args, [*args, "trainer_config.compile=true"]))
+    assert eager.returncode == compiled.returncode == 0, compiled.stderr
+    line = m["dry_run"].COMPILE_LINE + "\n"
+    assert line in compiled.stdout and line not in eager.stdout
+    assert compiled.stdout.replace(line, "") == eager.stdout
+
+
 # --- a script without the __main__ guard: an error, not a wait --------------------------------
 
 def test_a_script_without_the_main_guard_ends_in_one_error(tmp_path):

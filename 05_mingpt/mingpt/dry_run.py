@@ -412,6 +412,13 @@ def time_report(plans: dict[int, dict], predicted: dict, profile: dict, where: s
     return "\n".join(lines)
 
 
+# With trainer_config.compile the plan is the eager step's (the dry run's fake step runs the
+# layout's modules as eager ones do): what a compiled step keeps differs, unplanned.
+COMPILE_LINE = ("compile: the plan above is the eager step's; a compiled step keeps for "
+                "backward what AOTAutograd's partitioner chooses (it recomputes cheap ops), "
+                "which the dry run does not plan")
+
+
 def replica_line(t: DictConfig, plans: dict[int, dict]) -> str:
     """What each planned rank sends the other replica groups: every parameter it holds, once
     per interval, as it holds them (ft.py's step: one all-reduce of its gradients; torchft's
@@ -437,6 +444,8 @@ def run(cfg: DictConfig) -> tuple[layout.Layout, dict[int, dict]]:
     t = cfg.trainer_config
     if t.ft_replicas:  # each group is a job of its own: the plan is one group's
         print(replica_line(t, plans))
+    if t.compile:
+        print(COMPILE_LINE)
     path = ROOT / t.dry_run_profile  # a relative path: from 05_mingpt/, as every path
     try:
         profile = step_time.load_profile(path)
