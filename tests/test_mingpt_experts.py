@@ -10,6 +10,7 @@ ddp over 4 ranks of 2, whose losses the trainer runs then follow). Refusals run 
 """
 import dataclasses
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -18,6 +19,8 @@ import torch
 import torch.distributed as dist
 
 from mingpt_helpers import (
+    MINGPT,
+    Job,
     assert_refused,
     assert_retraces,
     join_world,
@@ -27,6 +30,7 @@ from mingpt_helpers import (
     spawn_world,
     tiny,
     train_losses,
+    weights_at,
 )
 from test_mingpt_layouts import BOUNDS
 from test_mingpt_strategies import HALF, STEPS, run
@@ -247,3 +251,40 @@ def test_ep_size_must_divide_the_data_parallel_degree(monkeypatch):
         assert resolve("ddp", 8, ep_size=2).dp == 8  # ep does not reduce the data degree
         with pytest.raises(ValueError, match="ep_size=4 must divide the data-parallel degree 2"):
             resolve("fsdp", 4, pp_size=2, ep_size=4)
+
+
+# --- compile: the routing stays out of the graphs ---------------------------------------------
+
+def test_a_compiled_moe_run_keeps_its_graphs_through_any_routing(tmp_path):
+    """trainer_config.compile=true with experts, 12 steps on one process, as forked jobs
+    compiling with aot_eager (dynamo and AOTAutograd as under inductor). The routing's shapes
+    are the data's (rows per expert): compiled, each routing that emptied an expert or gave it
+    one row recompiled the block, and at step 5, where an expert first got no token, the
+    recompiled graph failed (BackendCompilerFailed: "AssertionError: 234 not in VR[256, 256]",
+    under inductor too). Now MoE.route runs eagerly (wrappers.compile_in_place): the run ends
+    with the eager run's weights, bit for bit (the same ops on the same tensors, in the same
+    order), and with as many graphs as a 2-step run compiles: none for a routing."""
+    text = tmp_path / "input.txt"
+    text.write_text((MINGPT / "data/input.txt").read_text()[:40_000])
+
+    def job(name: str, steps: int, compile: bool) -> tuple[str, str]:
+        args = tiny(*MOE[:1], f"trainer_config.compile={str(compile).lower()}",
+                    f"trainer_config.max_steps={steps}", "trainer_config.log_every=1",
+                    "trainer_config.save_every=0", "trainer_config.sample_tokens=0",
+                    "trainer_config.eval_batches=2", "gpt_config.dropout=0.0",
+                    f"data_config.path={text}", f"run_dir={tmp_path / name}")
+        ran = Job(MINGPT, "main.py", args, 1, tmp_path / f"{name}.log",
+                  compile_backend="aot_eager")
+        log = ran.finish()
+        assert ran.returncode == 0, log[-3000:]
+        return log, str(tmp_path / name / "snapshot")
+
+    (short, _), (log, compiled), (_, eager) = (job("short", 2, True), job("long", 12, True),
+                                               job("eager", 12, False))
+    graphs = [re.findall(r"^compile_with: (\d+) graphs compiled$", out, re.M)
+              for out in (short, log)]
+    assert graphs[0] == graphs[1] and int(graphs[0][0]) > 0, graphs
+    # A routing that left an expert without a token came (the case that failed), and went.
+    assert re.search(r"^step [3-9]/12 .*\| tokens/expert 0-", log, re.M), log
+    whole, reference = weights_at(compiled), weights_at(eager)
+    assert all(torch.equal(whole[k], reference[k]) for k in reference)

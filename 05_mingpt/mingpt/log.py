@@ -74,7 +74,7 @@ class TrainLog:
         self.tokens += tokens
         if self.moe and self.moe[0].aux_loss is not None:
             # The layers' mean balancing loss (a device tensor: summed there, no sync) and
-            # the rows each expert of each layer got (host lists: MoE.forward synced them).
+            # the rows each expert of each layer got (host lists: MoE.route synced them).
             self.aux_sum += torch.stack([m.aux_loss.detach() for m in self.moe]).mean()
             counts = torch.tensor([m.counts for m in self.moe])  # (layers, experts)
             self.expert_tokens = counts if self.expert_tokens is None \

@@ -289,6 +289,16 @@ class MoE(nn.Module):
         B, T, C = x.size()
         x = x.view(B * T, C)  # (N, C): routing is per token
         probs = F.softmax(self.router(x).float(), dim=-1)  # (N, E), in fp32 under autocast
+        y, counts_t = self.route(x, probs)
+        # Switch's balancing loss: f_e (no gradient, from the hard choices) times P_e.
+        f = counts_t.float() / (B * T * self.top_k)  # (E,): each expert's share of the pairs
+        self.aux_loss = self.n_expert * (f * probs.mean(dim=0)).sum()
+        return self.dropout(y.view(B, T, C))
+
+    def route(self, x: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token (N, C) through its top_k experts, weighted: (N, C), and the number of
+        (token, expert) pairs each expert took (E,). Its shapes depend on the data (how many
+        rows each expert gets), so compile leaves it out of its graphs (wrappers.py)."""
         top_p, top_e = probs.topk(self.top_k, dim=-1)  # (N, k) each
         top_p = top_p / top_p.sum(dim=-1, keepdim=True)  # the chosen experts' weights sum to 1
         # Sort the N * k (token, expert) pairs by expert, so each expert's rows are contiguous.
@@ -300,10 +310,7 @@ class MoE(nn.Module):
         out = self.experts(rows, self.counts)  # (N * k, C), in the same order
         weighted = out * top_p.view(-1)[order].unsqueeze(1).to(out.dtype)  # (N * k, C)
         y = torch.zeros_like(x).index_add_(0, order // self.top_k, weighted)  # (N, C)
-        # Switch's balancing loss: f_e (no gradient, from the hard choices) times P_e.
-        f = counts_t.float() / flat_e.numel()  # (E,)
-        self.aux_loss = self.n_expert * (f * probs.mean(dim=0)).sum()
-        return self.dropout(y.view(B, T, C))
+        return y, counts_t
 
 
 class AuxLossGrad(torch.autograd.Function):

@@ -15,7 +15,7 @@ from torch.utils.data import Dataset, default_collate
 from mingpt.errors import require
 from mingpt.parallel.fsdp import policies
 from mingpt.parallel.layout import SHORTHANDS, Settings
-from mingpt.parallel.wrappers import wrap_blocks
+from mingpt.parallel.wrappers import compile_in_place, wrap_blocks
 from mingpt.precision import autocast
 
 # trainer_config.comm_hook: torch's own hooks, each bucket cast to fp16 or bf16, all-reduced
@@ -57,7 +57,7 @@ def apply(model: nn.Module, device: torch.device, s: Settings, mesh: DeviceMesh,
     # layer and the loss. In place: parameter names (and snapshots) do not change.
     wrap_blocks(model, s.activation_checkpointing, compile=False)
     if s.compile:
-        model.compile()
+        compile_in_place(model)
     if mesh.size() == 1:
         # One replica has no gradients to average, but DDP would still copy each one into
         # its buckets and all-reduce them over a group of one.

@@ -66,8 +66,9 @@ def check_config(t: DictConfig, n_expert: int) -> None:
                 "a layout without tensor parallelism for a MoE model (TP's plan splits the "
                 "dense MLP; experts have none)", t.distributed_method)
         # torch.compile traces a checkpointed block as one region, which cannot break its
-        # graph; the router's shapes depend on the data (tokens per expert: bincount), which
-        # breaks it, so the whole block ran uncompiled: a run with ep_size compiled nothing.
+        # graph; the routing's shapes depend on the data (tokens per expert), so it breaks it
+        # (it runs eagerly: wrappers.compile_in_place), and the whole block ran uncompiled: a
+        # run with ep_size compiled nothing.
         require(not (t.compile and t.activation_checkpointing), "trainer_config.compile",
                 "False with activation_checkpointing for a MoE model (a checkpointed block "
                 "cannot break its graph at the router's data-dependent shapes, so no block "

@@ -9,6 +9,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from mingpt.model import MoE
+
 
 def wrap_blocks(model: nn.Module, activation_checkpointing: bool, compile: bool) -> None:
     """Activation checkpointing and compile, per block and in place, before any strategy."""
@@ -18,8 +20,23 @@ def wrap_blocks(model: nn.Module, activation_checkpointing: bool, compile: bool)
             # itself from state_dict keys, so snapshots stay interchangeable.
             block = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
         if compile:
-            block.compile()  # in place: parameter names (and snapshots) do not change
+            compile_in_place(block)
         model.blocks[i] = block
+
+
+def compile_in_place(module: nn.Module) -> None:
+    """module.compile(): in place, so parameter names (and snapshots) do not change. A mixture
+    of experts' routing (MoE.route) stays out of the graphs and runs eagerly: its shapes are
+    the data's (rows per expert), so each routing that emptied an expert, or gave it one row,
+    recompiled it, and on the 5th step of a 1-process run the recompiled graph failed
+    (dynamo's "AssertionError: 234 not in VR[256, 256]"); the rest of the block compiles."""
+    for part in module.modules():
+        if isinstance(part, MoE):
+            # On the instance, here, not on the class in model.py: torch.compiler.disable
+            # imports torch._dynamo (a second), which an uncompiled model (sample.py's,
+            # export_hf.py's) need not pay.
+            part.route = torch.compiler.disable(part.route, reason="data-dependent shapes")
+    module.compile()
 
 
 def unwrap(model: nn.Module) -> nn.Module:
