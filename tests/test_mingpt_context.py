@@ -10,6 +10,7 @@ one pair (cp over 2 ranks with ddp and fsdp, resumes, activation memory). Each w
 findings for the tests to assert on.
 """
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -159,10 +160,15 @@ def _four_worker(rank: int, store: str, out: str, text: str) -> None:
         # shares its 4, every rank keeping half of each sequence).
         ddp_log, ddp = fit(m, overrides(out_dir / "ddp4", Path(text), "ddp", 0, 2, STEPS))
         for method in ("ddp", "fsdp"):  # fsdp: every weight sharded over all 4 ranks
-            log, weights = fit(m, overrides(out_dir / f"{method}_cp4", Path(text), method, 2,
-                                            4, STEPS))
+            with warnings.catch_warnings(record=True) as warned:
+                warnings.simplefilter("always")  # each one, not once per place
+                log, weights = fit(m, overrides(out_dir / f"{method}_cp4", Path(text), method,
+                                                2, 4, STEPS))
             result[f"{method} dp x cp"] = {"ddp_log": ddp_log, "log": log,
-                                           **weights_report(weights, ddp)}
+                                           **weights_report(weights, ddp),
+                                           "warnings": sorted({f"{w.category.__name__}: "
+                                                               f"{w.message}"[:300]
+                                                               for w in warned})}
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
     m["distributed"].release()  # every reference dropped first: gloo's threads are joined
 
@@ -274,6 +280,9 @@ def test_dp_times_cp_trains_as_ddp_does(four, method):
     assert "data-parallel size 2" in r["log"]  # 2 dp groups of 2 cp ranks
     assert_follows_ddp(r["log"], r["ddp_log"])
     assert r["beyond"] <= OUTLIERS, (r["max"], r["beyond"])
+    # No warning: before, DeviceMesh's on every rank, that slicing the flattened "dp_cp" from
+    # the root mesh will go (layout.axis keeps the flattened meshes).
+    assert r["warnings"] == [], r["warnings"]
 
 
 def test_cp_resumes_bitwise_and_into_plain_ddp(pair):

@@ -124,7 +124,7 @@ def group_axes(model: torch.nn.Module) -> dict[str | tuple[int, ...], str]:
     mesh = unwrap(model).mesh
     # dp_cp first: where dp is 1 it is the cp group itself, which the mesh's name then labels.
     names = (["dp_cp"] if "cp" in mesh.mesh_dim_names else []) + list(mesh.mesh_dim_names)
-    groups = [(mesh[name].get_group(), name) for name in names]
+    groups = [(layout.axis(mesh, name).get_group(), name) for name in names]
     pipeline = getattr(unwrap(model), "pipeline", None)
     if pipeline is not None and pipeline.tied_group is not None:
         groups.append((pipeline.tied_group, "pp"))  # the tied embedding's pair, across stages

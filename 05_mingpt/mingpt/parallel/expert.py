@@ -4,15 +4,16 @@ the layout (ep groups of data-parallel ranks, the experts sharded on dim 0) and 
 """
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 from omegaconf import DictConfig
 from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from mingpt.errors import require
 from mingpt.model import Experts, expert_mlp
+from mingpt.parallel import layout
 from mingpt.parallel.fsdp import policies
 from mingpt.parallel.layout import Settings
 
@@ -25,8 +26,7 @@ class ShardedExperts(Experts):
     ep: int
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        E, C = len(counts), x.size(1)
-        local = E // self.ep  # experts per rank
+        local = len(counts) // self.ep  # experts per rank
         # 1. rows per (source rank, local expert): recv[j, e] from rank j for my expert e.
         send = torch.tensor(counts, device=x.device)
         recv = torch.empty_like(send)
@@ -34,9 +34,10 @@ class ShardedExperts(Experts):
         recv = recv.view(self.ep, local)
         send_splits = send.view(self.ep, local).sum(1).tolist()  # rows to each rank
         recv_splits = recv.sum(1).tolist()  # rows from each rank
-        # 2. the rows, rank by rank (each rank's own rows for my experts, expert by expert).
-        got = dist_fn.all_to_all_single(x.new_empty(sum(recv_splits), C), x, recv_splits,
-                                        send_splits, group=self.group)
+        # 2. the rows, rank by rank (each rank's own rows for my experts, expert by expert),
+        # by the all-to-all whose backward is the reverse all-to-all (torchtitan's call too;
+        # torch.distributed.nn.functional's, used before, is deprecated in torch 2.14).
+        got = all_to_all_single_autograd(x, recv_splits, send_splits, self.group)
         # 3. regroup expert by expert (stable: reproducible), run them, restore arrival order.
         expert_of_row = torch.arange(local, device=x.device).repeat(self.ep) \
             .repeat_interleave(recv.flatten())  # (rows received,)
@@ -46,8 +47,7 @@ class ShardedExperts(Experts):
         y = expert_mlp(got[order], recv.sum(0).tolist(), *weights, self.relu2)
         y = y[order.argsort()]  # (rows received, C), in arrival order
         # 4. back to where each row came from, in the order it was sent.
-        return dist_fn.all_to_all_single(x.new_empty(x.size(0), C), y, send_splits,
-                                         recv_splits, group=self.group)
+        return all_to_all_single_autograd(y, send_splits, recv_splits, self.group)
 
 
 def check_config(t: DictConfig, n_expert: int) -> None:
@@ -96,7 +96,7 @@ def apply(part: nn.Module, mesh: DeviceMesh, flavour: str, s: Settings) -> nn.Mo
                     param.data, ep, [Shard(0)], src_data_rank=None)))
         experts.__class__ = ShardedExperts  # forward: the exchange (the class FSDP will wrap)
         experts.group, experts.ep = ep.get_group(), ep.size()
-        _wrap(experts, flavour, s, edp, divide=mesh["dp"].size())
+        _wrap(experts, flavour, s, edp, divide=layout.axis(mesh, "dp").size())
     return part
 
 

@@ -9,6 +9,7 @@ is tp consecutive ranks (inside a node, for its per-block all-reduces), a CP rin
 level, pipeline stages farthest apart (point to point). Only the axes that are on become mesh
 dimensions (dp always), so a plain ddp run keeps the one default process group.
 """
+import weakref
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -190,13 +191,26 @@ def build_mesh(layout: Layout, device: torch.device) -> DeviceMesh:
     if layout.world != dist.get_world_size():
         raise RuntimeError(f"a layout for {layout.world} ranks on {dist.get_world_size()}")
     mesh = init_device_mesh(device.type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
+    flat = _FLATTENED.setdefault(mesh, {})
     if layout.cp > 1:
-        mesh["dp", "cp"]._flatten("dp_cp")  # private API, as torchtitan uses it
+        flat["dp_cp"] = mesh["dp", "cp"]._flatten("dp_cp")  # private API, as torchtitan's
     if layout.ep > 1:  # the data-reading ranks again, for the data and the dense gradients
-        mesh["edp", "ep"]._flatten("dp")
+        flat["dp"] = mesh["edp", "ep"]._flatten("dp")
     return mesh
+
+
+# The dims build_mesh flattened, per mesh: DeviceMesh warns that slicing one from the root
+# mesh by its name will go ("Users need to bookkeep the flattened mesh", torch 2.14), so every
+# axis is looked up through axis().
+_FLATTENED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def axis(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """mesh[name]: one of the mesh's dims, or one build_mesh flattened (dp_cp; dp under ep)."""
+    flat = _FLATTENED.get(mesh, {}).get(name)
+    return mesh[name] if flat is None else flat
 
 
 def grad_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The ranks whose gradients are averaged: dp, and cp's ranks where cp is on."""
-    return mesh["dp_cp"] if "cp" in (mesh.mesh_dim_names or ()) else mesh["dp"]
+    return axis(mesh, "dp_cp" if "cp" in (mesh.mesh_dim_names or ()) else "dp")

@@ -10,6 +10,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mingpt.model import MoE
+from mingpt.parallel import layout
 
 
 def wrap_blocks(model: nn.Module, activation_checkpointing: bool, compile: bool) -> None:
@@ -51,7 +52,8 @@ def data_parallel(model: nn.Module) -> tuple[int, int]:
     mesh = getattr(unwrap(model), "mesh", None)
     if mesh is None:  # a model parallelize() did not lay out (a test's own DDP, say)
         return dist.get_rank(), dist.get_world_size()
-    return mesh["dp"].get_local_rank(), mesh["dp"].size()
+    dp = layout.axis(mesh, "dp")
+    return dp.get_local_rank(), dp.size()
 
 
 def pipeline_stage(model: nn.Module) -> int:
