@@ -107,8 +107,25 @@ def _worker(rank: int, store: str, out: str, text: str, world: int = WORLD) -> N
         # pp 2 x dp 2, resumed as dp 2 x tp 2 (the same world and data-parallel sizes).
         run(m, overrides("ddp_pp2", out_dir / "streams", text, HALF))
         run(m, overrides("ddp_tp2", out_dir / "streams", text, STEPS))
+        result["flattened"] = _flattened_meshes(m)
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
     m["distributed"].release()  # every reference dropped first: gloo's threads are joined
+
+
+def _flattened_meshes(m: dict) -> dict:
+    """Two meshes of one layout with flattened dims (dp x cp: dp_cp; ep: dp), as two runs of
+    one process build them: which flattened mesh layout.axis() gives each."""
+    layout, found = m["layout"], {}
+    for name, degrees in (("dp_cp", {"cp_size": 2}), ("dp", {"ep_size": 2})):
+        lay = layout.resolve("ddp", WORLD, **degrees)
+        first = layout.build_mesh(lay, torch.device("cpu"))
+        own = layout.axis(first, name)
+        second = layout.build_mesh(lay, torch.device("cpu"))
+        found[name] = {"equal meshes": first == second,
+                       "first keeps its own": layout.axis(first, name) is own,
+                       "second has another": layout.axis(second, name) is not own,
+                       "size": layout.axis(second, name).size()}
+    return found
 
 
 def spawn(tmp_path_factory, world: int) -> tuple[Path, dict]:
@@ -176,6 +193,17 @@ def test_dropout_streams_follow_the_layout(spawned):
     tp = saved_streams(out / "streams/snapshot")  # ranks 0, 1: one TP group; 2, 3 the other
     assert torch.equal(tp[0], tp[1]) and torch.equal(tp[2], tp[3])
     assert not torch.equal(tp[0], tp[2])
+
+
+def test_each_mesh_keeps_its_own_flattened_dims(spawned):
+    """layout.axis() looks a flattened dim up in what build_mesh kept for that mesh object
+    (DeviceMesh warns against slicing it from the root by name): two equal meshes, as two runs
+    of one process build them, each get their own. Keyed by equality, the first mesh got the
+    second's (built over the second's groups)."""
+    found = spawned[1]["flattened"]
+    assert found == {name: {"equal meshes": True, "first keeps its own": True,
+                            "second has another": True, "size": WORLD}
+                     for name in ("dp_cp", "dp")}, found
 
 
 def test_every_layouts_breakdown_marks_forward_and_backward(spawned):

@@ -9,13 +9,13 @@ is tp consecutive ranks (inside a node, for its per-block all-reduces), a CP rin
 level, pipeline stages farthest apart (point to point). Only the axes that are on become mesh
 dimensions (dp always), so a plain ddp run keeps the one default process group.
 """
-import weakref
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.utils.weak import WeakIdKeyDictionary
 
 
 class Settings(NamedTuple):
@@ -191,7 +191,7 @@ def build_mesh(layout: Layout, device: torch.device) -> DeviceMesh:
     if layout.world != dist.get_world_size():
         raise RuntimeError(f"a layout for {layout.world} ranks on {dist.get_world_size()}")
     mesh = init_device_mesh(device.type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
-    flat = _FLATTENED.setdefault(mesh, {})
+    flat = _FLATTENED[mesh] = {}
     if layout.cp > 1:
         flat["dp_cp"] = mesh["dp", "cp"]._flatten("dp_cp")  # private API, as torchtitan's
     if layout.ep > 1:  # the data-reading ranks again, for the data and the dense gradients
@@ -201,8 +201,9 @@ def build_mesh(layout: Layout, device: torch.device) -> DeviceMesh:
 
 # The dims build_mesh flattened, per mesh: DeviceMesh warns that slicing one from the root
 # mesh by its name will go ("Users need to bookkeep the flattened mesh", torch 2.14), so every
-# axis is looked up through axis().
-_FLATTENED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# axis is looked up through axis(). Keyed by the mesh object itself, not by equality (equal
+# meshes of two runs in one process each keep their own).
+_FLATTENED = WeakIdKeyDictionary()
 
 
 def axis(mesh: DeviceMesh, name: str) -> DeviceMesh:
