@@ -291,6 +291,23 @@ def compile_with(backend: str) -> None:
                                                       backend=counted)
 
 
+def graphs_compiled(log: str) -> list[int]:
+    """Each rank's count of compiled graphs in a Job's log: _job_rank's last line, under
+    `compile_backend`."""
+    return [int(n) for n in re.findall(r"^compile_with: (\d+) graphs compiled$", log, re.M)]
+
+
+@contextlib.contextmanager
+def recorded_warnings() -> Iterator[list[str]]:
+    """Every warning raised inside, each one (not once per place): the list it yields holds
+    them on exit, "Category: message" (300 characters at most), sorted, each once."""
+    found: list[str] = []
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        yield found
+    found[:] = sorted({f"{w.category.__name__}: {w.message}"[:300] for w in warned})
+
+
 def _job_rank(rank: int | None, environ: dict, cwd: str, script: str, argv: list[str],
               log: str, err: str | None = None, compile_backend: str | None = None) -> None:
     """One rank of a Job: `python SCRIPT ARGV` in a fork of the fork server, RANK and

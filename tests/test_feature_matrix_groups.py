@@ -25,7 +25,15 @@ from pathlib import Path
 import pytest
 
 import feature_matrix
-from mingpt_helpers import MINGPT, REPO, Job, mingpt_imported, snapshot_at, weights_at
+from mingpt_helpers import (
+    MINGPT,
+    REPO,
+    Job,
+    graphs_compiled,
+    mingpt_imported,
+    snapshot_at,
+    weights_at,
+)
 from test_feature_matrix import (
     case_overrides,
     check_export,
@@ -117,10 +125,9 @@ def test_every_replica_pair_resumes_bit_for_bit_and_the_groups_agree(groups):
             logs.append(log)
             for kind in ("whole", "resumed"):
                 # compile's runs compiled graphs on each of the group's ranks, the others none
-                counts = re.findall(r"^compile_with: (\d+) graphs compiled$",
-                                    (case / f"{kind}{g}.log").read_text(), re.M)
+                counts = graphs_compiled((case / f"{kind}{g}.log").read_text())
                 assert len(counts) == feature_matrix.GROUP and \
-                    all((int(n) > 0) == ("compile" in names) for n in counts), (names, counts)
+                    all((n > 0) == ("compile" in names) for n in counts), (names, counts)
                 weights[kind, g] = weights_at(location(names, case / f"{kind}{g}"))
         for (kind, g), w in weights.items():
             mine = weights["whole", 0 if "diloco" not in names else g]

@@ -10,7 +10,6 @@ one pair (cp over 2 ranks with ddp and fsdp, resumes, activation memory). Each w
 findings for the tests to assert on.
 """
 import json
-import warnings
 from pathlib import Path
 
 import pytest
@@ -28,6 +27,7 @@ from mingpt_helpers import (
     log_units,
     mingpt_imported,
     real_step,
+    recorded_warnings,
     spawn_world,
     tiny,
     train_losses,
@@ -160,15 +160,11 @@ def _four_worker(rank: int, store: str, out: str, text: str) -> None:
         # shares its 4, every rank keeping half of each sequence).
         ddp_log, ddp = fit(m, overrides(out_dir / "ddp4", Path(text), "ddp", 0, 2, STEPS))
         for method in ("ddp", "fsdp"):  # fsdp: every weight sharded over all 4 ranks
-            with warnings.catch_warnings(record=True) as warned:
-                warnings.simplefilter("always")  # each one, not once per place
+            with recorded_warnings() as warned:
                 log, weights = fit(m, overrides(out_dir / f"{method}_cp4", Path(text), method,
                                                 2, 4, STEPS))
             result[f"{method} dp x cp"] = {"ddp_log": ddp_log, "log": log,
-                                           **weights_report(weights, ddp),
-                                           "warnings": sorted({f"{w.category.__name__}: "
-                                                               f"{w.message}"[:300]
-                                                               for w in warned})}
+                                           **weights_report(weights, ddp), "warnings": warned}
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
     m["distributed"].release()  # every reference dropped first: gloo's threads are joined
 

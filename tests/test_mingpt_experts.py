@@ -12,7 +12,6 @@ import dataclasses
 import json
 import re
 import shutil
-import warnings
 from pathlib import Path
 
 import pytest
@@ -24,8 +23,10 @@ from mingpt_helpers import (
     Job,
     assert_refused,
     assert_retraces,
+    graphs_compiled,
     join_world,
     mingpt_imported,
+    recorded_warnings,
     retrace,
     snapshot_weights,
     spawn_world,
@@ -128,12 +129,10 @@ def _worker(rank: int, store: str, out: str, text: str) -> None:
         for method, ep in GRAD_CASES:
             result["grads"][f"{method}_ep{ep}"] = _gradients(m, method, ep)
         for name in ("ddp", "ddp_ep2", "fsdp_ep4", "fsdp_ep2", "ddp_pp2", "ddp_ep2_pp2"):
-            with warnings.catch_warnings(record=True) as warned:
-                warnings.simplefilter("always")  # each one, not once per place
+            with recorded_warnings() as warned:
                 log, model, optimizer = run(m, overrides(name, out_dir / name, text, STEPS))
             result[name] = {"log": log, "offload": _offload_policies(model),
-                            "warnings": sorted({f"{w.category.__name__}: {w.message}"[:300]
-                                                for w in warned})}
+                            "warnings": warned}
             if name in MEMORY:
                 result[name]["memory"] = _memory(m, model, optimizer)
                 # The model the runs built (the data's vocabulary): what the dry run plans.
@@ -299,9 +298,8 @@ def test_a_compiled_moe_run_keeps_its_graphs_through_any_routing(tmp_path):
 
     (short, _), (log, compiled), (_, eager) = (job("short", 2, True), job("long", 12, True),
                                                job("eager", 12, False))
-    graphs = [re.findall(r"^compile_with: (\d+) graphs compiled$", out, re.M)
-              for out in (short, log)]
-    assert graphs[0] == graphs[1] and int(graphs[0][0]) > 0, graphs
+    graphs = [graphs_compiled(out) for out in (short, log)]
+    assert graphs[0] == graphs[1] and graphs[0][0] > 0, graphs
     # A routing that left an expert without a token came (the case that failed), and went.
     assert re.search(r"^step [3-9]/12 .*\| tokens/expert 0-", log, re.M), log
     whole, reference = weights_at(compiled), weights_at(eager)
