@@ -124,10 +124,15 @@ def test_two_groups_train_as_ddp_over_two_processes_bit_for_bit(tmp_path):
         outs = [p.finish() for p in procs]
     for p, out in zip(procs, outs, strict=True):
         assert p.returncode == 0, out[-4000:]
-    run_job(mingpt, 2, *tiny(*args, *COMMON, "run_name=ddp"))
+    ddp_out = run_job(mingpt, 2, *tiny(*args, *COMMON, "run_name=ddp"))
     ft0, ft1, ddp = (snapshot(mingpt, n) for n in ("ft0", "ft1", "ddp"))
     assert (ft0["step"], ft1["step"]) == (6, 6)
     assert same(ft0, ft1) == [] and same(ft0, ddp) == []
+    # Each group evaluates every validation sequence (ft.Hooks.evaluators), the ones DDP's two
+    # ranks split: the groups log one val loss, and DDP's to the 4 decimals printed, but for
+    # a rounding of the last (one rank sums the sequences in another order than two do).
+    vals = [float(re.search(r"final val loss ([\d.]+)", out)[1]) for out in (*outs, ddp_out)]
+    assert vals[0] == vals[1] and abs(vals[0] - vals[2]) <= 1.01e-4, vals
     # Each group reads its own rows: data-parallel rank g of 2, as DDP's rank g does.
     # The start line once said "0 processes per model replica" here (world 1 // dp 2).
     assert "data-parallel size 2 across replica groups, 1 processes each" in outs[0], \

@@ -52,6 +52,11 @@ class DeviceHooks:
         """(rank, size) among the data-parallel ranks: the mesh's dp dimension."""
         return data_parallel(model)
 
+    def evaluators(self, model: torch.nn.Module) -> tuple[int, int]:
+        """(first, count): the data-parallel ranks first..first+count-1 split the validation
+        sequences among themselves; here all of them (replica groups: each its own)."""
+        return 0, self.data_parallel(model)[1]
+
     def memory_devices(self, model: torch.nn.Module, device: torch.device
                        ) -> list[torch.device]:
         """The devices whose peak memory the logs report (the CPU: the process's RSS)."""
@@ -79,6 +84,7 @@ class Trainer:
         self.model, self.optimizer = model, optimizer
         self.runner = runner(model, device, cfg.precision)  # the layout's step (parallel.runner)
         self.dp_rank, self.dp_size = self.hooks.data_parallel(model)  # a TP group shares data
+        self.eval_first, self.eval_size = self.hooks.evaluators(model)
         # The data-parallel ranks whose rows this process loads (XLA: all, in one batch).
         self.fed = range(self.dp_size) if self.hooks.feeds_every_rank else [self.dp_rank]
         # Dropout's random stream: one per data-parallel rank and pipeline stage (one seed would
@@ -107,7 +113,8 @@ class Trainer:
                              f"{cfg.grad_accum_steps} = {needed}: lower them, or use more data "
                              "or fewer processes")
         # Validation: the same seeded sequences for any world size (rounded down to a multiple
-        # of it), split across the ranks, so val losses of runs on other world sizes compare.
+        # of it), split across the ranks that evaluate together, so val losses of runs on
+        # other world sizes, and of replica groups, compare.
         n_val = min(len(val_set), cfg.eval_batches * cfg.batch_size)
         n_val = max(1, n_val // self.dp_size) * self.dp_size
         chosen = torch.randperm(len(val_set), generator=torch.Generator().manual_seed(cfg.seed))
@@ -274,8 +281,8 @@ class Trainer:
         # program), or a resumed run, which may evaluate elsewhere, would draw other masks.
         rng = rng_state(self.device)
         loader = self._loader(self.val_subset, lambda r: list(DistributedSampler(
-            self.val_subset, self.dp_size, r, shuffle=False)), drop_last=False, workers=0,
-            seed=self.cfg.seed)
+            self.val_subset, self.eval_size, r - self.eval_first, shuffle=False)),
+            drop_last=False, workers=0, seed=self.cfg.seed)
         totals = torch.zeros(2, device=self.device)  # loss sum over tokens, token count
         for x, y in loader:  # every rank runs the same number of batches (FSDP needs that)
             # A pipeline's last stage holds the sums, its other ranks zeros: counted once.

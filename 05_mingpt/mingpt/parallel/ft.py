@@ -53,6 +53,12 @@ class Hooks(DeviceHooks):
         rank, size = data_parallel(model)
         return self.group * size + rank, self.groups * size
 
+    def evaluators(self, model: nn.Module) -> tuple[int, int]:
+        """The group's own ranks: each group evaluates every validation sequence, so groups
+        that hold the same weights log the same val loss, and it compares with a job's."""
+        size = data_parallel(model)[1]
+        return self.group * size, size
+
 
 class Optimizer(torch.optim.Optimizer):
     """`inner` with its gradients averaged across the quorum, stepping only where the Manager
