@@ -73,6 +73,19 @@ def test_the_readme_grid_is_the_matrix(config):
         "tests/README.md's grid is stale: paste `python tests/feature_matrix.py`'s output"
 
 
+def test_every_pair_the_config_takes_is_run_by_a_test(config):
+    """No "·" in the grid: each pair is refused, runs in a covering run, or (a "◐" cell,
+    feature_matrix.DRY_PARTLY) is run by the test it names, which must exist: a test renamed
+    or removed fails here instead of leaving the grid's word stale."""
+    rows = feature_matrix.markdown(config).split("\n\n")[0]
+    assert "·" not in rows, rows
+    names, cells = feature_matrix.grid(config)
+    for name, (test, _) in feature_matrix.DRY_PARTLY.items():
+        assert cells[tuple(sorted(("dry_run", name), key=names.index))] is None, name
+        file, function = test.split("::")
+        assert f"\ndef {function}(" in (REPO / "tests" / file).read_text(), test
+
+
 def location(names: tuple[str, ...], run_dir: Path) -> str:
     """Where run `run_dir` (out/<case>/<whole or resumed>) keeps its snapshot: beside it, or
     with the s3 feature in the moto server's bucket (test_mingpt_s3.s3_env), under the same

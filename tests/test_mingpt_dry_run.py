@@ -252,6 +252,8 @@ def test_a_refused_layout_is_one_error_line_in_dry_and_real_run(m, overrides, me
 
 @pytest.mark.parametrize("sync, when, per", [
     (["trainer_config.ft_sync=step"], "every step (ft_sync=step)", "step"),
+    (["trainer_config.ft_sync=local_sgd", "trainer_config.ft_sync_every=5"],
+     "every 5 steps (ft_sync=local_sgd)", "5 steps"),
     (["trainer_config.ft_sync=diloco", "trainer_config.ft_sync_every=10",
       "trainer_config.ft_fragments=2"],
      "every 10 steps, 2 fragments in turn (one every 5 steps) (ft_sync=diloco)", "10 steps"),
