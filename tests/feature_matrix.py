@@ -342,9 +342,9 @@ def markdown(config) -> str:
                 continue
             line = cells.get((a, b), cells.get((b, a)))
             if line is None:
+                other = b if a == "dry_run" else a if b == "dry_run" else None
                 row.append("✔" if (a, b) in held or (b, a) in held else
-                           "◐" if "dry_run" in (a, b) and {a, b} - {"dry_run"} <= set(DRY_PARTLY)
-                           and a != b else "·")
+                           "◐" if other in DRY_PARTLY else "·")
                 continue
             if line not in reasons:
                 reasons.append(line)

@@ -279,7 +279,7 @@ def test_a_dry_run_of_replica_groups_plans_one_group_and_what_it_sends(m, sync, 
 # --- compile: the eager step's plan, and a line that says so ---------------------------------
 
 def test_a_dry_run_with_compile_plans_the_eager_step_and_says_so(m):
-    """compile's cell of dry_run's row stays "·" (tests/README.md): the dry run plans the
+    """compile's cell of dry_run's row is "◐" (tests/README.md): the dry run plans the
     eager step, the same table as without compile, and a line under it says so (before, the
     table was read as the compiled step's)."""
     args = [*BASE, "trainer_config.distributed_method=fsdp", "trainer_config.dry_run=2"]
