@@ -332,6 +332,7 @@ def markdown(config) -> str:
     names, cells = grid(config)
     held = {*proven_pairs(config), *proven_pairs(config, groups=True), *dry_pairs(config)}
     reasons: list[str] = []
+    partly: set[str] = set()  # the features of the "◐" cells, listed below the grid
     rows = ["| | " + " | ".join(f"`{n}`" for n in names) + " |",
             "|---" * (len(names) + 1) + "|"]
     for a in names:
@@ -343,20 +344,24 @@ def markdown(config) -> str:
             line = cells.get((a, b), cells.get((b, a)))
             if line is None:
                 other = b if a == "dry_run" else a if b == "dry_run" else None
-                row.append("✔" if (a, b) in held or (b, a) in held else
-                           "◐" if other in DRY_PARTLY else "·")
+                if (a, b) in held or (b, a) in held:
+                    row.append("✔")
+                elif other in DRY_PARTLY:
+                    row.append("◐")
+                    partly.add(other)
+                else:
+                    row.append("·")
                 continue
             if line not in reasons:
                 reasons.append(line)
             row.append(f"R{reasons.index(line) + 1}")
         rows.append(f"| `{a}` | " + " | ".join(row) + " |")
     notes = [f"{i}. R{i}: `error: {line}`" for i, line in enumerate(reasons, 1)]
-    partly = {}  # each test once, with the features it runs with dry_run
-    for name, (test, holds) in DRY_PARTLY.items():
-        if cells.get(tuple(sorted(("dry_run", name), key=names.index)), "") is None:
-            partly.setdefault((test, holds), []).append(f"`{name}`")
+    by_test: dict[tuple[str, str], list[str]] = {}  # each test once, with its features
+    for name in (n for n in DRY_PARTLY if n in partly):
+        by_test.setdefault(DRY_PARTLY[name], []).append(f"`{name}`")
     notes += [f"- ◐ {', '.join(features)}: {holds} (`{test}`)"
-              for (test, holds), features in partly.items()]
+              for (test, holds), features in by_test.items()]
     return "\n".join(rows + [""] + notes) + "\n"
 
 
