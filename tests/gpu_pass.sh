@@ -6,11 +6,12 @@
 #
 #     tests/gpu_pass.sh OUT_DIR            # from the repository's root
 #     tests/gpu_pass.sh OUT_DIR bench      # the benchmark alone
+#     tests/gpu_pass.sh OUT_DIR tests      # the tests and main.py, no benchmark
 #
 # PYTHON picks the interpreter (default python3). The benchmark reads random token ids
 # (throughput does not depend on the text), written here into 05_mingpt/data/synth_bpe.
 set -u
-out=$(mkdir -p "${1:?usage: tests/gpu_pass.sh OUT_DIR [bench]}" && cd "$1" && pwd)
+out=$(mkdir -p "${1:?usage: tests/gpu_pass.sh OUT_DIR [bench|tests]}" && cd "$1" && pwd)
 only=${2:-}
 py=${PYTHON:-python3}
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -34,6 +35,7 @@ say "python main.py: exit $? | $(grep -E "step [0-9]+ \| val loss" "$out/main.lo
 wait $tests
 say "tests/test_gpu.py: exit $? | $(tail -1 "$out/test_gpu.log")"
 fi
+[ "$only" = tests ] && exit 0
 
 # 3. GPT-2 124M: block 1024, bf16, compiled, fused AdamW, the trainer beside the bare loop.
 cd "$repo/05_mingpt" || exit 1

@@ -3,9 +3,10 @@
 The rest of the suite forces the CPU (CUDA_VISIBLE_DEVICES=""); these tests give the GPUs back.
 `tests/gpu_pass.sh OUT_DIR` runs this file with `python main.py` and the GPU benchmark.
 
-Last run (2026-11-29, the code of 7904bb3: this file with `-n 4` and `python main.py`, as
-tests/gpu_pass.sh runs them): one NVIDIA H200, torch 2.11.0+cu130 (the machine's own; the series
-pins 2.14.1), 15 passed, 10 skipped in 92 s; `python main.py` val 1.7323. The 15: step 02 with
+Last run (2026-11-30, the code of 76b1555: `tests/gpu_pass.sh OUT tests`, this file with `-n 4`
+beside `python main.py`): one NVIDIA H200, torch 2.11.0+cu130 (the machine's own; the series
+pins 2.14.1; hydra-core, omegaconf and antlr4 carried as wheels), 15 passed, 10 skipped in 84 s;
+`python main.py` val 1.7323, as at 7904bb3 (2026-11-29). The 15: step 02 with
 NCCL, step 03's resume, the killed worker of steps 03 and 04, ddp and fsdp in bf16, fsdp offload
 with fp16 and clipping, AdamW's step counts on resume, fsdp built on meta (with and without
 offload), nn.DataParallel on one GPU, the memory snapshot with the profile and the CUDA-event
