@@ -172,7 +172,8 @@ class Trainer:
                    if saved != (self.world_size, self.dp_size) else
                    f"snapshot saved under another layout: {streams}")
         # DDP's buckets as the uninterrupted run had them from its second step on (ddp.py).
-        ddp.settle_buckets(self.model, self.train_set, self.device, self.cfg.precision)
+        ddp.settle_buckets(self.model, self.train_set, self.device, self.cfg.precision,
+                           self.cfg.batch_size)
         print0(f"resumed from {self.cfg.snapshot_path} at step {self.step} (epoch {self.epoch})")
 
     def _load_schedule(self, state: dict) -> None:

@@ -77,14 +77,17 @@ def wrap(model: nn.Module, device: torch.device, group: dist.ProcessGroup | None
 
 
 def settle_buckets(model: nn.Module, dataset: Dataset, device: torch.device,
-                   precision: str) -> None:
-    """Before a resumed run's first step: one forward and backward of `dataset`'s first sample
-    through DDP (gradients dropped, random draws undone; a no-op for other wrappers), so that DDP
-    lays its buckets out in backward's ready order, as the uninterrupted run had them: gloo sums
-    an element in an order set by its place in its bucket (the last bits, on over 2 ranks)."""
+                   precision: str, batch_size: int) -> None:
+    """Before a resumed run's first step: one forward and backward of `dataset`'s first
+    `batch_size` samples through DDP (gradients dropped, random draws undone; a no-op for other
+    wrappers), so that DDP lays its buckets out in backward's ready order, as the uninterrupted
+    run had them: gloo sums an element in an order set by its place in its bucket (the last
+    bits, on over 2 ranks). A training step's shape: a compiled model compiles here the graph
+    the steps then run (one sample would compile a throwaway graph, and the steps a second
+    one with the batch dimension dynamic, which the uninterrupted run never ran)."""
     if not isinstance(model, DDP):
         return
-    x, y = (t.to(device) for t in default_collate([dataset[0]]))
+    x, y = (t.to(device) for t in default_collate([dataset[i] for i in range(batch_size)]))
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         with autocast(device, precision):
             _, loss = model(x, y)
