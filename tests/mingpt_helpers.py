@@ -75,11 +75,15 @@ def copy_mingpt(dest: Path) -> Path:
 # fork of it is safe. A rank then starts in a fraction of a second; a spawned one imported
 # all of it again (about 4 s of CPU each, 8 ranks sharing 2 cores). transformers (init_from's
 # GPT-2: 2 s of CPU), s3fs and torchft are imported only by the runs that use them, but dozens
-# of forked ranks do (the feature matrix's). 05's dry run starts the same server with its own
-# preload when it runs first in a worker: the ranks import the rest.
+# of forked ranks do (the feature matrix's). So are the modules a compiled step imports on
+# its first call (AOTAutograd, the aot_eager backend, and the parts of inductor they reach:
+# about 600 modules, 1.6 s of CPU per compiling rank, measured). 05's dry run starts the same
+# server with its own preload when it runs first in a worker: the ranks import the rest.
 PRELOAD = ["torch", "torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.fsdp",
            "torch.distributed.pipelining", "torch.utils.tensorboard", "hydra", "fsspec",
-           "transformers.models.gpt2.modeling_gpt2", "s3fs", "torchft"]
+           "transformers.models.gpt2.modeling_gpt2", "s3fs", "torchft",
+           "torch._functorch.aot_autograd", "torch._dynamo.backends.debugging",
+           "torch._inductor.compile_fx"]
 
 
 def fork_server() -> multiprocessing.context.ForkServerContext:
