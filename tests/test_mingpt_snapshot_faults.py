@@ -15,6 +15,7 @@ import hashlib
 import json
 import re
 import shutil
+import socket
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -28,12 +29,15 @@ from conftest import TORCHRUN, run
 from mingpt_helpers import (
     copy_mingpt,
     forked_peer,
+    join_world,
     mingpt_imported,
     script_in_process,
+    spawn_world,
     start_world,
     tiny,
 )
 from step_helpers import node_envs
+from test_mingpt_strategies import run as train_in_world
 
 # The bound from the fault to the exit of every rank: the agreement is one
 # all_gather_object, but this machine is a loaded 2-core one.
@@ -284,6 +288,34 @@ def test_any_exception_in_a_save_or_a_build_is_agreed_by_every_rank(tmp_path):
     assert re.fullmatch(rf"rank 1 on \S+: cannot save the snapshot to {tmp_path} \(a bug in a "
                         r"save\); the previous snapshot, if any, is unchanged: .*", save), save
     assert re.fullmatch(r"rank 1 on \S+: RuntimeError: a bug in a save", build), build
+
+
+def _taken_port_rank(rank: int, store: str, out: str, text: str) -> None:
+    """A run of 2 fsdp ranks saving in the background at every step, where the port DCP's own
+    free-port pick hands its staging processes is already taken (a race with another program,
+    as one was seen in a full suite run: EADDRINUSE)."""
+    join_world(rank, store, 2)
+    taken = socket.socket()
+    taken.bind(("", 0))
+    taken.listen()
+    executor = torch.distributed.checkpoint._async_process_executor
+    executor.get_free_port = lambda: taken.getsockname()[1]
+    with mingpt_imported("main") as m:
+        train_in_world(m, tiny(FSDP, "trainer_config.async_save=true", f"run_dir={out}/run",
+                               f"data_config.path={text}", "trainer_config.max_steps=2",
+                               f"trainer_config.snapshot_path={out}/snap",
+                               "trainer_config.save_every=1", "trainer_config.sample_tokens=0"))
+        m["distributed"].release()
+    taken.close()
+
+
+@pytest.mark.timeout(420)
+def test_async_save_needs_no_port_that_another_program_could_take(tmp_path):
+    """DCP's staging processes met on a port rank 0 picked free and closed again, seconds before
+    they bound it (savers.staging_store): now on a store rank 0 already listens on. On the code
+    before, rank 0's staging process failed (EADDRINUSE) and the peers waited for theirs."""
+    spawn_world(_taken_port_rank, 2, tmp_path)
+    assert (tmp_path / "snap/latest").read_text() == "step_00000002"
 
 
 def test_async_save_takes_every_flavour(mingpt_modules):
