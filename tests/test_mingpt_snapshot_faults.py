@@ -309,7 +309,6 @@ def _taken_port_rank(rank: int, store: str, out: str, text: str) -> None:
     taken.close()
 
 
-@pytest.mark.timeout(420)
 def test_async_save_needs_no_port_that_another_program_could_take(tmp_path):
     """DCP's staging processes met on a port rank 0 picked free and closed again, seconds before
     they bound it (savers.staging_store): now on a store rank 0 already listens on. On the code
