@@ -161,11 +161,19 @@ class Job:
     (one thread, CPU only), running SCRIPT as `python SCRIPT ARGV` runs it. Their output, line
     by line, in `log`. As torchrun's agent does, the first rank to fail stops the others; the
     job's returncode is that rank's exit status, else 0. A Popen's poll, wait and returncode,
-    so a test can wait for one job's line while another runs."""
+    so a test can wait for one job's line while another runs.
+
+    How the others stop: SIGKILL at once; with `stop_grace_s`, as torchrun's agent stops them
+    (SIGTERM, then SIGKILL to any still running `stop_grace_s` later; torchrun waits 30 s), with
+    TORCHELASTIC_RUN_ID set as torchrun sets it: a rank of a hang's test leaves its Flight
+    Recorder dump on SIGTERM (mingpt.forensics.arm), as it does under torchrun."""
 
     def __init__(self, cwd: Path, script: str, argv: list[str], nproc: int, log: Path,
-                 compile_backend: str | None = None, **env: str) -> None:
-        self.log, self.returncode = log, None
+                 compile_backend: str | None = None, stop_grace_s: float | None = None,
+                 **env: str) -> None:
+        self.log, self.returncode, self.stop_grace_s = log, None, stop_grace_s
+        if stop_grace_s is not None:
+            env = {"TORCHELASTIC_RUN_ID": f"job-{os.getpid()}-{log.stem}", **env}
         environ = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                             WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), **env)
         context = fork_server()
@@ -182,9 +190,7 @@ class Job:
             codes = [rank.exitcode for rank in self.ranks]
             failed = [code for code in codes if code not in (None, 0)]
             if failed:
-                for rank in self.ranks:  # torchrun's agent: one failed worker ends the job
-                    rank.kill()
-                    rank.join()
+                self.stop()  # torchrun's agent: one failed worker ends the job
                 self.returncode = failed[0]
             elif None not in codes:
                 self.returncode = 0
@@ -199,6 +205,19 @@ class Job:
             multiprocessing.connection.wait([r.sentinel for r in self.ranks if r.is_alive()],
                                             timeout=left)
         return self.returncode
+
+    def stop(self) -> None:
+        """Every rank still running stopped, as the job's first failure stops them (above)."""
+        if self.stop_grace_s is not None:
+            for rank in self.ranks:
+                if rank.is_alive():
+                    rank.terminate()
+            deadline = time.monotonic() + self.stop_grace_s
+            for rank in self.ranks:
+                rank.join(max(0.0, deadline - time.monotonic()))
+        for rank in self.ranks:
+            rank.kill()
+            rank.join()
 
     def kill(self) -> None:
         for rank in self.ranks:
@@ -326,7 +345,10 @@ def _job_rank(rank: int | None, environ: dict, cwd: str, script: str, argv: list
     os.environ.update(environ)
     if rank is not None:
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
-    torch.set_num_threads(int(environ["OMP_NUM_THREADS"]))  # the server read it at its start
+    # What the server read at its start, read again from this rank's environment: the thread
+    # count, and TORCH_DISTRIBUTED_DEBUG (which `import torch.distributed` reads).
+    torch.set_num_threads(int(environ["OMP_NUM_THREADS"]))
+    dist.set_debug_level_from_env()
     os.chdir(cwd)
     sys.path.insert(0, cwd)  # as `python SCRIPT` puts the script's folder first
     # The folder's own modules, as a fresh interpreter imports them, whatever the server

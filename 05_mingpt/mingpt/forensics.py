@@ -184,7 +184,13 @@ def _write(path: str, data: bytes, replace: bool = True) -> bool:
 
 
 def _on_sigterm(signum: int, frame) -> None:
-    """torchrun stops this rank because another one failed: dump, then die of SIGTERM."""
+    """torchrun stops this rank because another one failed: dump, then die of SIGTERM. But not
+    where this rank's own collective has just failed, the peer's exit having broken it, and the
+    SIGTERM came while the error was on its way to watch(): watch() dumps it and says so in
+    its error line (torchrun's SIGKILL still ends a rank that went on instead)."""
+    error = sys.exc_info()[1]  # the exception being raised or handled where the signal came
+    if error is not None and is_collective_failure(error):
+        return
     run_dir = _armed.get("run_dir")
     if run_dir is not None:
         try:
