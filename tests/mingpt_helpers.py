@@ -8,6 +8,7 @@ import importlib
 import json
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.forkserver
 import os
 import re
 import runpy
@@ -125,6 +126,7 @@ def _in_environment(rank: int, environ: dict, stacks: str, worker: Callable,
     gc.freeze()  # the server's heap: see _job_rank
     os.environ.clear()
     os.environ.update(environ)
+    stage_in_forks()
     # A world still running at pytest's timeout says where each rank was (start_world): its
     # stderr is the fork server's, a file pytest's capture has left, so a file of its own.
     _stacks_file.append(open(os.path.join(stacks, f"rank{rank}.txt"), "w"))  # noqa: SIM115
@@ -358,6 +360,7 @@ def _job_rank(rank: int | None, environ: dict, cwd: str, script: str, argv: list
         del sys.modules[name]
     if compile_backend:
         compile_with(compile_backend)
+    stage_in_forks()
     sys.argv = [script, *argv]
     os.dup2(os.open(log, os.O_WRONLY | os.O_APPEND), 1)
     os.dup2(os.open(err or log, os.O_WRONLY | os.O_APPEND), 2)
@@ -373,6 +376,60 @@ def _job_rank(rank: int | None, environ: dict, cwd: str, script: str, argv: list
     finally:
         if compile_backend:
             print(f"compile_with: {COMPILED_GRAPHS[0]} graphs compiled", flush=True)
+
+
+class _ForkedStaging:
+    """What DCP's process-based async_save takes from torch.multiprocessing: get_context("spawn"),
+    and of that context Pipe and Process; Process forked from the fork server (stage_in_forks)."""
+
+    def get_context(self, method: str) -> "_ForkedStaging":
+        assert method == "spawn", method  # the only one DCP asks for
+        return self
+
+    def Pipe(self, *args, **kwargs):  # noqa: N802 (multiprocessing's name)
+        return multiprocessing.get_context("forkserver").Pipe(*args, **kwargs)
+
+    def Process(self, target: Callable, args: tuple = (), **kwargs):  # noqa: N802
+        # Where this rank's output goes (a Job's log; a warm world's, the server's): a spawned
+        # process writes to its parent's; the fork server's fork, to the server's otherwise.
+        out = [os.readlink(f"/proc/self/fd/{fd}") for fd in (1, 2)]
+        return multiprocessing.get_context("forkserver").Process(
+            target=_as_spawned, args=(dict(os.environ), out, target, *args), **kwargs)
+
+
+def _as_spawned(environ: dict, out: list[str], target: Callable, *args: object) -> None:
+    """A staging process, forked from the fork server: the environment and output its rank
+    would have given a spawned one (S3's credentials, DCP's store variables), then DCP's own
+    function. Its rank's main.py has been run again as __mp_main__, as under spawn (the
+    folder's mingpt modules where the server holds none: _job_rank's purge comes later; a
+    server that the dry run started holds the repository's, the same code)."""
+    gc.freeze()  # the server's heap: see _job_rank
+    os.environ.clear()
+    os.environ.update(environ)
+    torch.set_num_threads(int(environ.get("OMP_NUM_THREADS", "1")))
+    for fd, path in zip((1, 2), out, strict=True):
+        if os.path.isfile(path):
+            os.dup2(os.open(path, os.O_WRONLY | os.O_APPEND), fd)
+    target(*args)
+
+
+def stage_in_forks() -> None:
+    """DCP's async_save (trainer_config.async_save) writes from a staging process per rank,
+    which torch starts with multiprocessing's spawn (hard-coded): a fresh interpreter that
+    imports torch, DCP and the rank's main.py again, 3 s of CPU each (the replica groups'
+    matrix started 24 of them: a third of its CPU, py-spy). In a forked rank (a warm world's,
+    a Job's) it is forked from the fork server instead, and runs DCP's own function in the
+    rank's environment. A spawned one: every test that launches torchrun or main.py with
+    async_save (test_mingpt_snapshot_faults.py's crash mid-write, test_mingpt_s3.py)."""
+    import torch.distributed.checkpoint._async_process_executor as executor  # noqa: PLC0415
+
+    executor.mp = _ForkedStaging()
+    # This rank's fork server is the one that forked it: a fork knows its address, not that it
+    # runs (it is not the fork's child), and would start a server of its own (multiprocessing's
+    # ensure_running). It runs as long as the test worker that started it.
+    server = multiprocessing.forkserver._forkserver
+    assert server._forkserver_address is not None, "not a fork of the fork server"
+    server.ensure_running = lambda: None
 
 
 def spawn_world(worker: Callable, world: int, out: Path, *args: object,
