@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import TORCHRUN, run
 from mingpt_helpers import (
+    Job,
     copy_mingpt,
     forked_peer,
     join_world,
@@ -191,6 +192,16 @@ def torchrun(mingpt: Path, *args: str, restarts: int = 0, **env: str):
                 "main.py", *tiny(*args, *ARGS)], cwd=mingpt, check=False, timeout=400, **env)
 
 
+def job(mingpt: Path, args: list[str], **env: str) -> tuple[int, str, float]:
+    """`torchrun --standalone --nproc_per_node=2 main.py ARGS` as a Job (forked ranks, whose
+    staging processes are forked too: mingpt_helpers.stage_in_forks), for a claim about the
+    run rather than torchrun: its exit status, its log (stdout and stderr), when it ended."""
+    name = next(a.split("=", 1)[1] for a in args if a.startswith("run_name="))
+    ran = Job(mingpt, "main.py", args, 2, mingpt / f"{name}.log", **env)
+    log = ran.finish()
+    return ran.returncode, log, time.time()
+
+
 @pytest.mark.timeout(900)
 def test_async_snapshots_survive_a_crash_mid_write_and_resume_bitwise_slowest(
         mingpt, fsdp_ref, tmp_path):
@@ -208,46 +219,43 @@ def test_async_snapshots_survive_a_crash_mid_write_and_resume_bitwise_slowest(
         assert_same_snapshot(snap / step, fsdp_ref / step, tmp_path)
 
 
-@pytest.mark.timeout(600)
 def test_async_write_failure_on_one_rank_is_agreed_before_any_commit_slowest(
         mingpt, fsdp_ref, tmp_path):
     """Rank 1's staging process fails to write a shard of step 6: no rank commits it, each
-    stops with the one line (torchrun's node prints it once), the snapshot of step 3 stays."""
+    stops with the one line (the node's first rank prints it), the snapshot of step 3 stays."""
     snap = previous(fsdp_ref, tmp_path / "snapshot")
     before = digests(snap / "step_00000003")
-    proc = torchrun(mingpt, FSDP, "run_name=async_fault", "trainer_config.async_save=true",
-                    f"trainer_config.snapshot_path={snap}", FAULT_WRITE_ERROR="1:shard")
-    ended = time.time()
-    assert proc.returncode != 0
-    # (stderr also has torchrun's summary and the staging process's log lines)
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    code, log, ended = job(mingpt, tiny(FSDP, "run_name=async_fault",
+                                        "trainer_config.async_save=true",
+                                        f"trainer_config.snapshot_path={snap}", *ARGS),
+                           FAULT_WRITE_ERROR="1:shard")
+    assert code != 0
+    # (the log also has the staging process's log lines)
+    errors = [line for line in log.splitlines() if line.startswith("error:")]
     assert errors == [f"error: rank 1: cannot save the snapshot to {snap} (Input/output error: "
                       f"{snap}/step_00000006/__1_0.distcp); the previous snapshot, if any, is "
                       "unchanged: free some space or set trainer_config.snapshot_path, then run "
-                      "again to resume"], proc.stderr[-3000:]
-    struck = float(re.search(r"FAULT_WRITE_ERROR=1:shard: .* at ([0-9.]+)$", proc.stdout,
-                             re.M)[1])
+                      "again to resume"], log[-3000:]
+    struck = float(re.search(r"FAULT_WRITE_ERROR=1:shard: .* at ([0-9.]+)$", log, re.M)[1])
     assert ended - struck < BOUND_S
     assert (snap / "latest").read_text() == "step_00000003"
     assert digests(snap / "step_00000003") == before
 
 
-@pytest.mark.timeout(600)
 def test_a_nan_loss_commits_the_good_asynchronous_save_in_flight(mingpt, tmp_path):
     """lr 1e30: step 1 is finite and saved in the background, step 2's loss is inf. The run
     stops in one line that names the last good snapshot: step 1's, committed, not dropped
     in flight (it was: the message promised a snapshot that was never committed)."""
     snap = tmp_path / "snapshot"
-    proc = run([TORCHRUN, "--standalone", "--nproc_per_node=2", "main.py", *tiny(
+    code, log, _ = job(mingpt, tiny(
         FSDP, "run_name=async_nan", "trainer_config.async_save=true", "trainer_config.max_steps=4",
         f"trainer_config.snapshot_path={snap}", "optimizer_config.lr=1e30",
-        "trainer_config.save_every=1", "trainer_config.sample_tokens=0")],
-        cwd=mingpt, check=False, timeout=400)
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert (proc.returncode != 0, errors) == (True, [
+        "trainer_config.save_every=1", "trainer_config.sample_tokens=0"))
+    errors = [line for line in log.splitlines() if line.startswith("error:")]
+    assert (code != 0, errors) == (True, [
         f"error: the loss became nan or inf at step 2: training stopped and saved nothing "
         f"after it ({snap} keeps the last good snapshot, if any); lower optimizer_config.lr "
-        "or set trainer_config.grad_clip, then resume"]), proc.stderr[-3000:]
+        "or set trainer_config.grad_clip, then resume"]), log[-3000:]
     assert (snap / "latest").read_text() == "step_00000001"
     assert (snap / "step_00000001/train_state.pt").is_file()
 
