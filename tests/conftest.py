@@ -69,13 +69,14 @@ def pytest_configure(config: pytest.Config) -> None:
 # each file's time beside its budget (pytest_terminal_summary): a report, not a failure.
 BUDGETS = {
     "test_xla.py": 230,  # 132 s with .venv-xla built; a fresh clone's run builds it first
-    "test_feature_matrix_groups.py": 260,  # 209 s at 03fcdd6
-    "test_mingpt_hang.py": 255,
+    # 209 s at 03fcdd6; 150 to 171 s (Xeon) once its staging processes were forked (afba9a8)
+    "test_feature_matrix_groups.py": 215,
     "test_notebooks.py": 215,
     "test_feature_matrix.py": 190,  # 143 s alone with compile's runs (74 s before them)
     "test_mingpt_bench.py": 195,
     "test_mingpt_train.py": 150,
-    "test_mingpt_snapshot_faults.py": 145,
+    "test_mingpt_hang.py": 140,  # 233 s under torchrun; 105 to 112 s as forked jobs (Xeon)
+    "test_mingpt_snapshot_faults.py": 70,  # 96 s; 52 s with two runs as forked jobs (Xeon)
     "test_mingpt_dry_run.py": 265,  # 212 s at bc26469 (the matrix's runs: 89 s of it)
     "test_mingpt_diloco.py": 50,  # 37 s at 03fcdd6 (its kill case: the groups' file)
     "test_restarts.py": 110,
