@@ -419,8 +419,8 @@ def stage_in_forks() -> None:
     imports torch, DCP and the rank's main.py again, 3 s of CPU each (the replica groups'
     matrix started 24 of them: a third of its CPU, py-spy). In a forked rank (a warm world's,
     a Job's) it is forked from the fork server instead, and runs DCP's own function in the
-    rank's environment. A spawned one: every test that launches torchrun or main.py with
-    async_save (test_mingpt_snapshot_faults.py's crash mid-write, test_mingpt_s3.py)."""
+    rank's environment. A spawned one: test_mingpt_snapshot_faults.py's crash mid-write, a
+    torchrun job restarted from its asynchronous snapshot."""
     import torch.distributed.checkpoint._async_process_executor as executor  # noqa: PLC0415
 
     executor.mp = _ForkedStaging()
