@@ -121,11 +121,20 @@ def start_world(worker: Callable, world: int, *args: object, spawn: bool = False
         shutil.rmtree(stacks, ignore_errors=True)
 
 
-def _in_environment(rank: int, environ: dict, stacks: str, worker: Callable,
-                    *args: object) -> None:
-    gc.freeze()  # the server's heap: see _job_rank
+def _adopt(environ: dict) -> None:
+    """A fork of the fork server takes the environment its starter gave it (the server's own
+    is the one the server started with). The server's imports are shared with the fork until
+    written: a full garbage collection would visit, and so copy, every object of them (0.3 s
+    of CPU and 17,000 page faults per rank of a 2-step run, measured). Frozen first, the
+    collector ignores them."""
+    gc.freeze()
     os.environ.clear()
     os.environ.update(environ)
+
+
+def _in_environment(rank: int, environ: dict, stacks: str, worker: Callable,
+                    *args: object) -> None:
+    _adopt(environ)
     stage_in_forks()
     # A world still running at pytest's timeout says where each rank was (start_world): its
     # stderr is the fork server's, a file pytest's capture has left, so a file of its own.
@@ -244,14 +253,29 @@ class Job:
         return self.log.read_text()
 
 
-def run_job(cwd: Path, nproc: int, *args: str, timeout: float = 240, **env: str) -> str:
-    """`torchrun --standalone --nproc_per_node=NPROC main.py ARGS` in `cwd` run to its end as
-    a Job, for a run whose claim is the run's, not torchrun's: its log (stdout and stderr,
-    runs/<run_name>.log beside main.py); a failure or a run past `timeout` fails the test."""
-    name = next(a.split("=", 1)[1] for a in args if a.startswith("run_name="))
-    job = Job(cwd, "main.py", list(args), nproc, cwd / f"{name}.log", **env)
+def ended_job(cwd: Path, script: str, argv: list[str], nproc: int, log: Path,
+              timeout: float = 240, **kwargs) -> tuple[int, str, float]:
+    """A Job (its keywords and `env` in kwargs) run to its end (Job.finish: a job past
+    `timeout` fails the test): its exit status, its log, and when it ended."""
+    job = Job(cwd, script, argv, nproc, log, **kwargs)
     out = job.finish(timeout)
-    assert job.returncode == 0, out[-4000:]
+    return job.returncode, out, time.time()
+
+
+def main_job(cwd: Path, nproc: int, *args: str, timeout: float = 240,
+             **kwargs) -> tuple[int, str, float]:
+    """`torchrun --standalone --nproc_per_node=NPROC main.py ARGS` in `cwd` as a Job, for a
+    run whose claim is the run's, not torchrun's: ended_job's outcome, the log in
+    <run_name>.log beside main.py."""
+    name = next(a.split("=", 1)[1] for a in args if a.startswith("run_name="))
+    return ended_job(cwd, "main.py", list(args), nproc, cwd / f"{name}.log", timeout, **kwargs)
+
+
+def run_job(cwd: Path, nproc: int, *args: str, timeout: float = 240, **env: str) -> str:
+    """main_job's run, which must succeed: its log (stdout and stderr); a failure fails the
+    test."""
+    code, out, _ = main_job(cwd, nproc, *args, timeout=timeout, **env)
+    assert code == 0, out[-4000:]
     return out
 
 
@@ -339,12 +363,7 @@ def _job_rank(rank: int | None, environ: dict, cwd: str, script: str, argv: list
     LOCAL_RANK `rank` (None: environ's, forked_peer's one worker of its node); its stderr in
     `err` where given, else in `log` with its stdout; its compiles with `compile_backend`
     where given (compile_with; their count, the log's last line)."""
-    # The server's imports are shared with this fork until written: a full garbage collection
-    # would visit, and so copy, every object of them (0.3 s of CPU and 17,000 page faults per
-    # rank of a 2-step run, measured). Frozen, the collector ignores them.
-    gc.freeze()
-    os.environ.clear()
-    os.environ.update(environ)
+    _adopt(environ)
     if rank is not None:
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
     # What the server read at its start, read again from this rank's environment: the thread
@@ -403,9 +422,7 @@ def _as_spawned(environ: dict, out: list[str], target: Callable, *args: object) 
     function. Its rank's main.py has been run again as __mp_main__, as under spawn (the
     folder's mingpt modules where the server holds none: _job_rank's purge comes later; a
     server that the dry run started holds the repository's, the same code)."""
-    gc.freeze()  # the server's heap: see _job_rank
-    os.environ.clear()
-    os.environ.update(environ)
+    _adopt(environ)
     torch.set_num_threads(int(environ.get("OMP_NUM_THREADS", "1")))
     for fd, path in zip((1, 2), out, strict=True):
         if os.path.isfile(path):

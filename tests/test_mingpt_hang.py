@@ -25,7 +25,14 @@ import time
 import pytest
 
 from conftest import PYTHON, REPO, TORCHRUN, run
-from mingpt_helpers import Job, copy_mingpt, fork_server, mingpt_imported, script_in_process, tiny
+from mingpt_helpers import (
+    copy_mingpt,
+    ended_job,
+    fork_server,
+    mingpt_imported,
+    script_in_process,
+    tiny,
+)
 
 # Seconds a collective may wait. Long enough that no collective of a healthy run waits that
 # long on a loaded 2-core machine (the longest, the first all-gather, waits for the slower
@@ -46,23 +53,26 @@ def mingpt(tmp_path_factory):
     return copy_mingpt(tmp_path_factory.mktemp("hang"))
 
 
-def launch(mingpt, run_name: str, *overrides: str, **env: str):
+def main_args(run_name: str) -> list[str]:
+    """main.py's arguments for a hang's run: no snapshot, no sample, the short timeout."""
+    return tiny(f"run_name={run_name}", "trainer_config.save_every=0",
+                "trainer_config.sample_tokens=0",
+                f"trainer_config.collective_timeout_s={TIMEOUT_S}")
+
+
+def launch(mingpt, run_name: str, **env: str):
     """torchrun, 2 gloo processes of main.py; returns (process, end time, run directory)."""
-    proc = run([TORCHRUN, "--standalone", "--nproc_per_node=2", "main.py",
-                *tiny(f"run_name={run_name}", "trainer_config.save_every=0",
-                      "trainer_config.sample_tokens=0",
-                      f"trainer_config.collective_timeout_s={TIMEOUT_S}", *overrides)],
+    proc = run([TORCHRUN, "--standalone", "--nproc_per_node=2", "main.py", *main_args(run_name)],
                cwd=mingpt, check=False, timeout=240 + TIMEOUT_S + MARGIN_S, **env)
     return proc, time.time(), mingpt / "runs" / run_name
 
 
 def job(cwd, script: str, *argv: str, nproc: int = 2, **env: str) -> tuple[int, str, float]:
     """`torchrun --standalone --nproc_per_node=NPROC SCRIPT ARGV` in `cwd` as a Job (forked
-    ranks, stopped as torchrun stops them): its exit status, its ranks' output (stdout and
-    stderr, line by line) and when it ended. A job past 240 s fails the test."""
-    ran = Job(cwd, script, list(argv), nproc, cwd / "job.log", stop_grace_s=GRACE_S, **env)
-    log = ran.finish(240)
-    return ran.returncode, log, time.time()
+    ranks, stopped as torchrun stops them): mingpt_helpers.ended_job's exit status, output
+    (stdout and stderr, line by line) and end time."""
+    return ended_job(cwd, script, list(argv), nproc, cwd / "job.log", stop_grace_s=GRACE_S,
+                     **env)
 
 
 def analyze(folder) -> str:
@@ -237,9 +247,7 @@ def test_a_skipped_gradient_all_reduce_in_the_trainer_aborts_one_rank_and_the_ot
     that receives the wrong size (SIGABRT: no dump of its own) and the other one's collective
     fails with the connection: its dump and line are there, and the analysis says which rank
     left none (DEBUGGING.md: rerun with DETAIL, or read NCCL's dumps, to see both)."""
-    code, log, _ = job(mingpt, "main.py", *tiny(
-        "run_name=skip", "trainer_config.save_every=0", "trainer_config.sample_tokens=0",
-        f"trainer_config.collective_timeout_s={TIMEOUT_S}"), FAULT_SKIP_AT_STEP="3")
+    code, log, _ = job(mingpt, "main.py", *main_args("skip"), FAULT_SKIP_AT_STEP="3")
     assert code != 0
     assert "[rank 1] FAULT_SKIP_AT_STEP=3: this rank skips the gradient all-reduce" in log
     assert "terminate called after throwing an instance of 'gloo::EnforceNotMet'" in log

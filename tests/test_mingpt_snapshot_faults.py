@@ -27,10 +27,10 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import TORCHRUN, run
 from mingpt_helpers import (
-    Job,
     copy_mingpt,
     forked_peer,
     join_world,
+    main_job,
     mingpt_imported,
     script_in_process,
     spawn_world,
@@ -192,16 +192,6 @@ def torchrun(mingpt: Path, *args: str, restarts: int = 0, **env: str):
                 "main.py", *tiny(*args, *ARGS)], cwd=mingpt, check=False, timeout=400, **env)
 
 
-def job(mingpt: Path, args: list[str], **env: str) -> tuple[int, str, float]:
-    """`torchrun --standalone --nproc_per_node=2 main.py ARGS` as a Job (forked ranks, whose
-    staging processes are forked too: mingpt_helpers.stage_in_forks), for a claim about the
-    run rather than torchrun: its exit status, its log (stdout and stderr), when it ended."""
-    name = next(a.split("=", 1)[1] for a in args if a.startswith("run_name="))
-    ran = Job(mingpt, "main.py", args, 2, mingpt / f"{name}.log", **env)
-    log = ran.finish()
-    return ran.returncode, log, time.time()
-
-
 @pytest.mark.timeout(900)
 def test_async_snapshots_survive_a_crash_mid_write_and_resume_bitwise_slowest(
         mingpt, fsdp_ref, tmp_path):
@@ -225,10 +215,12 @@ def test_async_write_failure_on_one_rank_is_agreed_before_any_commit_slowest(
     stops with the one line (the node's first rank prints it), the snapshot of step 3 stays."""
     snap = previous(fsdp_ref, tmp_path / "snapshot")
     before = digests(snap / "step_00000003")
-    code, log, ended = job(mingpt, tiny(FSDP, "run_name=async_fault",
-                                        "trainer_config.async_save=true",
-                                        f"trainer_config.snapshot_path={snap}", *ARGS),
-                           FAULT_WRITE_ERROR="1:shard")
+    # A job of forked ranks (their staging processes forked too: stage_in_forks): the claim
+    # is the run's, not torchrun's.
+    code, log, ended = main_job(mingpt, 2, *tiny(FSDP, "run_name=async_fault",
+                                                 "trainer_config.async_save=true",
+                                                 f"trainer_config.snapshot_path={snap}", *ARGS),
+                                FAULT_WRITE_ERROR="1:shard")
     assert code != 0
     # (the log also has the staging process's log lines)
     errors = [line for line in log.splitlines() if line.startswith("error:")]
@@ -247,7 +239,7 @@ def test_a_nan_loss_commits_the_good_asynchronous_save_in_flight(mingpt, tmp_pat
     stops in one line that names the last good snapshot: step 1's, committed, not dropped
     in flight (it was: the message promised a snapshot that was never committed)."""
     snap = tmp_path / "snapshot"
-    code, log, _ = job(mingpt, tiny(
+    code, log, _ = main_job(mingpt, 2, *tiny(
         FSDP, "run_name=async_nan", "trainer_config.async_save=true", "trainer_config.max_steps=4",
         f"trainer_config.snapshot_path={snap}", "optimizer_config.lr=1e30",
         "trainer_config.save_every=1", "trainer_config.sample_tokens=0"))
