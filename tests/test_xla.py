@@ -193,8 +193,9 @@ def test_xla_ends_at_eager_cpus_weights(runs):
 # and AdamW moment as XLA holds it (its sharding and each device's shard), once after a fresh
 # start and one step (max_steps=1, saved), once right after a resume (the moments loaded from
 # the file). Then, in the same process (its imports and compiled steps paid once),
-# xla_main.main on the arguments after "--" (test_xla_stops_at_a_nan_loss_before_saving_it's
-# run): its exit status and what it wrote on stderr.
+# xla_main.main on the arguments between "--" and the last (test_xla_stops_at_a_nan_loss_
+# before_saving_it's run): its exit status and what it wrote on stderr; and the config of each
+# override list in the last argument (JSON; REFUSED's): its one line, or None.
 PROBE = """
 import contextlib, io, json, sys, warnings, torch, torch_xla
 from torch_xla.distributed.spmd.xla_sharding import wrap_as_sharded_tensor
@@ -236,10 +237,20 @@ warnings.filterwarnings("ignore", "XLA_USE_SPMD is being deprecated")
 err, code = io.StringIO(), 0
 with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
     try:
-        xla_main.main(sys.argv[split + 1:])
+        xla_main.main(sys.argv[split + 1:-1])
     except SystemExit as e:  # as the interpreter turns it into an exit status
         code = e.code
 report["nan"] = {"code": code, "stderr": err.getvalue()}
+# Each refused config's one line (xla_main.load_config, which main() calls first), and the
+# optimizer of a config that names none.
+refusals = []
+for overrides in json.loads(sys.argv[-1]):
+    try:
+        xla_main.load_config(overrides)
+        refusals.append(None)
+    except ValueError as e:
+        refusals.append(str(e))
+report["refusals"] = [refusals, xla_main.load_config([]).optimizer_config.name]
 print(json.dumps(report))
 """
 
@@ -249,13 +260,30 @@ NAN = ("optimizer_config.lr=1e30", "trainer_config.max_steps=4", "trainer_config
        "trainer_config.save_every=2", "trainer_config.sample_tokens=0")
 
 
+# What else xla_main.py refuses (the precision's refusal is launched as a command, below):
+# the one line -> the overrides.
+REFUSED = {
+    "trainer_config.distributed_method must be fsdp with xla_main.py (SPMD FSDP over every "
+    "XLA device), got 'tp'": ["trainer_config.distributed_method=tp"],
+    "trainer_config.ep_size must be 0 or 1 with xla_main.py, got 2":
+        ["gpt_config.n_expert=4", "trainer_config.ep_size=2"],
+    "trainer_config.ft_replicas must be 0 with xla_main.py (torchft's replica groups join "
+    "main.py's jobs), got 2": ["trainer_config.ft_replicas=2"],
+    "trainer_config.dry_run must be 0 with xla_main.py (it plans main.py's layouts), "
+    "got 8": ["trainer_config.dry_run=8"],
+    "optimizer_config.name must be adamw with xla_main.py (Muon's gathered matrices are "
+    "main.py's layouts' code), got 'muon'": ["optimizer_config.name=muon"],
+}
+
+
 @pytest.fixture(scope="module")
 def shard_report(runs, xla_python) -> dict:
     out = runs["out"]
     data = f"data_config.path={out}/input.txt"
     proc = run([xla_python, "-c", PROBE, *tiny("trainer_config.max_steps=1", *QUIET, data,
                                                f"run_dir={out}/probe"),
-                "--", *tiny(*NAN, data, f"run_dir={out}/nan")],
+                "--", *tiny(*NAN, data, f"run_dir={out}/nan"),
+                json.dumps(list(REFUSED.values()))],
                cwd=runs["folder"], timeout=600, **XLA_ENV)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -337,33 +365,10 @@ def test_xla_refuses_what_only_main_py_has(xla_python, tmp_path):
     assert not (folder / "runs").exists()
 
 
-def test_xla_refuses_the_axes_and_jobs_only_main_py_has(xla_python, tmp_path):
+def test_xla_refuses_the_axes_and_jobs_only_main_py_has(shard_report):
     """xla_main.py once ignored these silently (trained dense SPMD FSDP, one job, for real).
-    One process checks them all: the exit and the one line are the case above's. Where no
-    optimizer is named, xla_main.py takes AdamW (main.py's default, Muon, it refuses)."""
-    folder = copy_mingpt(tmp_path)
-    cases = {
-        "trainer_config.distributed_method must be fsdp with xla_main.py (SPMD FSDP over every "
-        "XLA device), got 'tp'": ["trainer_config.distributed_method=tp"],
-        "trainer_config.ep_size must be 0 or 1 with xla_main.py, got 2":
-            ["gpt_config.n_expert=4", "trainer_config.ep_size=2"],
-        "trainer_config.ft_replicas must be 0 with xla_main.py (torchft's replica groups join "
-        "main.py's jobs), got 2": ["trainer_config.ft_replicas=2"],
-        "trainer_config.dry_run must be 0 with xla_main.py (it plans main.py's layouts), "
-        "got 8": ["trainer_config.dry_run=8"],
-        "optimizer_config.name must be adamw with xla_main.py (Muon's gathered matrices are "
-        "main.py's layouts' code), got 'muon'": ["optimizer_config.name=muon"],
-    }
-    script = ("import json, sys, xla_main\n"
-              "said = []\n"
-              "for overrides in json.loads(sys.argv[1]):\n"
-              "    try:\n"
-              "        xla_main.load_config(overrides)\n"
-              "        said.append(None)\n"
-              "    except ValueError as e:\n"
-              "        said.append(str(e))\n"
-              "print(json.dumps([said, xla_main.load_config([]).optimizer_config.name]))\n")
-    proc = run([xla_python, "-c", script, json.dumps(list(cases.values()))], cwd=folder,
-               **XLA_ENV)
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [list(cases), "adamw"]
+    The probe's process checks them all (xla_main.load_config, which main() calls first): the
+    exit and the one line are the case above's. Where no optimizer is named, xla_main.py takes
+    AdamW (main.py's default, Muon, it refuses)."""
+    assert shard_report["refusals"] == [list(REFUSED), "adamw"]
 
