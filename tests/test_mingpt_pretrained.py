@@ -2,21 +2,23 @@
 save_pretrained stands in for OpenAI's (no network in tests), with a tokenizer of the same
 vocabulary in the same directory, as a saved Hugging Face GPT-2 model would have.
 
-The slowest tests (several torchrun launches each) have `slowest` in their names.
+The slowest tests (several runs of 2 ranks each) have `slowest` in their names.
 """
+import signal
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from bpe_fixture import hf_gpt2, write_hf_gpt2, write_tokenizer
-from conftest import PYTHON, TORCHRUN, run
+from conftest import PYTHON, run
 from mingpt_helpers import (
     LOG_UNIT,
     MINGPT,
     U,
     assert_close_ulps,
     copy_mingpt,
+    ended_job,
     mingpt_imported,
     read_snapshot,
     run_job,
@@ -265,7 +267,6 @@ def test_finetune_from_pretrained_ddp_fsdp_and_resume_slowest(mods, mingpt, gpt2
     expected = hf_val_loss(mods, gpt2_dir, bpe_data, world_size=2)
     # Every run starts from the stand-in's weights; two gloo processes each.
     args = (*FINETUNE, f"gpt_config.init_from={gpt2_dir}")
-    torchrun = [TORCHRUN, "--standalone", "--nproc_per_node=2"]
     ddp = run_job(mingpt, 2, *tiny("run_name=ft_ddp", *args))  # torchrun's ranks, forked
     assert f"weights from {gpt2_dir}" in ddp
     assert "model: 41,120 parameters (2 layers, 2 heads, 32 wide, vocab 457, block 32)" in ddp
@@ -290,14 +291,19 @@ def test_finetune_from_pretrained_ddp_fsdp_and_resume_slowest(mods, mingpt, gpt2
     assert fsdp.returncode == 0, fsdp.stderr
     on_one = hf_val_loss(mods, gpt2_dir, bpe_data, 1)  # the windows one rank evaluates
     assert abs(val_losses(fsdp.stdout)[0] - on_one) <= LOG_UNIT / 2 + 64 * U * on_one
-    # A worker killed before step 3 resumes from the step-2 snapshot: the BPE data position
-    # and everything else carry over, so the final weights equal the uninterrupted run's.
-    killed = run([*torchrun, "--max-restarts=1", "main.py", *tiny("run_name=ft_kill", *args)],
-                 cwd=mingpt, FAULT_AT_STEP="3")
-    assert "FAULT_AT_STEP=3: killing this worker" in killed.stdout
-    assert "resumed from" in killed.stdout and "at step 2" in killed.stdout
+    # A worker killed before step 3 (SIGKILL: the job ends there), then the same command
+    # again, as torchrun's restart runs it (test_mingpt_train.py restarts under torchrun): it
+    # resumes from the step-2 snapshot, the BPE data position and everything else carried
+    # over, so the final weights equal the uninterrupted run's.
+    command = tiny("run_name=ft_kill", *args)
+    code, killed, _ = ended_job(mingpt, "main.py", command, 2, mingpt / "ft_kill.log",
+                                FAULT_AT_STEP="3")
+    assert code == -signal.SIGKILL and "FAULT_AT_STEP=3: killing this worker" in killed, killed
+    code, resumed, _ = ended_job(mingpt, "main.py", command, 2, mingpt / "ft_kill_again.log",
+                                 TORCHELASTIC_RESTART_COUNT="1")
+    assert code == 0 and "resumed from" in resumed and "at step 2" in resumed, resumed
     # The restart took the weights from the snapshot alone, not from the pretrained files too.
-    assert killed.stdout.count(f"weights from {gpt2_dir}") == 1
+    assert f"weights from {gpt2_dir}" in killed and f"weights from {gpt2_dir}" not in resumed
     a = read_snapshot(mingpt / "runs/ft_ddp/snapshot")
     b = read_snapshot(mingpt / "runs/ft_kill/snapshot")
     assert a["step"] == b["step"] == 4 and a["data_meta"] == b["data_meta"]
