@@ -198,9 +198,16 @@ def features(config) -> dict[str, list[str]]:
 
 def base_config(config, cache: dict = {}):  # noqa: B006 (a cache)
     """main.py's config of BASE (config: mingpt/config.py, imported), composed once."""
-    if id(config) not in cache:
-        cache[id(config)] = config.load(BASE)
-    return cache[id(config)]
+    if key(config) not in cache:
+        cache[key(config)] = config.load(BASE)
+    return cache[key(config)]
+
+
+def key(config) -> str:
+    """What the caches here are kept by: the config module's file. Each test file imports
+    mingpt afresh (mingpt_helpers.mingpt_imported), the same files, so the grid (about 10 s of
+    config checks) is computed once per test process, not once per file."""
+    return config.__file__
 
 
 def world(*names: str) -> int:
@@ -244,14 +251,14 @@ def overrides(on: dict[str, list[str]], *names: str) -> list[str]:
 
 def grid(config, cache: dict = {}) -> tuple[list[str], dict[tuple[str, str], str | None]]:  # noqa: B006
     """The features, and every pair's verdict (the pair with itself: the feature alone);
-    computed once per config module (`cache`)."""
-    if id(config) not in cache:
+    computed once per config module's file (`cache`)."""
+    if key(config) not in cache:
         on = features(config)
         names = list(on)
-        cache[id(config)] = names, {(a, b): verdict(config, overrides(on, a, b), world(a, b))
+        cache[key(config)] = names, {(a, b): verdict(config, overrides(on, a, b), world(a, b))
                                     for i, a in enumerate(names) for b in names[i:]
                                     if not same_key(a, b)}
-    return cache[id(config)]
+    return cache[key(config)]
 
 
 def method(config, *names: str) -> tuple[str, str]:
@@ -285,11 +292,11 @@ def runs(config, groups: bool = False,
     under the flavour it has alone (plain ddp stays plain ddp), and a feature leaves the runs
     once its pairs are held (so BASE's AdamW trains in the later runs, muon in the first).
     With `groups`: the replica groups' runs (proven_pairs(groups=True)), each with one of
-    REPLICAS, judged at a group's size. Computed once per config module (`cache`): the worlds
-    and the covering test read them."""
-    if (id(config), groups) not in cache:
-        cache[id(config), groups] = _cover(config, groups)
-    return cache[id(config), groups]
+    REPLICAS, judged at a group's size. Computed once per config module's file (`cache`): the
+    worlds and the covering test read them."""
+    if (key(config), groups) not in cache:
+        cache[key(config), groups] = _cover(config, groups)
+    return cache[key(config), groups]
 
 
 def _cover(config, groups: bool) -> list[tuple[str, ...]]:
