@@ -78,13 +78,15 @@ def copy_mingpt(dest: Path) -> Path:
 # GPT-2: 2 s of CPU), s3fs and torchft are imported only by the runs that use them, but dozens
 # of forked ranks do (the feature matrix's). So are the modules a compiled step imports on
 # its first call (AOTAutograd, the aot_eager backend, and the parts of inductor they reach:
-# about 600 modules, 1.6 s of CPU per compiling rank, measured). 05's dry run starts the same
+# about 600 modules, 1.6 s of CPU per compiling rank, measured). So is this module, where
+# every fork's function lies (a rank's, a staging process's), and pytest with it: 0.11 s of a
+# fork's 0.15 s before it ran anything (measured, 20 forks). 05's dry run starts the same
 # server with its own preload when it runs first in a worker: the ranks import the rest.
 PRELOAD = ["torch", "torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.fsdp",
            "torch.distributed.pipelining", "torch.utils.tensorboard", "hydra", "fsspec",
            "transformers.models.gpt2.modeling_gpt2", "s3fs", "torchft",
            "torch._functorch.aot_autograd", "torch._dynamo.backends.debugging",
-           "torch._inductor.compile_fx"]
+           "torch._inductor.compile_fx", "mingpt_helpers"]
 
 
 def fork_server() -> multiprocessing.context.ForkServerContext:
