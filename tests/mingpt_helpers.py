@@ -237,12 +237,32 @@ class Job:
             rank.kill()
         self.wait(60)
 
-    def finish(self, timeout: float = 240) -> str:
+    def _probe_quiet(self, deadline: float, quiet_s: float) -> None:
+        """Waits until the job ends, `deadline`, or a log quiet for `quiet_s` (then the
+        stacks, once)."""
+        size, since = -1, time.monotonic()
+        while self.poll() is None and time.monotonic() < deadline:
+            now, grown = time.monotonic(), self.log.stat().st_size
+            if grown != size:
+                size, since = grown, now
+            elif now - since >= quiet_s:
+                with self.log.open("a") as f:
+                    f.write(f"--- the log was quiet for {quiet_s:g} s ---\n")
+                dump_stacks([(rank.pid, self.log) for rank in self.ranks if rank.is_alive()])
+                return
+            multiprocessing.connection.wait([r.sentinel for r in self.ranks if r.is_alive()],
+                                            timeout=min(1.0, deadline - now))
+
+    def finish(self, timeout: float = 240, quiet_s: float | None = None) -> str:
         """Its log once every rank has ended; a job past `timeout` (under pytest's 300 s, so
         that this report is the one seen) or still running at pytest's own timeout is killed
         and fails the test, with the log's tail and every live rank's Python stacks (each
-        rank's faulthandler, on SIGUSR1: see _job_rank)."""
+        rank's faulthandler, on SIGUSR1: see _job_rank). With `quiet_s`, a job whose log has
+        not grown for that long has its live ranks' stacks written into the log once and goes
+        on: a stall that ends before the timeout still names where it waited."""
         try:
+            if quiet_s is not None:
+                self._probe_quiet(time.monotonic() + timeout, quiet_s)
             self.wait(timeout)
         except (subprocess.TimeoutExpired, pytest.fail.Exception) as e:
             dump_stacks([(rank.pid, self.log) for rank in self.ranks if rank.is_alive()])
@@ -256,11 +276,13 @@ class Job:
 
 
 def ended_job(cwd: Path, script: str, argv: list[str], nproc: int, log: Path,
-              timeout: float = 240, **kwargs) -> tuple[int, str, float]:
+              timeout: float = 240, quiet_s: float | None = None,
+              **kwargs) -> tuple[int, str, float]:
     """A Job (its keywords and `env` in kwargs) run to its end (Job.finish: a job past
-    `timeout` fails the test): its exit status, its log, and when it ended."""
+    `timeout` fails the test; `quiet_s`, its probe): its exit status, its log, and when it
+    ended."""
     job = Job(cwd, script, argv, nproc, log, **kwargs)
-    out = job.finish(timeout)
+    out = job.finish(timeout, quiet_s)
     return job.returncode, out, time.time()
 
 

@@ -403,3 +403,27 @@ def test_a_sigterm_while_the_ranks_collective_fails_leaves_it_its_error_line(err
     process.start()
     process.join(120)
     assert process.exitcode == code
+
+
+QUIET = """\
+import sys
+import time
+from pathlib import Path
+print("one line, then nothing until this rank's stacks are in the log", flush=True)
+log = Path(sys.argv[1])
+while "Current thread 0x" not in log.read_text():  # the probe's dump ends the wait
+    time.sleep(0.05)
+"""
+
+
+def test_a_job_quiet_past_quiet_s_writes_its_stacks_and_goes_on(tmp_path):
+    """Job.finish(quiet_s=...): a job whose log stops growing writes its live ranks' stacks
+    into the log once, and is still waited for to its end (the probe of a stall that ends
+    before the timeout)."""
+    (tmp_path / "quiet.py").write_text(QUIET)
+    log = tmp_path / "quiet.log"
+    code, out, _ = ended_job(tmp_path, "quiet.py", [str(log)], 1, log, timeout=120,
+                             quiet_s=0.5)
+    assert code == 0, out
+    assert out.count("--- the log was quiet for 0.5 s ---") == 1, out
+    assert out.count("Current thread 0x") == 1 and 'File "' in out and "quiet.py" in out, out

@@ -16,11 +16,21 @@ The probe also runs in launches other tests make anyway (no extra launch): steps
 (tests/test_mingpt_train.py). Here: what no other test launches (05's FSDP runs).
 `python tests/stress_teardown.py` launches the real commands many times, without or with the shim.
 """
+import subprocess
 import sys
 
 import pytest
 
-from conftest import TEARDOWN_ABORT, TEARDOWN_PROBE, TORCHRUN, gloo_threads_at_exit, run
+from conftest import (
+    PYTHON,
+    TEARDOWN_ABORT,
+    TEARDOWN_PROBE,
+    TORCHRUN,
+    child_env,
+    free_port,
+    gloo_threads_at_exit,
+    run,
+)
 from mingpt_helpers import copy_mingpt, tiny
 
 MINGPT_ARGS = ("trainer_config.max_steps=2", "trainer_config.sample_tokens=4")  # FSDP samples too
@@ -66,9 +76,28 @@ def test_a_refused_run_leaves_no_gloo_thread_either(tmp_path):
     destroy_process_group, as a finished run does."""
     mingpt = copy_mingpt(tmp_path)
     (mingpt / "bad.pt").write_bytes(b"not a snapshot")
-    proc = run([TORCHRUN, "--standalone", "--nproc_per_node=2", TEARDOWN_PROBE, "main.py",
-                *tiny("run_name=bad", "trainer_config.distributed_method=fsdp",
-                      "trainer_config.snapshot_path=bad.pt")], cwd=mingpt, check=False)
-    assert TEARDOWN_ABORT not in proc.stderr, proc.stderr[-3000:]
-    assert "error: cannot load snapshot bad.pt" in proc.stderr, proc.stderr[-3000:]
-    assert gloo_threads_at_exit(proc.stdout) == ["0", "0"], proc.stdout
+    codes, out, err = ranks(mingpt, [TEARDOWN_PROBE, "main.py", *tiny(
+        "run_name=bad", "trainer_config.distributed_method=fsdp",
+        "trainer_config.snapshot_path=bad.pt")])
+    assert codes == [2, 2] and TEARDOWN_ABORT not in err, err[-3000:]
+    assert "error: cannot load snapshot bad.pt" in err, err[-3000:]
+    assert sorted(gloo_threads_at_exit(out)) == ["0", "0"], out
+
+
+def ranks(cwd, argv: list[str], nproc: int = 2) -> tuple[list[int], str, str]:
+    """`python ARGV` as each of torchrun's nproc workers, with the variables it sets, each run
+    to its own end: every exit status, and their stdout and stderr. Without torchrun's agent,
+    which stops the other workers (SIGTERM) once one has failed: a refused run's ranks each
+    exit 2, and a rank still in its teardown when the first one exits would never reach the
+    probe's line (a run of the whole suite once lost rank 1's)."""
+    env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                    WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
+    logs = [(cwd / f"rank{r}.out", cwd / f"rank{r}.err") for r in range(nproc)]
+    procs = []
+    for r, (out, err) in enumerate(logs):
+        with out.open("w") as o, err.open("w") as e:
+            procs.append(subprocess.Popen([PYTHON, *argv], cwd=cwd, stdout=o, stderr=e,
+                                          env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}))
+    codes = [p.wait(timeout=240) for p in procs]
+    return (codes, "".join(out.read_text() for out, _ in logs),
+            "".join(err.read_text() for _, err in logs))
