@@ -437,7 +437,18 @@ class _ForkedStaging:
         # process writes to its parent's; the fork server's fork, to the server's otherwise.
         out = [os.readlink(f"/proc/self/fd/{fd}") for fd in (1, 2)]
         return multiprocessing.get_context("forkserver").Process(
-            target=_as_spawned, args=(dict(os.environ), out, target, *args), **kwargs)
+            target=_as_spawned, args=(environment(), out, target, *args), **kwargs)
+
+
+def environment() -> dict[str, str]:
+    """os.environ, copied in one step. DCP builds its staging process on a thread of its own,
+    while the rank's main thread may be putting savers.staging_store's variables back:
+    dict(os.environ) reads it key by key, and a key removed in between raised KeyError there
+    (DCP's staging process was never started, its peers' waited for it, and the replica groups'
+    matrix failed once in a run of the whole suite). Copying the dict that os.environ keeps is
+    one operation under the GIL, as a spawned process takes the environment in one piece."""
+    data = dict(os.environ._data)  # noqa: SLF001 (the mapping's own store: see above)
+    return {os.fsdecode(key): os.fsdecode(value) for key, value in data.items()}
 
 
 def _as_spawned(environ: dict, out: list[str], target: Callable, *args: object) -> None:

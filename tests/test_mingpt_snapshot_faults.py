@@ -13,6 +13,7 @@ file deleted.
 """
 import hashlib
 import json
+import os
 import re
 import shutil
 import socket
@@ -27,6 +28,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import TORCHRUN, run
 from mingpt_helpers import (
+    _ForkedStaging,
     copy_mingpt,
     forked_peer,
     join_world,
@@ -328,3 +330,28 @@ def test_async_save_takes_every_flavour(mingpt_modules):
         assert cfg.trainer_config.async_save
     with pytest.raises(ValueError, match=r"async_save must be False with tp_size > 1"):
         load(tiny("trainer_config.async_save=true", "trainer_config.tp_size=2"))
+
+
+class _Racing(os._Environ):
+    """os.environ as DCP's thread saw it while the main thread removed a variable: the keys
+    listed, then one of them gone before its value is read."""
+
+    def __iter__(self):
+        keys = list(self._data)
+        self._data.pop(b"GONE", None)
+        yield from map(self.decodekey, keys)
+
+
+def test_a_staging_process_takes_the_environment_in_one_piece(monkeypatch):
+    """The tests' forked staging process (mingpt_helpers._ForkedStaging, in a forked rank)
+    copies the rank's environment on DCP's thread while the main thread may change it
+    (savers.staging_store puts its variables back): read key by key, a key removed in between
+    raised KeyError, the staging process never started, and the replica groups' matrix failed
+    (once in a run of the whole suite)."""
+    data = {**os.environ._data, b"GONE": b"1", b"KEPT": b"2"}
+    e = os.environ
+    monkeypatch.setattr(os, "environ", _Racing(data, e.encodekey, e.decodekey, e.encodevalue,
+                                               e.decodevalue))
+    process = _ForkedStaging().get_context("spawn").Process(target=print, daemon=True)
+    environ = process._args[0]
+    assert environ["KEPT"] == "2" and environ["GONE"] == "1"
