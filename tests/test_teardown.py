@@ -98,6 +98,11 @@ def ranks(cwd, argv: list[str], nproc: int = 2) -> tuple[list[int], str, str]:
         with out.open("w") as o, err.open("w") as e:
             procs.append(subprocess.Popen([PYTHON, *argv], cwd=cwd, stdout=o, stderr=e,
                                           env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}))
-    codes = [p.wait(timeout=240) for p in procs]
+    try:
+        codes = [p.wait(timeout=240) for p in procs]
+    finally:
+        for p in procs:  # one that hangs (its peer gone) fails the test, and is stopped
+            p.kill()
+            p.wait()
     return (codes, "".join(out.read_text() for out, _ in logs),
             "".join(err.read_text() for _, err in logs))
