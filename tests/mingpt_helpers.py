@@ -209,12 +209,28 @@ class Job:
                 self.returncode = 0
         return self.returncode
 
-    def wait(self, timeout: float) -> int:
+    def wait(self, timeout: float, quiet_s: float | None = None) -> int:
+        """The job's returncode once it ended; TimeoutExpired past `timeout`. With `quiet_s`:
+        once the log has not grown for that long, the live ranks' stacks written into it
+        (once; the wait goes on)."""
         deadline = time.monotonic() + timeout
+        size, since = -1, time.monotonic()
         while self.poll() is None:
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            left = deadline - now
             if left <= 0:
                 raise subprocess.TimeoutExpired(self.log.name, timeout)
+            if quiet_s is not None:  # the log's size, looked at every second
+                grown = self.log.stat().st_size
+                if grown != size:
+                    size, since = grown, now
+                elif now - since >= quiet_s:
+                    with self.log.open("a") as f:
+                        f.write(f"--- the log was quiet for {quiet_s:g} s ---\n")
+                    dump_stacks([(rank.pid, self.log) for rank in self.ranks
+                                 if rank.is_alive()])
+                    quiet_s = None
+                left = min(left, 1.0)
             multiprocessing.connection.wait([r.sentinel for r in self.ranks if r.is_alive()],
                                             timeout=left)
         return self.returncode
@@ -237,22 +253,6 @@ class Job:
             rank.kill()
         self.wait(60)
 
-    def _probe_quiet(self, deadline: float, quiet_s: float) -> None:
-        """Waits until the job ends, `deadline`, or a log quiet for `quiet_s` (then the
-        stacks, once)."""
-        size, since = -1, time.monotonic()
-        while self.poll() is None and time.monotonic() < deadline:
-            now, grown = time.monotonic(), self.log.stat().st_size
-            if grown != size:
-                size, since = grown, now
-            elif now - since >= quiet_s:
-                with self.log.open("a") as f:
-                    f.write(f"--- the log was quiet for {quiet_s:g} s ---\n")
-                dump_stacks([(rank.pid, self.log) for rank in self.ranks if rank.is_alive()])
-                return
-            multiprocessing.connection.wait([r.sentinel for r in self.ranks if r.is_alive()],
-                                            timeout=min(1.0, deadline - now))
-
     def finish(self, timeout: float = 240, quiet_s: float | None = None) -> str:
         """Its log once every rank has ended; a job past `timeout` (under pytest's 300 s, so
         that this report is the one seen) or still running at pytest's own timeout is killed
@@ -261,9 +261,7 @@ class Job:
         not grown for that long has its live ranks' stacks written into the log once and goes
         on: a stall that ends before the timeout still names where it waited."""
         try:
-            if quiet_s is not None:
-                self._probe_quiet(time.monotonic() + timeout, quiet_s)
-            self.wait(timeout)
+            self.wait(timeout, quiet_s)
         except (subprocess.TimeoutExpired, pytest.fail.Exception) as e:
             dump_stacks([(rank.pid, self.log) for rank in self.ranks if rank.is_alive()])
             self.kill()

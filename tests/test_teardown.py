@@ -27,11 +27,11 @@ from conftest import (
     TEARDOWN_PROBE,
     TORCHRUN,
     child_env,
-    free_port,
     gloo_threads_at_exit,
     run,
 )
 from mingpt_helpers import copy_mingpt, tiny
+from step_helpers import worker_env
 
 MINGPT_ARGS = ("trainer_config.max_steps=2", "trainer_config.sample_tokens=4")  # FSDP samples too
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"),
@@ -90,8 +90,8 @@ def ranks(cwd, argv: list[str], nproc: int = 2) -> tuple[list[int], str, str]:
     which stops the other workers (SIGTERM) once one has failed: a refused run's ranks each
     exit 2, and a rank still in its teardown when the first one exits would never reach the
     probe's line (a run of the whole suite once lost rank 1's)."""
-    env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-                    WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
+    env = child_env(**{**worker_env(), "WORLD_SIZE": str(nproc),
+                       "LOCAL_WORLD_SIZE": str(nproc)})
     logs = [(cwd / f"rank{r}.out", cwd / f"rank{r}.err") for r in range(nproc)]
     procs = []
     for r, (out, err) in enumerate(logs):
