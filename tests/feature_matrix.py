@@ -112,7 +112,7 @@ RUNNABLE = ("grad_accum", "zero", "fsdp", "bf16", "activation_checkpointing", "t
             "rotary", "qk_norm", "relu2", "untied_head", "fp16", "profile", "async_save", "s3",
             "init_from", "fp16_hook", "compile")
 
-# dry_run's pairs: the dry run of each covering run (runs()) plans, on every rank it plans,
+# dry_run's pairs: the dry run of a covering run (dry_runs) plans, on every rank it plans,
 # what the real step holds and sends with the same features on: model state, activations and
 # bytes per axis, to the byte (test_mingpt_dry_run.py; init_from with the stand-in GPT-2). But
 # for these, which the dry run takes and plans without that check: a MoE model's experts
@@ -148,10 +148,20 @@ DRY_PARTLY = {
 
 
 def dry_runs(config) -> list[tuple[str, ...]]:
-    """The covering runs that test_mingpt_dry_run.py plans dry and measures for real: runs()
-    without DRY_UNCHECKED, each once."""
+    """The runs that test_mingpt_dry_run.py plans dry and measures for real: of the covering
+    runs (runs(), without DRY_UNCHECKED), the fewest that hold every feature they hold
+    between them, picked greedily (the run that brings the most features none holds yet,
+    the earlier on a tie). dry_run's pairs are dry_run with one feature each, so one run
+    with the feature on proves its cell; the other covering runs would plan the same
+    features again in other company."""
     kept = [tuple(n for n in names if n not in DRY_UNCHECKED) for names in runs(config)]
-    return list(dict.fromkeys(names for names in kept if names))
+    left = {n for names in kept for n in names}
+    chosen: list[tuple[str, ...]] = []
+    while left:
+        best = max(kept, key=lambda names: len(left & set(names)))  # the first of the best
+        chosen.append(best)
+        left -= set(best)
+    return chosen
 
 
 def dry_pairs(config) -> list[tuple[str, str]]:

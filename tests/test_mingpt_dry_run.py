@@ -16,8 +16,9 @@ the same numbers for every rank it plans:
   on tensors of the same shapes.
 
 One spawn of W processes per world size runs every layout of that size; one more, of 4, the
-feature matrix's covering runs (tests/README.md's grid, dry_run's row: the plan, not the
-work). A layout a real run refuses is refused by the dry run with the same one `error:` line."""
+feature matrix's covering runs that hold every feature between them (tests/README.md's grid,
+dry_run's row: the plan, not the work). A layout a real run refuses is refused by the dry
+run with the same one `error:` line."""
 import importlib
 import json
 import os
@@ -203,16 +204,18 @@ def test_dry_run_equals_the_real_run(m, tmp_path, world):
 PLAN_KEYS = tuple(key for key in KEYS if key != "work")
 
 
-# 58 s alone on 2 cores; beside another test worker, about twice that: room for a slower one.
+# 58 s alone on 2 cores with all 15 covering runs; beside another test worker, about twice
+# that: room for a slower one.
 @pytest.mark.timeout(600)
-def test_the_dry_run_plans_each_run_of_the_feature_matrix_as_it_steps(
+def test_the_dry_run_plans_every_feature_of_the_matrix_as_it_steps(
         m, tmp_path, pretrained):  # noqa: F811 (pretrained: imported)
-    """tests/README.md's grid, dry_run's row: each covering run of the feature matrix
-    (feature_matrix.dry_runs: its features on, with this file's small model) planned dry on
-    feature_matrix.WORLD ranks holds and sends, on every rank it plans, what its real step
-    does, to the byte. init_from's runs start from the stand-in GPT-2 (test_feature_matrix's,
-    the same sizes as BASE) on its BPE data: the sizes the dry run plans are read from its
-    folder, as a real run reads them before it loads the weights."""
+    """tests/README.md's grid, dry_run's row: the covering runs of the feature matrix that
+    hold every feature between them (feature_matrix.dry_runs: each run's features on, with
+    this file's small model), each planned dry on feature_matrix.WORLD ranks, hold and send,
+    on every rank it plans, what the real step does, to the byte. init_from's runs start
+    from the stand-in GPT-2 (test_feature_matrix's, the same sizes as BASE) on its BPE data:
+    the sizes the dry run plans are read from its folder, as a real run reads them before it
+    loads the weights."""
     on = feature_matrix.features(m["config"])
     gpt2, bpe = pretrained
     stand_in = {"gpt_config.init_from=gpt2": [f"gpt_config.init_from={gpt2}", "data_config=bpe",
