@@ -6,7 +6,8 @@ read the previous attempt's keys there failed with "Gloo connectFullMesh failed 
 refused" at each restart, or hung, in 5 of 6 jobs of step 03 measured before the fix
 (tests/README.md, "Restarts"). Steps 03-05 now form each attempt's group on keys of its own
 (restarts.py). tests/restart_tries.py runs the tries; the other tests set the variable
-(conftest.child_env), so only these show the command as a new user runs it.
+(conftest.child_env), so only these, and 05's killed ddp worker in test_mingpt_train.py, show
+the command as a new user runs it.
 """
 import signal
 import sys
@@ -21,8 +22,9 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
 
 def test_step03_command_as_written_recovers_in_every_try(tmp_path):
     """4 processes, as the README's command; before the fix 1 of 6 such jobs recovered. These
-    two tries and the one of each of steps 04 and 05 below run one restarts.py (the copies are
-    byte-identical: test_docs.py): were the fault back, all four would pass once in 1,296."""
+    two tries, step 04's below and 05's (test_mingpt_train.py) run one restarts.py (the copies
+    are byte-identical: test_docs.py): were the fault back, all four would pass once in
+    1,296."""
     for i in range(2):
         result = one_try("03", tmp_path / f"try{i}", nproc=4, timeout_s=240)
         assert result["mesh_failures"] == 0, result["log_tail"]  # no "connectFullMesh failed"
@@ -35,10 +37,10 @@ def test_step03_command_as_written_recovers_in_every_try(tmp_path):
         assert result["epochs_after_resume"] == [2, 3], result
 
 
-@pytest.mark.parametrize("target", ["04", "05"])
-def test_steps_04_and_05_recover_from_a_kill_on_the_shared_store(tmp_path, target):
-    """Step 04's and 05's workers join the same way (04's copy of restarts.py, 05's
-    mingpt/restarts.py through mingpt.distributed.setup)."""
-    result = one_try(target, tmp_path, nproc=2, timeout_s=240)
+def test_step04_recovers_from_a_kill_on_the_shared_store(tmp_path):
+    """Step 04's workers join the same way (its copy of restarts.py). 05's (mingpt/restarts.py
+    through mingpt.distributed.setup): test_mingpt_train.py's killed ddp worker, which resumes
+    bit for bit on the shared store."""
+    result = one_try("04", tmp_path, nproc=2, timeout_s=240)
     assert result["mesh_failures"] == 0, result["log_tail"]
     assert (result["exit"], result["failed_attempts"], result["resumed"]) == (0, 1, True), result
