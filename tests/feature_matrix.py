@@ -147,14 +147,19 @@ DRY_PARTLY = {
 }
 
 
+def checked_runs(config) -> list[tuple[str, ...]]:
+    """The covering runs (runs()) without DRY_UNCHECKED: what a dry run's plan holds to the
+    byte."""
+    return [tuple(n for n in names if n not in DRY_UNCHECKED) for names in runs(config)]
+
+
 def dry_runs(config) -> list[tuple[str, ...]]:
-    """The runs that test_mingpt_dry_run.py plans dry and measures for real: of the covering
-    runs (runs(), without DRY_UNCHECKED), the fewest that hold every feature they hold
-    between them, picked greedily (the run that brings the most features none holds yet,
-    the earlier on a tie). dry_run's pairs are dry_run with one feature each, so one run
-    with the feature on proves its cell; the other covering runs would plan the same
-    features again in other company."""
-    kept = [tuple(n for n in names if n not in DRY_UNCHECKED) for names in runs(config)]
+    """The runs that test_mingpt_dry_run.py plans dry and measures for real: of checked_runs,
+    the fewest that hold every feature they hold between them, picked greedily (the run that
+    brings the most features none holds yet, the earlier on a tie). dry_run's pairs are
+    dry_run with one feature each, so one run with the feature on proves its cell; the other
+    covering runs would plan the same features again in other company."""
+    kept = checked_runs(config)
     left = {n for names in kept for n in names}
     chosen: list[tuple[str, ...]] = []
     while left:

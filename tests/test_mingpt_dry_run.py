@@ -204,8 +204,8 @@ def test_dry_run_equals_the_real_run(m, tmp_path, world):
 PLAN_KEYS = tuple(key for key in KEYS if key != "work")
 
 
-# 58 s alone on 2 cores with all 15 covering runs; beside another test worker, about twice
-# that: room for a slower one.
+# 58 s alone on 2 cores when it planned all 15 covering runs, 45 s with the 4 of dry_runs
+# (Xeon); beside another test worker, about twice that: room for a slower one.
 @pytest.mark.timeout(600)
 def test_the_dry_run_plans_every_feature_of_the_matrix_as_it_steps(
         m, tmp_path, pretrained):  # noqa: F811 (pretrained: imported)
