@@ -35,6 +35,7 @@ import torch
 
 from conftest import REPO, TORCHRUN, child_env
 from mingpt_helpers import copy_mingpt, tiny
+from restart_tries import FAILED_ATTEMPT, MESH_FAILURE
 
 # Per target: how progress, resumes and snapshots show. 03 counts epochs, 05 optimizer steps
 # (log_every=1); each is printed as it ends: 03 numbers epochs from 0, 05 steps from 1.
@@ -173,15 +174,20 @@ def account(target: str, records: list[dict], lines: list[tuple[float, str]],
         del rec["t"], rec["restart_t"]
 
 
-def storm(target: str, length: int, kills: int, seed: int, workdir: Path) -> dict:
-    """Run the job under the killer; return what happened (see the module docstring)."""
+def storm(target: str, length: int, kills: int, seed: int, workdir: Path,
+          shared_store: bool = False) -> dict:
+    """Run the job under the killer; return what happened (see the module docstring).
+    `shared_store`: torchrun's agent shares its rendezvous store with the workers, as a user's
+    does (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=0; the tests' default is 1, conftest.child_env)."""
     rng = random.Random(seed)
     pattern = re.compile(TARGETS[target]["progress"], re.M)
     # Distinct points in the first 90 % of training, so every kill leaves work to resume.
     points = sorted(rng.sample(range(1, max(kills + 1, int(length * 0.9))), kills))
     cmd, cwd, snapshot = command(target, length, workdir)
     agent = subprocess.Popen([TORCHRUN, "--standalone", "--nproc_per_node=2",
-                              f"--max-restarts={kills + 2}", *cmd], cwd=cwd, env=child_env(),
+                              f"--max-restarts={kills + 2}", *cmd], cwd=cwd,
+                             env=child_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=str(
+                                 int(not shared_store))),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[tuple[float, str]] = []  # (time, line) of everything the job printed
     reader = threading.Thread(target=lambda: lines.extend(
@@ -222,26 +228,33 @@ def storm(target: str, length: int, kills: int, seed: int, workdir: Path) -> dic
     reader.join(timeout=10)
     wall = time.monotonic() - start
     account(target, records, lines, start)
+    printed = "".join(line for _, line in lines)
     return {"exit": agent.returncode, "records": records, "wall_s": round(wall, 1),
+            # torchrun's agent logs one line per failed attempt (its first failed worker)
+            "failed_attempts": len(FAILED_ATTEMPT.findall(printed)),
+            "mesh_failures": printed.count(MESH_FAILURE),
             "tensors": final_tensors(snapshot) if agent.returncode == 0 else {},
             "log_tail": "".join(line for _, line in lines[-40:])}
 
 
 def run_storm(target: str, kills: int, seed: int, length: int, workdir: Path,
-              ref: dict[str, torch.Tensor] | None = None) -> dict:
+              ref: dict[str, torch.Tensor] | None = None, shared_store: bool = False) -> dict:
     """Reference, storm, comparison: the summary that the test asserts on and main prints.
-    `ref`: the uninterrupted run's final tensors, where the caller has them already."""
+    `ref`: the uninterrupted run's final tensors, where the caller has them already;
+    `shared_store`: storm()'s."""
     ref_wall = None
     if ref is None:
         ref, ref_wall = reference(target, length, workdir / "reference")
     (workdir / "storm").mkdir()
-    result = storm(target, length, kills, seed, workdir / "storm")
+    result = storm(target, length, kills, seed, workdir / "storm", shared_store)
     tensors = result.pop("tensors")
     same = bool(tensors) and tensors.keys() == ref.keys() and all(
         torch.equal(tensors[k], ref[k]) for k in ref)
     latencies = [r["latency_s"] for r in result["records"] if r["latency_s"] is not None]
     return {"target": target, "kills": len(result["records"]), "seed": seed,
             "exit": result["exit"], "bitwise_equal": same,
+            "failed_attempts": result["failed_attempts"],
+            "mesh_failures": result["mesh_failures"],
             "reference_wall_s": None if ref_wall is None else round(ref_wall, 1),
             "storm_wall_s": result["wall_s"],
             "mid_write_kills": sum(r["mid_write"] for r in result["records"]),
@@ -259,11 +272,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--length", type=int, default=None,
                         help="epochs (03) or steps (05) to train (default: 4 per kill, >= 20)")
+    parser.add_argument("--shared-store", action="store_true",
+                        help="torchrun's agent shares its store with the workers, as a user's")
     parser.add_argument("--json", help="also write the summary here")
     args = parser.parse_args(argv)
     length = args.length or max(20, 4 * args.kills)
     with tempfile.TemporaryDirectory(prefix="crash_storm_") as tmp:
-        summary = run_storm(args.target, args.kills, args.seed, length, Path(tmp))
+        summary = run_storm(args.target, args.kills, args.seed, length, Path(tmp),
+                            shared_store=args.shared_store)
     log_tail = summary.pop("log_tail")
     for r in summary["records"]:
         print(f"kill at {r['progress']:>3} -> resumed at {r['resumed_at']:>3} (lost {r['lost']}),"

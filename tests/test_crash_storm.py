@@ -1,7 +1,9 @@
 """Step 03 killed in a short crash storm (tests/crash_storm.py: a random worker SIGKILLed at
 two random points): the job finishes with the uninterrupted run's weights and momentum, bit for
-bit; the storm's accounting has unit tests. The one kill its README shows (FAULT_AT_EPOCH, the
-README's command) is test_restarts.py's: the restart trains the epochs after the snapshot.
+bit; the storm's accounting has unit tests. It runs on torchrun's shared store, as a user's job
+does: each of its restarts is a check of restarts.py (tests/README.md, "Restarts"). The one
+kill its README shows (FAULT_AT_EPOCH, the README's command) is test_restarts.py's: the restart
+trains the epochs after the snapshot.
 
 The long storms (15 kills, step 03 and 05 with DDP and FSDP) run from the command line; their
 measured figures are in tests/README.md, section "Crash storms".
@@ -36,9 +38,11 @@ def test_step03_killed_worker_resumes_bitwise_exact_in_a_storm(tmp_path):
     # a run saves must not change what it computes either, so that run is the storm's reference.
     # Seed 1 kills after epochs 3 and 5: four epochs are left to train after the second kill.
     summary = run_storm("03", kills=2, seed=1, length=10, workdir=tmp_path,
-                        ref=final_tensors(tmp_path / "a.pt"))
+                        ref=final_tensors(tmp_path / "a.pt"), shared_store=True)
     assert summary["exit"] == 0, summary["log_tail"]
     assert summary["kills"] == 2
+    # Each kill cost one attempt, and each restarted group formed at once on the shared store.
+    assert (summary["failed_attempts"], summary["mesh_failures"]) == (2, 0), summary["log_tail"]
     assert summary["bitwise_equal"]  # weights and momentum, tensor for tensor
     assert summary["snapshots_always_loadable"]
     # Every kill was followed by a restart that trained again, having to redo at most one

@@ -231,7 +231,7 @@ def test_ddp_killed_worker_resumes_bitwise_slowest(mingpt, ddp_reference):
     # exit (tests/test_teardown.py). torchrun's restart as a user runs it: its rendezvous store
     # shared with the workers (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=0, torch's default; conftest's
     # child_env sets 1 for the other launches), where each attempt's group forms on keys of its
-    # own (mingpt/restarts.py; test_restarts.py has steps 03 and 04).
+    # own (mingpt/restarts.py; the other steps' restarts: tests/README.md, "Restarts").
     proc = run([TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=3",
                 TEARDOWN_PROBE, "main.py", *tiny("run_name=ddp_b", *DDP_ARGS)], cwd=mingpt,
                FAULT_AT_STEP="7", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="0")

@@ -2,12 +2,15 @@
 processes instead of 8, leaves each rank's stdout and stderr in
 logs/<rdzv-id>_*/attempt_<N>/<local rank>/, one attempt per restart, the killed rank's last line
 among them; --tee copies rank 0's files to the console line for line, and
---local-ranks-filter keeps every other rank off it."""
+--local-ranks-filter keeps every other rank off it. It runs on torchrun's shared store, as a user
+runs it (TORCH_DISABLE_SHARE_RDZV_TCP_STORE not 1): the restart is step 04's check of
+restarts.py (tests/README.md, "Restarts"), one restart and no "connectFullMesh failed"."""
 import re
 import shlex
 from collections import Counter
 
 from conftest import REPO, TORCHRUN, free_port, run
+from restart_tries import MESH_FAILURE
 
 NPROC = 3  # the page's 8, fewer for a 2-core machine: the layout is the same
 
@@ -32,7 +35,9 @@ def test_each_rank_has_its_files_and_the_console_only_rank_0(tmp_path):
     # check=False: a surviving rank that torchrun stops after the kill may abort on its way
     # out ("terminate called ..."; seen once in 8 ranks); that attempt was lost anyway. The job
     # must still end well:
-    proc = run([TORCHRUN, *args], cwd=tmp_path, check=False, **env)
+    # "0", torchrun's default: the agent shares its rendezvous store with the workers.
+    proc = run([TORCHRUN, *args], cwd=tmp_path, check=False, **env,
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="0")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rdzv_id = next(a.split("=")[1] for a in args if a.startswith("--rdzv-id="))
 
@@ -42,6 +47,9 @@ def test_each_rank_has_its_files_and_the_console_only_rank_0(tmp_path):
     assert sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*.log")) == sorted(
         f"attempt_{a}/{r}/{s}.log" for a in (0, 1) for r in range(NPROC)
         for s in ("stdout", "stderr"))
+    # The restarted group formed on the shared store (--max-restarts=1: a second failure would
+    # have ended the job); no rank's connection failed on the way.
+    assert not [p for p in run_dir.rglob("stderr.log") if MESH_FAILURE in p.read_text()]
     last = NPROC - 1
     assert (run_dir / f"attempt_0/{last}/stdout.log").read_text() == (
         f"[rank {last}] FAULT_AT_EPOCH=1: killing this worker\n")
