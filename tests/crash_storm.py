@@ -186,8 +186,8 @@ def storm(target: str, length: int, kills: int, seed: int, workdir: Path,
     cmd, cwd, snapshot = command(target, length, workdir)
     agent = subprocess.Popen([TORCHRUN, "--standalone", "--nproc_per_node=2",
                               f"--max-restarts={kills + 2}", *cmd], cwd=cwd,
-                             env=child_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=str(
-                                 int(not shared_store))),
+                             env=child_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="0"
+                                           if shared_store else "1"),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[tuple[float, str]] = []  # (time, line) of everything the job printed
     reader = threading.Thread(target=lambda: lines.extend(
