@@ -35,7 +35,7 @@ import torch
 
 from conftest import REPO, TORCHRUN, child_env
 from mingpt_helpers import copy_mingpt, tiny
-from restart_tries import FAILED_ATTEMPT, MESH_FAILURE
+from restart_tries import SHARED_STORE, attempts
 
 # Per target: how progress, resumes and snapshots show. 03 counts epochs, 05 optimizer steps
 # (log_every=1); each is printed as it ends: 03 numbers epochs from 0, 05 steps from 1.
@@ -178,7 +178,7 @@ def storm(target: str, length: int, kills: int, seed: int, workdir: Path,
           shared_store: bool = False) -> dict:
     """Run the job under the killer; return what happened (see the module docstring).
     `shared_store`: torchrun's agent shares its rendezvous store with the workers, as a user's
-    does (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=0; the tests' default is 1, conftest.child_env)."""
+    does (restart_tries.SHARED_STORE; the tests' default is a fresh one per attempt)."""
     rng = random.Random(seed)
     pattern = re.compile(TARGETS[target]["progress"], re.M)
     # Distinct points in the first 90 % of training, so every kill leaves work to resume.
@@ -186,8 +186,7 @@ def storm(target: str, length: int, kills: int, seed: int, workdir: Path,
     cmd, cwd, snapshot = command(target, length, workdir)
     agent = subprocess.Popen([TORCHRUN, "--standalone", "--nproc_per_node=2",
                               f"--max-restarts={kills + 2}", *cmd], cwd=cwd,
-                             env=child_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="0"
-                                           if shared_store else "1"),
+                             env=child_env(**(SHARED_STORE if shared_store else {})),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[tuple[float, str]] = []  # (time, line) of everything the job printed
     reader = threading.Thread(target=lambda: lines.extend(
@@ -228,11 +227,8 @@ def storm(target: str, length: int, kills: int, seed: int, workdir: Path,
     reader.join(timeout=10)
     wall = time.monotonic() - start
     account(target, records, lines, start)
-    printed = "".join(line for _, line in lines)
     return {"exit": agent.returncode, "records": records, "wall_s": round(wall, 1),
-            # torchrun's agent logs one line per failed attempt (its first failed worker)
-            "failed_attempts": len(FAILED_ATTEMPT.findall(printed)),
-            "mesh_failures": printed.count(MESH_FAILURE),
+            **attempts("".join(line for _, line in lines)),
             "tensors": final_tensors(snapshot) if agent.returncode == 0 else {},
             "log_tail": "".join(line for _, line in lines[-40:])}
 

@@ -41,6 +41,18 @@ TARGETS = {
 }
 FAILED_ATTEMPT = re.compile(r"failed \(exitcode: (-?\d+)\)")
 MESH_FAILURE = "connectFullMesh failed"
+# torchrun's own default, for a launch that runs as a user's does: the agent shares its
+# rendezvous store with the workers (conftest.child_env sets 1 for the other tests' launches).
+SHARED_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"}
+
+
+def attempts(log: str) -> dict:
+    """What torchrun's log says of its attempts: the exit code of each failed one (the agent
+    logs its first failed worker, once per attempt) and the restarted groups that could not
+    form ("connectFullMesh failed")."""
+    codes = [int(c) for c in FAILED_ATTEMPT.findall(log)]
+    return {"failed_attempts": len(codes), "exit_codes": codes,
+            "mesh_failures": log.count(MESH_FAILURE)}
 
 
 def one_try(target: str, workdir: Path, nproc: int, timeout_s: float) -> dict:
@@ -68,17 +80,16 @@ def one_try(target: str, workdir: Path, nproc: int, timeout_s: float) -> dict:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         code = "timeout"
-    failures = FAILED_ATTEMPT.findall(err)
+    seen = attempts(err)
     # Steps 03 and 04: the epochs rank 0 trained after the last resume line (every rank prints
     # its line before the first epoch's all-reduce, so none comes after an epoch's).
     after = out.split("Resuming training")[-1] if "Resuming training" in out else ""
-    return {"exit": code, "seconds": round(time.monotonic() - start, 1),
-            "failed_attempts": len(failures), "exit_codes": [int(c) for c in failures],
-            "mesh_failures": err.count(MESH_FAILURE), "resumed": resumed in out,
+    return {"exit": code, "seconds": round(time.monotonic() - start, 1), **seen,
+            "resumed": resumed in out,
             "epochs_after_resume": [int(e) for e in re.findall(r"Epoch (\d+) \| Batchsize",
                                                                 after)],
             # the job came back: one kill, one restart, and it finished
-            "recovered": code == 0 and len(failures) == 1 and resumed in out,
+            "recovered": code == 0 and seen["failed_attempts"] == 1 and resumed in out,
             "log_tail": err[-1500:]}
 
 

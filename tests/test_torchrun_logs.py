@@ -10,7 +10,7 @@ import shlex
 from collections import Counter
 
 from conftest import REPO, TORCHRUN, free_port, run
-from restart_tries import MESH_FAILURE
+from restart_tries import MESH_FAILURE, SHARED_STORE
 
 NPROC = 3  # the page's 8, fewer for a 2-core machine: the layout is the same
 
@@ -35,9 +35,7 @@ def test_each_rank_has_its_files_and_the_console_only_rank_0(tmp_path):
     # check=False: a surviving rank that torchrun stops after the kill may abort on its way
     # out ("terminate called ..."; seen once in 8 ranks); that attempt was lost anyway. The job
     # must still end well:
-    # "0", torchrun's default: the agent shares its rendezvous store with the workers.
-    proc = run([TORCHRUN, *args], cwd=tmp_path, check=False, **env,
-               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="0")
+    proc = run([TORCHRUN, *args], cwd=tmp_path, check=False, **env, **SHARED_STORE)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rdzv_id = next(a.split("=")[1] for a in args if a.startswith("--rdzv-id="))
 
