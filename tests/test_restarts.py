@@ -5,10 +5,10 @@ torchrun's agent shares one TCP store with every attempt's workers; a restarted 
 read the previous attempt's keys there failed with "Gloo connectFullMesh failed ... Connection
 refused" at each restart, or hung, in 5 of 6 jobs of step 03 measured before the fix
 (tests/README.md, "Restarts"). Steps 03-05 now form each attempt's group on keys of its own
-(restarts.py). tests/restart_tries.py runs the tries; the other tests set the variable
-(conftest.child_env), so only these, step 04's logs command (test_torchrun_logs.py), step 03's
-crash storm (test_crash_storm.py) and 05's killed ddp worker (test_mingpt_train.py) show the
-restart as a new user runs it.
+(restarts.py). tests/restart_tries.py runs the try; the other tests set the variable
+(conftest.child_env), so only this test, step 04's logs command (test_torchrun_logs.py), step
+03's crash storm (test_crash_storm.py) and 05's killed ddp worker (test_mingpt_train.py) show
+the restart as a new user runs it.
 """
 import signal
 import sys
