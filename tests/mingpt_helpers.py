@@ -22,6 +22,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import NamedTuple
 
 import fsspec
 import pytest
@@ -166,6 +167,17 @@ def dump_stacks(ranks: list[tuple[int, Path]]) -> None:
 ONE_PER_DUMP = "Current thread 0x"  # once in each faulthandler dump of all threads
 
 
+class Then(NamedTuple):
+    """A Job's later run: SCRIPT's arguments, its log, the variables it changes (a process
+    group on a port of its own is the Job's doing), and what its rank 0 runs before it (a
+    module-level function, taken to the fork by pickle), or None."""
+
+    argv: list[str]
+    log: Path
+    env: dict[str, str]
+    before: Callable[[], None] | None = None
+
+
 class Job:
     """`torchrun --standalone --nproc_per_node=NPROC SCRIPT ARGV` in `cwd`, as its ranks see
     it, for checks of what the script does rather than of torchrun: each rank forked from the
@@ -179,24 +191,37 @@ class Job:
     How the others stop: SIGKILL at once; with `stop_grace_s`, as torchrun's agent stops them
     (SIGTERM, then SIGKILL to any still running `stop_grace_s` later; torchrun waits 30 s), with
     TORCHELASTIC_RUN_ID set as torchrun sets it: a rank of a hang's test leaves its Flight
-    Recorder dump on SIGTERM (mingpt.forensics.arm), as it does under torchrun."""
+    Recorder dump on SIGTERM (mingpt.forensics.arm), as it does under torchrun.
+
+    `then`: later runs of SCRIPT in the same processes, one after the other, each in its own
+    log (Then), as a warm world's ranks run case after case: the imports, DTensor's sharding
+    decisions and dynamo's graphs of the run before are kept. A run that fails ends its rank."""
 
     def __init__(self, cwd: Path, script: str, argv: list[str], nproc: int, log: Path,
                  compile_backend: str | None = None, stop_grace_s: float | None = None,
-                 **env: str) -> None:
+                 then: tuple["Then", ...] = (), **env: str) -> None:
         self.log, self.returncode, self.stop_grace_s = log, None, stop_grace_s
+        self.logs = [log, *(later.log for later in then)]
         if stop_grace_s is not None:
             env = {"TORCHELASTIC_RUN_ID": f"job-{os.getpid()}-{log.stem}", **env}
         environ = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                             WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), **env)
+        # Each later run makes its process group anew: on a port of its own.
+        later = [(later.argv, str(later.log), {**later.env, "MASTER_PORT": str(free_port())},
+                  later.before) for later in then]
         context = fork_server()
         self.ranks = [context.Process(target=_job_rank, daemon=False,
                                       args=(rank, environ, str(cwd), script, argv, str(log),
-                                            None, compile_backend))
+                                            None, compile_backend, later))
                       for rank in range(nproc)]
-        log.touch()
+        for path in self.logs:
+            path.touch()
         for rank in self.ranks:
             rank.start()
+
+    def current_log(self) -> Path:
+        """The log of the run the ranks are in: the last one written to."""
+        return next((path for path in reversed(self.logs) if path.stat().st_size), self.log)
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -220,15 +245,15 @@ class Job:
             left = deadline - now
             if left <= 0:
                 raise subprocess.TimeoutExpired(self.log.name, timeout)
-            if quiet_s is not None:  # the log's size, looked at every second
-                grown = self.log.stat().st_size
+            if quiet_s is not None:  # the logs' size, looked at every second
+                grown = sum(path.stat().st_size for path in self.logs)
                 if grown != size:
                     size, since = grown, now
                 elif now - since >= quiet_s:
-                    with self.log.open("a") as f:
+                    log = self.current_log()
+                    with log.open("a") as f:
                         f.write(f"--- the log was quiet for {quiet_s:g} s ---\n")
-                    dump_stacks([(rank.pid, self.log) for rank in self.ranks
-                                 if rank.is_alive()])
+                    dump_stacks([(rank.pid, log) for rank in self.ranks if rank.is_alive()])
                     quiet_s = None
                 left = min(left, 1.0)
             multiprocessing.connection.wait([r.sentinel for r in self.ranks if r.is_alive()],
@@ -254,23 +279,24 @@ class Job:
         self.wait(60)
 
     def finish(self, timeout: float = 240, quiet_s: float | None = None) -> str:
-        """Its log once every rank has ended; a job past `timeout` (under pytest's 300 s, so
-        that this report is the one seen) or still running at pytest's own timeout is killed
-        and fails the test, with the log's tail and every live rank's Python stacks (each
-        rank's faulthandler, on SIGUSR1: see _job_rank). With `quiet_s`, a job whose log has
-        not grown for that long has its live ranks' stacks written into the log once and goes
-        on: a stall that ends before the timeout still names where it waited."""
+        """Its log (its runs' logs, one after the other) once every rank has ended; a job
+        past `timeout` (under pytest's 300 s, so that this report is the one seen) or still
+        running at pytest's own timeout is killed and fails the test, with the current log's
+        tail and every live rank's Python stacks (each rank's faulthandler, on SIGUSR1: see
+        _job_rank). With `quiet_s`, a job whose logs have not grown for that long has its live
+        ranks' stacks written into the current log once and goes on: a stall that ends before
+        the timeout still names where it waited."""
         try:
             self.wait(timeout, quiet_s)
         except (subprocess.TimeoutExpired, pytest.fail.Exception) as e:
-            dump_stacks([(rank.pid, self.log) for rank in self.ranks if rank.is_alive()])
+            log = self.current_log()
+            dump_stacks([(rank.pid, log) for rank in self.ranks if rank.is_alive()])
             self.kill()
             said = (f"the job ran past {timeout} s" if isinstance(e, subprocess.TimeoutExpired)
                     else str(e).rstrip("."))
             pids = ", ".join(f"rank {r} {rank.pid}" for r, rank in enumerate(self.ranks))
-            pytest.fail(f"{self.log.name}: {said} (pids: {pids}):\n"
-                        f"{self.log.read_text()[-12000:]}")
-        return self.log.read_text()
+            pytest.fail(f"{log.name}: {said} (pids: {pids}):\n{log.read_text()[-12000:]}")
+        return "".join(path.read_text() for path in self.logs)
 
 
 def ended_job(cwd: Path, script: str, argv: list[str], nproc: int, log: Path,
@@ -380,11 +406,13 @@ def recorded_warnings() -> Iterator[list[str]]:
 
 
 def _job_rank(rank: int | None, environ: dict, cwd: str, script: str, argv: list[str],
-              log: str, err: str | None = None, compile_backend: str | None = None) -> None:
+              log: str, err: str | None = None, compile_backend: str | None = None,
+              later: list[tuple] = ()) -> None:
     """One rank of a Job: `python SCRIPT ARGV` in a fork of the fork server, RANK and
     LOCAL_RANK `rank` (None: environ's, forked_peer's one worker of its node); its stderr in
     `err` where given, else in `log` with its stdout; its compiles with `compile_backend`
-    where given (compile_with; their count, the log's last line)."""
+    where given (compile_with; each run's count, its log's last line). Then each of `later`'s
+    runs (argv, log, env, before: Job's `then`) in this process."""
     _adopt(environ)
     if rank is not None:
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
@@ -402,21 +430,39 @@ def _job_rank(rank: int | None, environ: dict, cwd: str, script: str, argv: list
     if compile_backend:
         compile_with(compile_backend)
     stage_in_forks()
-    sys.argv = [script, *argv]
-    os.dup2(os.open(log, os.O_WRONLY | os.O_APPEND), 1)
-    os.dup2(os.open(err or log, os.O_WRONLY | os.O_APPEND), 2)
+    _output_to(log, err)
     # Line by line, as PYTHONUNBUFFERED gives a launched rank: tests wait for a line.
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (the process's own)
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     # A stuck job's ranks say where they are (Job.dump_stacks); the series uses no SIGUSR1.
+    # It writes to fd 2, whichever log that is by then.
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
-    # An absolute __file__, as Python gives `python SCRIPT`: a process it spawns (DCP's
-    # staging process) imports the script again from there.
-    try:
-        runpy.run_path(os.path.join(cwd, script), run_name="__main__")
-    finally:
-        if compile_backend:
-            print(f"compile_with: {COMPILED_GRAPHS[0]} graphs compiled", flush=True)
+    for n, (args, run_log, env, before) in enumerate([(argv, log, {}, None), *later]):
+        if before is not None and os.environ["RANK"] == "0":
+            before()
+        os.environ.update(env)
+        if n:  # the first run's output is set above
+            _output_to(run_log, None)
+        sys.argv = [script, *args]
+        before_run = COMPILED_GRAPHS[0]
+        # An absolute __file__, as Python gives `python SCRIPT`: a process it spawns (DCP's
+        # staging process) imports the script again from there.
+        try:
+            runpy.run_path(os.path.join(cwd, script), run_name="__main__")
+        finally:
+            if compile_backend:
+                print(f"compile_with: {COMPILED_GRAPHS[0] - before_run} graphs compiled",
+                      flush=True)
+
+
+def _output_to(log: str, err: str | None) -> None:
+    """This process's stdout into `log` (appended), its stderr into `err`, else `log` too."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    for fd, path in ((1, log), (2, err or log)):
+        opened = os.open(path, os.O_WRONLY | os.O_APPEND)
+        os.dup2(opened, fd)
+        os.close(opened)
 
 
 class _ForkedStaging:
@@ -665,6 +711,12 @@ def snapshot_at(whole: str, resumed: str, step: int) -> None:
     that step. fsspec, so local paths and s3:// alike."""
     with mingpt_imported() as m:
         name, latest = m["shards"].step_dir(step), m["shards"].LATEST
+    copy_step(whole, resumed, name, latest)
+
+
+def copy_step(whole: str, resumed: str, name: str, latest: str) -> None:
+    """snapshot_at's copy, of step directory `name`, with `latest` (mingpt.shards' file name)
+    naming it; nothing imported, so a Job's rank can run it between its runs (Then.before)."""
     fs, source = fsspec.core.url_to_fs(whole)
     target = fsspec.core.url_to_fs(resumed)[1]
     for path in fs.find(source):

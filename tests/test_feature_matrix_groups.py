@@ -6,9 +6,11 @@ refused in one line (tests/README.md's grid; test_feature_matrix.py holds the ot
   pair in one of them under its own flavour. Each run is two replica groups of two ranks (each
   group a job of main.py's ranks as FAULT_TOLERANCE.md starts it with torchrun, forked:
   mingpt_helpers.Job, compiling with aot_eager as the warm world does; a torchft lighthouse
-  of their own) that train with a snapshot after
-  every step; then both groups again from their own snapshots of step 1, to the end. Each
-  group ends with the weights of its run that never stopped, bit for bit.
+  of their own) that train with a snapshot after every step; then both groups again from
+  their own snapshots of step 1, to the end: main.py run again in the same ranks (Job's
+  `then`), each half with its own process group, Manager and lighthouse, as the warm world's
+  ranks run a case's halves. Each group ends with the weights of its run that never stopped,
+  bit for bit.
 - The groups agree: with ft_sync=step (gradients averaged at every step) and local_sgd
   (weights averaged every 2 steps: at step 2, the end; step 1's snapshot lies inside the
   interval) both groups end with the same weights. diloco's weights meet in 2 fragments, one
@@ -19,6 +21,7 @@ refused in one line (tests/README.md's grid; test_feature_matrix.py holds the ot
 - Each run's snapshot (group 0's) exports to GPT-2 bit for bit, or is refused in one line
   (test_feature_matrix.check_export).
 """
+import functools
 import re
 from pathlib import Path
 
@@ -29,9 +32,10 @@ from mingpt_helpers import (
     MINGPT,
     REPO,
     Job,
+    Then,
+    copy_step,
     graphs_compiled,
     mingpt_imported,
-    snapshot_at,
     weights_at,
 )
 from test_feature_matrix import (
@@ -44,10 +48,10 @@ from test_feature_matrix import (
 from test_mingpt_s3 import s3_env  # noqa: F401 (a fixture: the moto server and its bucket)
 from test_mingpt_torchft import Lighthouse
 
-# The first test trains every run (the module's fixture): 22 pairs of jobs, 152 s alone and
-# 210 s in a whole run on 2 cores (EPYC, e53554f); with a third pytest worker on those cores
-# it once ran past pyproject's 300 s for a test. A hang ends sooner: each job stops at
-# Job.finish's 240 s.
+# The first test trains every run (the module's fixture): 22 jobs, each both halves of a
+# group's run (two jobs a half before: 292 core-seconds alone, 216 since, Xeon, 2 cores); with
+# a third pytest worker on 2 cores it once ran past pyproject's 300 s for a test. A hang ends
+# sooner: each job stops at Job.finish's 240 s.
 pytestmark = pytest.mark.timeout(900)
 
 # How the groups meet (settings, not features): every 2 steps; diloco in 2 fragments, one at
@@ -66,20 +70,31 @@ def group_args(schema, names: tuple[str, ...], run_dir: Path, text: Path,
     return [*(f"{k}={v}" for k, v in given.items()), f"trainer_config.ft_replica_group={g}"]
 
 
-def train(schema, names: tuple[str, ...], case: Path, kind: str, text: Path,
-          gpt2: tuple[str, str], env: dict) -> None:
-    """Both groups of run `names` (`kind`: whole or resumed), to their end: group g keeps its
-    snapshot at location(case / f"{kind}{g}") and its log beside it. `schema`: mingpt/config.py;
-    `gpt2`: the pretrained fixture's. A lighthouse of their own: every quorum is of these two
-    groups alone, none of an earlier run's whose heartbeats it still remembers."""
+def train(schema, names: tuple[str, ...], case: Path, text: Path, gpt2: tuple[str, str],
+          env: dict, step: tuple[str, str]) -> None:
+    """Both groups of run `names`, whole, then resumed, to their end: group g keeps each
+    half's snapshot at location(case / f"{kind}{g}") and its log beside it. `schema`:
+    mingpt/config.py; `gpt2`: the pretrained fixture's; `step`: step 1's directory and the
+    name of `latest` (mingpt.shards'). Each group is one Job whose ranks run both halves, as
+    the world's ranks do (Then): its rank 0 copies step 1's snapshot in between. Each half
+    has a lighthouse of its own: every quorum is of these two groups alone, none of an
+    earlier run's whose heartbeats it still remembers."""
     case.mkdir(parents=True, exist_ok=True)
+
+    def args(kind: str, g: int) -> list[str]:
+        return group_args(schema, names, case / f"{kind}{g}", text, gpt2, g)
+
     # min_replicas: every quorum waits for both groups, so each step is both groups' step.
-    with Lighthouse(case, min_replicas=feature_matrix.GROUPS) as lighthouse:
-        jobs = [Job(MINGPT, "main.py",
-                    group_args(schema, names, case / f"{kind}{g}", text, gpt2, g),
-                    feature_matrix.GROUP, case / f"{kind}{g}.log", compile_backend="aot_eager",
-                    **env,
-                    TORCHFT_LIGHTHOUSE=f"http://localhost:{lighthouse.port}")
+    with Lighthouse(case, min_replicas=feature_matrix.GROUPS) as whole, \
+            Lighthouse(case, min_replicas=feature_matrix.GROUPS) as resumed:
+        jobs = [Job(MINGPT, "main.py", args("whole", g), feature_matrix.GROUP,
+                    case / f"whole{g}.log", compile_backend="aot_eager", **env,
+                    TORCHFT_LIGHTHOUSE=f"http://localhost:{whole.port}",
+                    then=(Then(args("resumed", g), case / f"resumed{g}.log",
+                               {"TORCHFT_LIGHTHOUSE": f"http://localhost:{resumed.port}"},
+                               functools.partial(copy_step, location(names, case / f"whole{g}"),
+                                                 location(names, case / f"resumed{g}"),
+                                                 *step)),))
                 for g in range(feature_matrix.GROUPS)]
         for job in jobs:
             # A run once waited ~235 s between its groups' last lines and their ends (one in
@@ -95,16 +110,13 @@ def groups(tmp_path_factory, config, s3_env, pretrained):  # noqa: F811 (fixture
     text = out / "input.txt"
     text.write_text((REPO / "05_mingpt/data/input.txt").read_text()[:40_000])
     runs = feature_matrix.runs(config, groups=True)
+    with mingpt_imported() as m:
+        step = (m["shards"].step_dir(1), m["shards"].LATEST)
     with pytest.MonkeyPatch.context() as patch:
         for key, value in s3_env.items():
             patch.setenv(key, value)  # this process reads the s3 runs' snapshots
         for names in runs:
-            case = out / "+".join(names)
-            train(config, names, case, "whole", text, pretrained, s3_env)
-            for g in range(feature_matrix.GROUPS):
-                snapshot_at(location(names, case / f"whole{g}"),
-                            location(names, case / f"resumed{g}"), 1)
-            train(config, names, case, "resumed", text, pretrained, s3_env)
+            train(config, names, out / "+".join(names), text, pretrained, s3_env, step)
         yield out, runs
 
 
@@ -125,13 +137,17 @@ def test_every_replica_pair_resumes_bit_for_bit_and_the_groups_agree(groups):
             assert f"resumed from {location(names, case / f'resumed{g}')} at step 1" in log, \
                 (names, log[-3000:])
             logs.append(log)
-            # compile's runs compiled graphs on each of the group's ranks, the others none;
-            # the resumed run the whole run's (ddp.settle_buckets once compiled a one-sample
-            # graph first, and the steps then one with the batch dimension dynamic)
-            counts = [graphs_compiled((case / f"{kind}{g}.log").read_text())
-                      for kind in ("whole", "resumed")]
-            assert counts[0] == counts[1] and len(counts[0]) == feature_matrix.GROUP and \
-                all((n > 0) == ("compile" in names) for n in counts[0]), (names, counts)
+            # compile's runs compiled graphs on each of the group's ranks, the others none.
+            # The resumed half runs in the whole half's processes: it steps in their graphs,
+            # but for those that guard on an object of the whole half's model, compiled again
+            # (tensor parallelism's forward hooks on the attention's Linears: measured, 1 of
+            # tp's graphs per rank; ddp's and fsdp's none).
+            whole, resumed = (graphs_compiled((case / f"{kind}{g}.log").read_text())
+                              for kind in ("whole", "resumed"))
+            assert len(whole) == len(resumed) == feature_matrix.GROUP and \
+                all((n > 0) == ("compile" in names) for n in whole) and \
+                all(r <= w for r, w in zip(resumed, whole, strict=True)), \
+                (names, whole, resumed)
             for kind in ("whole", "resumed"):
                 weights[kind, g] = weights_at(location(names, case / f"{kind}{g}"))
         for (kind, g), w in weights.items():
