@@ -25,8 +25,8 @@ from mingpt_helpers import (
     U,
     copy_mingpt,
     log_units,
+    mingpt_imported,
     read_snapshot,
-    snapshot_at,
     tiny,
     train_losses,
     val_losses,
@@ -94,8 +94,8 @@ def tensorboard(run_dir: Path, tag: str) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def runs(xla_python, tmp_path_factory) -> dict:
-    """Every run the tests read: eager main.py and xla_main.py on the same 32 sequences per
-    step, and an XLA run with dropout, whole and resumed from its step-2 snapshot."""
+    """The runs the comparison with eager reads: eager main.py and xla_main.py on the same 32
+    sequences per step (the resumed runs are the probe's, below)."""
     out = tmp_path_factory.mktemp("xla")
     folder = copy_mingpt(out)
     text = out / "input.txt"  # 40,000 characters of the usual text: fast to read, same vocab
@@ -114,14 +114,6 @@ def runs(xla_python, tmp_path_factory) -> dict:
         *same, f"run_dir={out}/xla", "trainer_config.eval_batches=8",
         f"trainer_config.batch_size={BATCH}", "trainer_config.save_every=0",
         "trainer_config.sample_tokens=30"))}
-    # Resume: with dropout (the device's RNG stream must resume too), a snapshot at step 2,
-    # kept (keep_last=2) when step 4's is committed; the resumed run starts from a copy of it.
-    dropout = (*COMMON, data, f"trainer_config.batch_size={BATCH}",
-               "trainer_config.eval_batches=8", "trainer_config.save_every=2",
-               "trainer_config.keep_last=2", "trainer_config.sample_tokens=0")
-    logs["whole"] = xla_run(xla_python, folder, *tiny(*dropout, f"run_dir={out}/whole"))
-    snapshot_at(str(out / "whole/snapshot"), str(out / "resumed/snapshot"), 2)
-    logs["resumed"] = xla_run(xla_python, folder, *tiny(*dropout, f"run_dir={out}/resumed"))
     return {"out": out, "folder": folder, "logs": logs}
 
 
@@ -192,12 +184,14 @@ def test_xla_ends_at_eager_cpus_weights(runs):
 # Run in .venv-xla, in 05_mingpt/: xla_main.py's own build and Trainer, then every parameter
 # and AdamW moment as XLA holds it (its sharding and each device's shard), once after a fresh
 # start and one step (max_steps=1, saved), once right after a resume (the moments loaded from
-# the file). Then, in the same process (its imports and compiled steps paid once),
-# xla_main.main on the arguments between "--" and the last (test_xla_stops_at_a_nan_loss_
-# before_saving_it's run): its exit status and what it wrote on stderr; and the config of each
-# override list in the last argument (JSON; REFUSED's): its one line, or None.
+# the file). Then, in the same process (its imports paid once, and each compiled step once:
+# a resumed run steps in its whole run's programs), xla_main.main on the arguments of the nan
+# run (test_xla_stops_at_a_nan_loss_before_saving_it's), then of the run with dropout, whole,
+# then resumed from a copy of its step-2 snapshot (test_xla_resumes_bit_for_bit's): each
+# one's exit status and what it wrote; and the config of each of REFUSED's override lists:
+# its one line, or None. Its one argument, JSON, holds them all.
 PROBE = """
-import contextlib, io, json, sys, warnings, torch, torch_xla
+import contextlib, io, json, shutil, sys, warnings, torch, torch_xla
 from torch_xla.distributed.spmd.xla_sharding import wrap_as_sharded_tensor
 from mingpt import distributed
 import xla_main
@@ -220,8 +214,8 @@ def shards(model, optimizer):
                 "rebuilt": torch.equal(rebuilt, whole)}
     return found
 
-split = sys.argv.index("--")
-cfg = xla_main.load_config(sys.argv[1:split])
+given = json.loads(sys.argv[1])
+cfg = xla_main.load_config(given["probe"])
 mesh, device = xla_main.make_mesh(), torch_xla.device()
 distributed.setup("cpu")  # xla_main.train's one-rank group
 report = {}
@@ -234,17 +228,30 @@ distributed.release()  # xla_main.main makes its own group
 # A second use_spmd in one process warns that XLA_USE_SPMD (set by the first) is deprecated;
 # a launched xla_main.py calls it once. Only that warning is silenced.
 warnings.filterwarnings("ignore", "XLA_USE_SPMD is being deprecated")
-err, code = io.StringIO(), 0
-with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
-    try:
-        xla_main.main(sys.argv[split + 1:-1])
-    except SystemExit as e:  # as the interpreter turns it into an exit status
-        code = e.code
-report["nan"] = {"code": code, "stderr": err.getvalue()}
+
+def command(argv):
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            xla_main.main(argv)
+        except SystemExit as e:  # as the interpreter turns it into an exit status
+            code = e.code
+    return {"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
+
+report["nan"] = command(given["nan"])
+# A run with dropout, whole, then resumed from a copy of its step-2 snapshot (the step
+# directory and `latest` naming it).
+dropout = {"whole": command(given["whole"])}
+source, target, step, latest = given["copy"]
+shutil.copytree(f"{source}/{step}", f"{target}/{step}")
+with open(f"{target}/{latest}", "w") as f:
+    f.write(step)
+dropout["resumed"] = command(given["resumed"])
+report["dropout"] = dropout
 # Each refused config's one line (xla_main.load_config, which main() calls first), and the
 # optimizer of a config that names none.
 refusals = []
-for overrides in json.loads(sys.argv[-1]):
+for overrides in given["refused"]:
     try:
         xla_main.load_config(overrides)
         refusals.append(None)
@@ -255,6 +262,11 @@ print(json.dumps(report))
 """
 
 
+# Resume: with dropout (the device's RNG stream must resume too), a snapshot at step 2,
+# kept (keep_last=2) when step 4's is committed; the resumed run starts from a copy of it.
+DROPOUT = (*COMMON, f"trainer_config.batch_size={BATCH}", "trainer_config.eval_batches=8",
+           "trainer_config.save_every=2", "trainer_config.keep_last=2",
+           "trainer_config.sample_tokens=0")
 # The nan run: the loss turns nan at step 2 (lr 1e30), a save step but no log step.
 NAN = ("optimizer_config.lr=1e30", "trainer_config.max_steps=4", "trainer_config.log_every=4",
        "trainer_config.save_every=2", "trainer_config.sample_tokens=0")
@@ -277,20 +289,30 @@ REFUSED = {
 
 
 @pytest.fixture(scope="module")
-def shard_report(runs, xla_python) -> dict:
+def probe(runs, xla_python) -> dict:
+    """PROBE's report: the shards, the nan run, the run with dropout whole and resumed (each
+    run's exit status, stdout and stderr), and the refusals."""
     out = runs["out"]
     data = f"data_config.path={out}/input.txt"
-    proc = run([xla_python, "-c", PROBE, *tiny("trainer_config.max_steps=1", *QUIET, data,
-                                               f"run_dir={out}/probe"),
-                "--", *tiny(*NAN, data, f"run_dir={out}/nan"),
-                json.dumps(list(REFUSED.values()))],
-               cwd=runs["folder"], timeout=600, **XLA_ENV)
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    with mingpt_imported() as m:
+        step, latest = m["shards"].step_dir(2), m["shards"].LATEST
+    given = {"probe": tiny("trainer_config.max_steps=1", *QUIET, data, f"run_dir={out}/probe"),
+             "nan": tiny(*NAN, data, f"run_dir={out}/nan"),
+             "whole": tiny(*DROPOUT, data, f"run_dir={out}/whole"),
+             "resumed": tiny(*DROPOUT, data, f"run_dir={out}/resumed"),
+             "copy": [str(out / "whole/snapshot"), str(out / "resumed/snapshot"), step, latest],
+             "refused": list(REFUSED.values())}
+    proc = run([xla_python, "-c", PROBE, json.dumps(given)], cwd=runs["folder"], timeout=600,
+               **XLA_ENV)
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, ran in report["dropout"].items():
+        assert ran["code"] == 0, (name, ran["stderr"][-3000:])
+    return report
 
 
 @pytest.mark.parametrize("phase", ["fresh", "resumed"])
-def test_parameters_and_adamw_state_lie_in_4_shards(shard_report, phase):
-    report = shard_report[phase]
+def test_parameters_and_adamw_state_lie_in_4_shards(probe, phase):
+    report = probe[phase]
     # 28 parameter tensors (2 blocks of 12, 2 embeddings, the final LayerNorm's 2; the head is
     # the tied embedding), each with AdamW's 2 moments.
     assert len(report) == 28 * 3, sorted(report)
@@ -309,8 +331,8 @@ def test_parameters_and_adamw_state_lie_in_4_shards(shard_report, phase):
 
 # --- Resume, snapshot, sample.py -------------------------------------------------------------
 
-def test_xla_resumes_bit_for_bit(runs):
-    out, logs = runs["out"], runs["logs"]
+def test_xla_resumes_bit_for_bit(runs, probe):
+    out, logs = runs["out"], {name: ran["stdout"] for name, ran in probe["dropout"].items()}
     whole, resumed = snapshot(out / "whole/snapshot"), snapshot(out / "resumed/snapshot")
     assert "resumed from" in logs["resumed"] and whole["step"] == resumed["step"] == STEPS
     for key in whole["model"]:
@@ -339,13 +361,13 @@ def test_sample_reads_the_xla_snapshot(runs):
     assert proc.stdout.strip() == sampled and len(sampled) > 20, (proc.stdout, sampled)
 
 
-def test_xla_stops_at_a_nan_loss_before_saving_it(runs, shard_report):
+def test_xla_stops_at_a_nan_loss_before_saving_it(runs, probe):
     """The Trainer's check, on XLA too: the loss turns nan at step 2 (lr 1e30), a save step
     but no log step, and the run stops there with one line, no snapshot written. (xla_main.py's
     loop of its own checked at log steps only: it saved step 2's nan weights.) xla_main.main
     in the probe's process: the exit status and the line are the command's (the refusals
     below launch it)."""
-    out, nan = runs["out"], shard_report["nan"]
+    out, nan = runs["out"], probe["nan"]
     assert not (out / "nan/snapshot").exists()
     assert (nan["code"], nan["stderr"].strip()) == (2, (
         f"error: the loss became nan or inf at step 2: training stopped and saved nothing "
@@ -365,10 +387,10 @@ def test_xla_refuses_what_only_main_py_has(xla_python, tmp_path):
     assert not (folder / "runs").exists()
 
 
-def test_xla_refuses_the_axes_and_jobs_only_main_py_has(shard_report):
+def test_xla_refuses_the_axes_and_jobs_only_main_py_has(probe):
     """xla_main.py once ignored these silently (trained dense SPMD FSDP, one job, for real).
     The probe's process checks them all (xla_main.load_config, which main() calls first): the
     exit and the one line are the case above's. Where no optimizer is named, xla_main.py takes
     AdamW (main.py's default, Muon, it refuses)."""
-    assert shard_report["refusals"] == [list(REFUSED), "adamw"]
+    assert probe["refusals"] == [list(REFUSED), "adamw"]
 
