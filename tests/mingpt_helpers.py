@@ -199,16 +199,16 @@ class Job:
 
     def __init__(self, cwd: Path, script: str, argv: list[str], nproc: int, log: Path,
                  compile_backend: str | None = None, stop_grace_s: float | None = None,
-                 then: tuple["Then", ...] = (), **env: str) -> None:
+                 then: tuple[Then, ...] = (), **env: str) -> None:
         self.log, self.returncode, self.stop_grace_s = log, None, stop_grace_s
-        self.logs = [log, *(later.log for later in then)]
+        self.logs = [log, *(run.log for run in then)]
         if stop_grace_s is not None:
             env = {"TORCHELASTIC_RUN_ID": f"job-{os.getpid()}-{log.stem}", **env}
         environ = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                             WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), **env)
         # Each later run makes its process group anew: on a port of its own.
-        later = [(later.argv, str(later.log), {**later.env, "MASTER_PORT": str(free_port())},
-                  later.before) for later in then]
+        later = [(run.argv, str(run.log), {**run.env, "MASTER_PORT": str(free_port())},
+                  run.before) for run in then]
         context = fork_server()
         self.ranks = [context.Process(target=_job_rank, daemon=False,
                                       args=(rank, environ, str(cwd), script, argv, str(log),
