@@ -207,8 +207,7 @@ class Job:
         environ = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                             WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), **env)
         # Each later run makes its process group anew: on a port of its own.
-        later = [(run.argv, str(run.log), {**run.env, "MASTER_PORT": str(free_port())},
-                  run.before) for run in then]
+        later = [run._replace(env={**run.env, "MASTER_PORT": str(free_port())}) for run in then]
         context = fork_server()
         self.ranks = [context.Process(target=_job_rank, daemon=False,
                                       args=(rank, environ, str(cwd), script, argv, str(log),
@@ -407,12 +406,12 @@ def recorded_warnings() -> Iterator[list[str]]:
 
 def _job_rank(rank: int | None, environ: dict, cwd: str, script: str, argv: list[str],
               log: str, err: str | None = None, compile_backend: str | None = None,
-              later: list[tuple] = ()) -> None:
+              later: list[Then] = ()) -> None:
     """One rank of a Job: `python SCRIPT ARGV` in a fork of the fork server, RANK and
     LOCAL_RANK `rank` (None: environ's, forked_peer's one worker of its node); its stderr in
     `err` where given, else in `log` with its stdout; its compiles with `compile_backend`
     where given (compile_with; each run's count, its log's last line). Then each of `later`'s
-    runs (argv, log, env, before: Job's `then`) in this process."""
+    runs (Job's `then`) in this process."""
     _adopt(environ)
     if rank is not None:
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
@@ -437,13 +436,13 @@ def _job_rank(rank: int | None, environ: dict, cwd: str, script: str, argv: list
     # A stuck job's ranks say where they are (Job.dump_stacks); the series uses no SIGUSR1.
     # It writes to fd 2, whichever log that is by then.
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
-    for n, (args, run_log, env, before) in enumerate([(argv, log, {}, None), *later]):
-        if before is not None and os.environ["RANK"] == "0":
-            before()
-        os.environ.update(env)
+    for n, run in enumerate([Then(argv, log, {}), *later]):
+        if run.before is not None and os.environ["RANK"] == "0":
+            run.before()
+        os.environ.update(run.env)
         if n:  # the first run's output is set above
-            _output_to(run_log, None)
-        sys.argv = [script, *args]
+            _output_to(run.log, None)
+        sys.argv = [script, *run.argv]
         before_run = COMPILED_GRAPHS[0]
         # An absolute __file__, as Python gives `python SCRIPT`: a process it spawns (DCP's
         # staging process) imports the script again from there.
@@ -455,7 +454,7 @@ def _job_rank(rank: int | None, environ: dict, cwd: str, script: str, argv: list
                       flush=True)
 
 
-def _output_to(log: str, err: str | None) -> None:
+def _output_to(log: str | Path, err: str | None) -> None:
     """This process's stdout into `log` (appended), its stderr into `err`, else `log` too."""
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
@@ -709,14 +708,18 @@ def snapshot_at(whole: str, resumed: str, step: int) -> None:
     """A copy of the snapshot at URL `whole` as it stood after `step` (a step directory that
     keep_last kept), to URL `resumed`: its other step directories left out, `latest` naming
     that step. fsspec, so local paths and s3:// alike."""
+    copy_step(whole, resumed, *step_files(step))
+
+
+def step_files(step: int) -> tuple[str, str]:
+    """(the name of `step`'s directory, the name of `latest`): mingpt.shards' names."""
     with mingpt_imported() as m:
-        name, latest = m["shards"].step_dir(step), m["shards"].LATEST
-    copy_step(whole, resumed, name, latest)
+        return m["shards"].step_dir(step), m["shards"].LATEST
 
 
 def copy_step(whole: str, resumed: str, name: str, latest: str) -> None:
-    """snapshot_at's copy, of step directory `name`, with `latest` (mingpt.shards' file name)
-    naming it; nothing imported, so a Job's rank can run it between its runs (Then.before)."""
+    """snapshot_at's copy, of step directory `name`, with `latest` (step_files' names) naming
+    it; nothing imported, so a Job's rank can run it between its runs (Then.before)."""
     fs, source = fsspec.core.url_to_fs(whole)
     target = fsspec.core.url_to_fs(resumed)[1]
     for path in fs.find(source):

@@ -36,6 +36,7 @@ from mingpt_helpers import (
     copy_step,
     graphs_compiled,
     mingpt_imported,
+    step_files,
     weights_at,
 )
 from test_feature_matrix import (
@@ -74,8 +75,8 @@ def train(schema, names: tuple[str, ...], case: Path, text: Path, gpt2: tuple[st
           env: dict, step: tuple[str, str]) -> None:
     """Both groups of run `names`, whole, then resumed, to their end: group g keeps each
     half's snapshot at location(case / f"{kind}{g}") and its log beside it. `schema`:
-    mingpt/config.py; `gpt2`: the pretrained fixture's; `step`: step 1's directory and the
-    name of `latest` (mingpt.shards'). Each group is one Job whose ranks run both halves, as
+    mingpt/config.py; `gpt2`: the pretrained fixture's; `step`: step_files(1), the names of
+    step 1's directory and of `latest`. Each group is one Job whose ranks run both halves, as
     the world's ranks do (Then): its rank 0 copies step 1's snapshot in between. Each half
     has a lighthouse of its own: every quorum is of these two groups alone, none of an
     earlier run's whose heartbeats it still remembers."""
@@ -110,8 +111,7 @@ def groups(tmp_path_factory, config, s3_env, pretrained):  # noqa: F811 (fixture
     text = out / "input.txt"
     text.write_text((REPO / "05_mingpt/data/input.txt").read_text()[:40_000])
     runs = feature_matrix.runs(config, groups=True)
-    with mingpt_imported() as m:
-        step = (m["shards"].step_dir(1), m["shards"].LATEST)
+    step = step_files(1)
     with pytest.MonkeyPatch.context() as patch:
         for key, value in s3_env.items():
             patch.setenv(key, value)  # this process reads the s3 runs' snapshots

@@ -25,8 +25,8 @@ from mingpt_helpers import (
     U,
     copy_mingpt,
     log_units,
-    mingpt_imported,
     read_snapshot,
+    step_files,
     tiny,
     train_losses,
     val_losses,
@@ -240,7 +240,8 @@ def command(argv):
 
 report["nan"] = command(given["nan"])
 # A run with dropout, whole, then resumed from a copy of its step-2 snapshot (the step
-# directory and `latest` naming it).
+# directory and `latest` naming it: mingpt_helpers.copy_step's copy, which this process, in
+# .venv-xla, cannot import).
 dropout = {"whole": command(given["whole"])}
 source, target, step, latest = given["copy"]
 shutil.copytree(f"{source}/{step}", f"{target}/{step}")
@@ -294,8 +295,7 @@ def probe(runs, xla_python) -> dict:
     run's exit status, stdout and stderr), and the refusals."""
     out = runs["out"]
     data = f"data_config.path={out}/input.txt"
-    with mingpt_imported() as m:
-        step, latest = m["shards"].step_dir(2), m["shards"].LATEST
+    step, latest = step_files(2)
     given = {"probe": tiny("trainer_config.max_steps=1", *QUIET, data, f"run_dir={out}/probe"),
              "nan": tiny(*NAN, data, f"run_dir={out}/nan"),
              "whole": tiny(*DROPOUT, data, f"run_dir={out}/whole"),
