@@ -91,6 +91,8 @@ GPT_KEYS = (*(f.name for f in fields(GPTConfig) if f.name != "vocab_size"), "ini
 # optimizer_config.name: AdamW alone, or Muon for the blocks' matrices (mingpt/muon.py).
 OPTIMIZERS = ("adamw", "muon")
 SECTIONS = {"trainer_config": TrainerConfig, "optimizer_config": OptimizerConfig}
+# Each section's schema as OmegaConf's typed config, built once: OmegaConf.merge copies it.
+_TYPED: dict[str, DictConfig] = {}
 TOP_LEVEL = ("run_name", "run_dir", "gpt_config", "data_config", "trainer_config",
              "optimizer_config")
 
@@ -138,8 +140,10 @@ def validate(cfg: DictConfig) -> None:
         if not isinstance(cfg.get(name), DictConfig):
             raise ValueError(f"{name} must be a group of keys, got {cfg.get(name)!r}")
         try:  # type check: '3' -> 3 is fine, 'abc' for an int is not; unknown keys are rejected
-            typed = OmegaConf.merge(OmegaConf.structured(schema),
-                                    OmegaConf.to_container(cfg[name], resolve=False))
+            if name not in _TYPED:
+                _TYPED[name] = OmegaConf.structured(schema)
+            typed = OmegaConf.merge(_TYPED[name], OmegaConf.to_container(cfg[name],
+                                                                         resolve=False))
         except ConfigKeyError as e:  # `+trainer_config.foo=1` got past hydra
             key = f"{name}.{e.key}"
             raise ValueError(f"unknown key {key}; {_allowed(key)}") from None
