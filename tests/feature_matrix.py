@@ -221,7 +221,7 @@ def base_config(config, cache: dict = {}):  # noqa: B006 (a cache)
 def key(config) -> str:
     """What the caches here are kept by: the config module's file. Each test file imports
     mingpt afresh (mingpt_helpers.mingpt_imported), the same files, so the grid (460 config
-    checks, about 8 s of CPU) is computed once per test process, not once per file."""
+    checks, about 7 s of CPU) is computed once per test process, not once per file."""
     return config.__file__
 
 
