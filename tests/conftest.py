@@ -7,6 +7,7 @@ import contextlib
 import gc
 import io
 import os
+import random
 import re
 import shutil
 import socket
@@ -274,11 +275,44 @@ def in_process(main: Callable[[], object], args: list[str], cwd: Path, unset: tu
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
+# The tests' ports (MASTER_PORT, rendezvous endpoints, servers) lie below the kernel's
+# ephemeral range, from which every outgoing connection on the machine (each gloo pair, store
+# client, RPC) takes its local port: a port picked by binding to 0 came from that range, and
+# between the pick and the rank that listened there another connection once took it ("EADDRINUSE:
+# address already in use" at a restarted DiLoCo group's start, in a whole run). Each xdist
+# worker picks from a band of its own, so two workers never hand out the same port.
+LOWEST_PORT = 10000
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's ephemeral range (Linux's default where /proc does not say)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def port_band() -> range:
+    """This pytest process's ports: its xdist worker's share of LOWEST_PORT up to the
+    ephemeral range (the whole of it without xdist)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:])
+    size = (ephemeral_ports()[0] - LOWEST_PORT) // workers
+    return range(LOWEST_PORT + worker * size, LOWEST_PORT + (worker + 1) * size)
+
+
 def free_port() -> int:
-    """A TCP port that is free right now on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port of this process's band (port_band) free right now on 127.0.0.1."""
+    band = port_band()
+    for port in random.sample(band, min(200, len(band))):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # listened on, or held by a closed connection (TIME_WAIT)
+                continue
+            return port
+    pytest.fail(f"no free port among 200 of {band}")
 
 
 def gloo_threads_at_exit(stdout: str) -> list[str]:

@@ -11,10 +11,12 @@ refused" at each restart, or hung, in 5 of 6 jobs of step 03 measured before the
 the restart as a new user runs it.
 """
 import signal
+import socket
 import sys
 
 import pytest
 
+from conftest import ephemeral_ports, free_port, port_band
 from restart_tries import one_try
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
@@ -34,3 +36,26 @@ def test_step03_command_as_written_recovers(tmp_path):
     # restart trained 2 and 3 (not 1, not only 3). Bit for bit: test_crash_storm.py.
     assert result["exit_codes"] == [-signal.SIGKILL], result
     assert result["epochs_after_resume"] == [2, 3], result
+
+
+def test_the_tests_ports_lie_below_the_ephemeral_range_in_this_workers_band(monkeypatch):
+    """A port for a rank or server to listen on is never one an outgoing connection can take
+    meanwhile (conftest.free_port), nor one the other xdist worker hands out."""
+    low, _ = ephemeral_ports()
+    ports = [free_port() for _ in range(50)]
+    assert all(p in port_band() and p < low for p in ports), ports
+    with socket.socket() as s:  # a port listened on is never handed out
+        s.bind(("127.0.0.1", ports[0]))
+        s.listen()
+        monkeypatch.setattr("conftest.port_band", lambda: range(ports[0], ports[0] + 1))
+        with pytest.raises(pytest.fail.Exception, match="no free port"):
+            free_port()
+    monkeypatch.undo()
+    for count in (1, 2, 3):  # the workers' bands: disjoint, each below the ephemeral range
+        monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", str(count))
+        bands = []
+        for worker in range(count):
+            monkeypatch.setenv("PYTEST_XDIST_WORKER", f"gw{worker}")
+            bands.append(set(port_band()))
+        assert sum(map(len, bands)) == len(set().union(*bands)) > 20000 // count
+        assert max(set().union(*bands)) < low
