@@ -295,10 +295,15 @@ def ephemeral_ports() -> tuple[int, int]:
 
 def port_band() -> range:
     """This pytest process's ports: its xdist worker's share of LOWEST_PORT up to the
-    ephemeral range (the whole of it without xdist)."""
+    ephemeral range (the whole of it without xdist). Where that range starts lower (a machine
+    that made nearly every port ephemeral), the share of LOWEST_PORT up to 65535: the workers
+    still never pick the same port."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:])
-    size = (ephemeral_ports()[0] - LOWEST_PORT) // workers
+    top = ephemeral_ports()[0]
+    if top - LOWEST_PORT < 1000 * workers:
+        top = 65536
+    size = (top - LOWEST_PORT) // workers
     return range(LOWEST_PORT + worker * size, LOWEST_PORT + (worker + 1) * size)
 
 

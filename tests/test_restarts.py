@@ -59,3 +59,11 @@ def test_the_tests_ports_lie_below_the_ephemeral_range_in_this_workers_band(monk
             bands.append(set(port_band()))
         assert sum(map(len, bands)) == len(set().union(*bands)) > 20000 // count
         assert max(set().union(*bands)) < low
+    # Where nearly every port is ephemeral, the bands still part the workers' ports.
+    monkeypatch.setattr("conftest.ephemeral_ports", lambda: (1024, 65535))
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+    bands = []
+    for worker in ("gw0", "gw1"):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        bands.append(set(port_band()))
+    assert not bands[0] & bands[1] and min(map(len, bands)) > 20000
