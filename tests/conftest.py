@@ -310,14 +310,15 @@ def port_band() -> range:
 def free_port() -> int:
     """A TCP port of this process's band (port_band) free right now on 127.0.0.1."""
     band = port_band()
-    for port in random.sample(band, min(200, len(band))):
+    tries = min(200, len(band))
+    for port in random.sample(band, tries):
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:  # listened on, or held by a closed connection (TIME_WAIT)
                 continue
             return port
-    pytest.fail(f"no free port among 200 of {band}")
+    pytest.fail(f"no free port among {tries} of {band}")
 
 
 def gloo_threads_at_exit(stdout: str) -> list[str]:

@@ -51,19 +51,21 @@ def test_the_tests_ports_lie_below_the_ephemeral_range_in_this_workers_band(monk
         with pytest.raises(pytest.fail.Exception, match="no free port"):
             free_port()
     monkeypatch.undo()
-    for count in (1, 2, 3):  # the workers' bands: disjoint, each below the ephemeral range
+
+    def bands(count: int) -> list[set[int]]:
+        """Each worker's band, with `count` workers."""
         monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", str(count))
-        bands = []
+        found = []
         for worker in range(count):
             monkeypatch.setenv("PYTEST_XDIST_WORKER", f"gw{worker}")
-            bands.append(set(port_band()))
-        assert sum(map(len, bands)) == len(set().union(*bands)) > 20000 // count
-        assert max(set().union(*bands)) < low
+            found.append(set(port_band()))
+        return found
+
+    for count in (1, 2, 3):  # the workers' bands: disjoint, each below the ephemeral range
+        each = bands(count)
+        assert sum(map(len, each)) == len(set().union(*each)) > 20000 // count
+        assert max(set().union(*each)) < low
     # Where nearly every port is ephemeral, the bands still part the workers' ports.
     monkeypatch.setattr("conftest.ephemeral_ports", lambda: (1024, 65535))
-    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
-    bands = []
-    for worker in ("gw0", "gw1"):
-        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
-        bands.append(set(port_band()))
-    assert not bands[0] & bands[1] and min(map(len, bands)) > 20000
+    first, second = bands(2)
+    assert not first & second and min(len(first), len(second)) > 20000
