@@ -51,16 +51,18 @@ def test_step03_killed_worker_resumes_bitwise_exact_in_a_storm(tmp_path):
     assert all(0 <= lost <= 1 for lost in summary["lost_per_kill"]), summary["records"]
 
 
-@pytest.mark.parametrize("step", ["03_torchrun_fault_tolerance", "04_multinode"])
-def test_the_rank_whose_peer_died_leaves_no_gloo_thread_behind(tmp_path, step):
+def test_the_rank_whose_peer_died_leaves_no_gloo_thread_behind(tmp_path):
     """The other side of a kill: the surviving rank's collective fails ("Connection reset by
     peer") and it exits with Python's traceback and status 1, having destroyed its process
     group. A group left alive keeps gloo's threads running as Python shuts down, which can
     abort the process ("terminate called without an active exception"; seen in the run above
     on a busy machine, when rank 0 saw the reset before torchrun stopped it). No torchrun here,
     so nothing stops rank 0 before it handles the error: the probe counts gloo's threads at
-    exit every time."""
-    cmd = [PYTHON, TEARDOWN_PROBE, str(REPO / step / "train.py"), "3", "1",
+    exit every time. Step 03's train.py: 04's differs from it only in its start-up check of
+    the shared snapshot and its log tags (`diff 03_torchrun_fault_tolerance/train.py
+    04_multinode/train.py`), and their helpers are byte-identical copies (test_docs.py), so the
+    failure path is the same."""
+    cmd = [PYTHON, TEARDOWN_PROBE, str(REPO / "03_torchrun_fault_tolerance/train.py"), "3", "1",
            "--snapshot_path", "s.pt"]
     procs = [subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env=child_env(**env, FAULT_AT_EPOCH="1"))
