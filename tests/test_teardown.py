@@ -55,7 +55,8 @@ def assert_clean_exit(proc) -> None:
 
 
 @linux_only
-def test_no_gloo_thread_is_left_at_exit_of_a_compiled_fsdp_run(tmp_path, late_worker_shim):
+def test_a_compiled_fsdp_run_with_late_gloo_workers_exits_0_leaving_no_thread(
+        tmp_path, late_worker_shim):
     # dynamo traces, the graphs run eagerly: dynamo's references are what teardown must drop
     # (with isinstance() instead of type() in distributed.release, this run fails with
     # ReferenceError on either backend); inductor's kernels: test_mingpt_train.py.
