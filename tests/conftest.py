@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import pcluster_venv
+
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 # torchrun installed next to the interpreter running the tests (the venv's own).
@@ -36,17 +38,37 @@ SLURM_INSTALL_VARIABLE = "DDP_SERIES_SLURM_INSTALL"
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Start installing slurm-wlm and munge now, in the background, when the Slurm tests will
-    need them: apt-get's half minute then overlaps other tests instead of holding up the one
-    worker that runs tests/test_slurm.py (its cluster fixture waits for the result). Once, in
-    the main pytest process (xdist's workers inherit the variable that names the result), and
-    only where local_cluster.sh would install them: as root, with apt-get, tools missing."""
-    if hasattr(config, "workerinput") or os.environ.get(SLURM_INSTALL_VARIABLE):
+    """Start the installs some test files need, in the background, in the main pytest process
+    only (not in xdist's workers): they then overlap other tests instead of holding up the
+    worker that reaches the file."""
+    if hasattr(config, "workerinput"):
         return
-    slurm_test = REPO / "tests/test_slurm.py"
     paths = [Path(a.split("::")[0]).resolve() for a in config.args] or [REPO / "tests"]
-    if not any(p == slurm_test or p in slurm_test.parents for p in paths):
-        return  # this run does not include the Slurm tests
+
+    def runs(name: str) -> bool:
+        test = REPO / "tests" / name
+        return any(p == test or p in test.parents for p in paths)
+
+    if runs("test_slurm.py"):
+        _start_slurm_install()
+    if runs("test_cluster.py") and pcluster_venv.missing():
+        # aws-parallelcluster's venv (pcluster_venv.py): pip's download, over a minute with
+        # nothing in its cache, is mostly waiting. Never killed: a build cut short is never
+        # used (it is renamed into place when complete), and its file lock makes the fixture
+        # wait for it.
+        subprocess.Popen([sys.executable, str(REPO / "tests/pcluster_venv.py")],
+                         start_new_session=True, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+
+
+def _start_slurm_install() -> None:
+    """Start installing slurm-wlm and munge now, in the background: apt-get's half minute then
+    overlaps other tests instead of holding up the one worker that runs tests/test_slurm.py
+    (its cluster fixture waits for the result). Once (xdist's workers inherit the variable
+    that names the result), and only where local_cluster.sh would install them: as root, with
+    apt-get, tools missing."""
+    if os.environ.get(SLURM_INSTALL_VARIABLE):
+        return
     sbin = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
     if os.geteuid() != 0 or not shutil.which("apt-get") or all(
             shutil.which(tool, path=sbin) for tool in ("munged", "slurmctld", "slurmd", "sbatch")):

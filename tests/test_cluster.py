@@ -4,23 +4,20 @@ the head node, a GPU queue with EFA and a placement group, and /fsx shared by ev
 misspelt key is refused by the same schema. Offline: no AWS account, no AWS call.
 
 aws-parallelcluster pins older attrs and packaging than the series' stack, so it lives in a venv
-of its own, built by the first test that needs it (about 30 s, once) and kept in
-.venv/aws-parallelcluster-VERSION: tests/README.md says more.
+of its own (tests/pcluster_venv.py), built in the background from the run's start or by the
+first test that needs it (about 30 s, once) and kept in .venv/aws-parallelcluster-VERSION:
+tests/README.md says more.
 """
-import fcntl
 import json
 import re
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+import pcluster_venv
 from conftest import REPO
 
-PCLUSTER_VERSION = "3.16.1"
-VENV = REPO / ".venv" / f"aws-parallelcluster-{PCLUSTER_VERSION}"
 CONFIG = REPO / "slurm_scripts/pcluster.yaml"
 SETUP_SCRIPT = REPO / "slurm_scripts/pcluster_node_setup.sh"
 README = REPO / "slurm_scripts/README.md"
@@ -66,29 +63,12 @@ print(json.dumps({
 
 @pytest.fixture(scope="session")
 def pcluster_python() -> Path:
-    """The venv's interpreter, built on first use. A file lock: xdist's workers may ask at once;
-    the first builds, the others wait and find it done. Built in a temporary folder and renamed
-    into place, so that an install cut short is never taken for a finished one."""
-    python = VENV / "bin/python"
-    VENV.parent.mkdir(exist_ok=True)
-    with open(VENV.parent / f"{VENV.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not python.exists():
-            building = VENV.with_name(VENV.name + ".building")
-            shutil.rmtree(building, ignore_errors=True)
-            subprocess.run([sys.executable, "-m", "venv", str(building)], check=True)
-            proc = subprocess.run(
-                # --no-compile: no bytecode for the thousands of modules installed, only for
-                # the few the schema imports, on first import (pip's cache warm: 27 s against
-                # 47 s and 25 s of CPU against 33, the Xeon, 2 cores)
-                [str(building / "bin/python"), "-m", "pip", "install", "-q", "--no-compile",
-                 "--disable-pip-version-check", f"aws-parallelcluster=={PCLUSTER_VERSION}"],
-                capture_output=True, text=True, timeout=600)
-            if proc.returncode != 0:  # no registry reachable: say so rather than fail later
-                shutil.rmtree(building, ignore_errors=True)
-                pytest.skip(f"cannot install aws-parallelcluster: {proc.stderr[-500:]}")
-            building.rename(VENV)
-    return python
+    """The venv's interpreter (tests/pcluster_venv.py): built on first use, or by the build
+    conftest.py started in the background, which this waits for."""
+    error = pcluster_venv.build()
+    if error:  # no registry reachable: say so rather than fail later
+        pytest.skip(f"cannot install aws-parallelcluster: {error}")
+    return pcluster_venv.PYTHON
 
 
 def load(python: Path, text: str) -> dict:
