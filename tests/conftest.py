@@ -52,10 +52,10 @@ def pytest_configure(config: pytest.Config) -> None:
     if runs("test_slurm.py"):
         _start_slurm_install()
     if runs("test_cluster.py") and pcluster_venv.missing():
-        # aws-parallelcluster's venv (pcluster_venv.py): pip's download, over a minute with
-        # nothing in its cache, is mostly waiting. Never killed: a build cut short is never
-        # used (it is renamed into place when complete), and its file lock makes the fixture
-        # wait for it.
+        # aws-parallelcluster's venv (pcluster_venv.py): 85 s with nothing in pip's cache,
+        # 25 s of it the install's CPU, the rest the download. Never killed: a build cut
+        # short is never used (it is renamed into place when complete), and its file lock
+        # makes the fixture wait for it.
         subprocess.Popen([sys.executable, str(REPO / "tests/pcluster_venv.py")],
                          start_new_session=True, stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL)

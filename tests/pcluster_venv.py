@@ -2,8 +2,9 @@
 .venv/aws-parallelcluster-VERSION (its pins would move the series' own stack: tests/README.md).
 
 `python tests/pcluster_venv.py` builds it. conftest.py starts that in the background when a run
-includes test_cluster.py and the venv is missing: pip's download (over a minute with nothing in
-its cache) then overlaps other tests instead of holding up the worker that reaches the file.
+includes test_cluster.py and the venv is missing: pip's download (most of the 85 s it took with
+nothing in its cache) then overlaps other tests instead of holding up the worker that reaches
+the file.
 The fixture calls build() too: the file lock makes it wait for a build in progress and find it
 done, or build it itself. No torch here: the background process imports nothing heavy.
 """
