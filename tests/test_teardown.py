@@ -35,34 +35,25 @@ from conftest import (
 from mingpt_helpers import copy_mingpt, tiny
 from step_helpers import worker_env
 
-MINGPT_ARGS = ("trainer_config.max_steps=2", "trainer_config.sample_tokens=4")  # FSDP samples too
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="reads gloo's thread names from /proc (Linux)")
-
-
-def launch_fsdp(tmp_path, *prefix: str, compile: bool = False, **env: str):
-    """torchrun, 2 processes, of 05's main.py with FSDP (and torch.compile)."""
-    overrides = ["trainer_config.distributed_method=fsdp",
-                 *(["trainer_config.compile=True"] if compile else [])]
-    return run([TORCHRUN, "--standalone", "--nproc_per_node=2", *prefix, "main.py",
-                *tiny("run_name=fsdp", *MINGPT_ARGS, *overrides)],
-               cwd=copy_mingpt(tmp_path), check=False, **env)
-
-
-def assert_clean_exit(proc) -> None:
-    assert TEARDOWN_ABORT not in proc.stderr, proc.stderr[-3000:]
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
 @linux_only
 def test_a_compiled_fsdp_run_with_late_gloo_workers_exits_0_leaving_no_thread(
         tmp_path, late_worker_shim):
-    # dynamo traces, the graphs run eagerly: dynamo's references are what teardown must drop
-    # (with isinstance() instead of type() in distributed.release, this run fails with
-    # ReferenceError on either backend); inductor's kernels: test_mingpt_train.py.
-    proc = launch_fsdp(tmp_path, TEARDOWN_PROBE, compile=True, PROBE_COMPILE_BACKEND="eager",
-                       LD_PRELOAD=str(late_worker_shim))
-    assert_clean_exit(proc)
+    """torchrun, 2 processes, of 05's main.py with FSDP and torch.compile (it samples too), under
+    the probe and the shim. dynamo traces, the graphs run eagerly: dynamo's references are what
+    teardown must drop (with isinstance() instead of type() in distributed.release, this run
+    fails with ReferenceError on either backend); inductor's kernels: test_mingpt_train.py."""
+    proc = run([TORCHRUN, "--standalone", "--nproc_per_node=2", TEARDOWN_PROBE, "main.py",
+                *tiny("run_name=fsdp", "trainer_config.max_steps=2",
+                      "trainer_config.sample_tokens=4", "trainer_config.distributed_method=fsdp",
+                      "trainer_config.compile=True")],
+               cwd=copy_mingpt(tmp_path), check=False, PROBE_COMPILE_BACKEND="eager",
+               LD_PRELOAD=str(late_worker_shim))
+    assert TEARDOWN_ABORT not in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     counts = gloo_threads_at_exit(proc.stdout)
     assert counts == ["0", "0"], (
         f"gloo threads alive as Python exits, per rank: {counts}. Something still holds the "
