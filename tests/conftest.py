@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import cpu_time
 import pcluster_venv
 
 REPO = Path(__file__).resolve().parent.parent
@@ -41,6 +42,7 @@ def pytest_configure(config: pytest.Config) -> None:
     """Start the installs some test files need, in the background, in the main pytest process
     only (not in xdist's workers): they then overlap other tests instead of holding up the
     worker that reaches the file."""
+    _cpu["wanted"] = config.getoption("cpu_time")
     if hasattr(config, "workerinput"):
         return
     paths = [Path(a.split("::")[0]).resolve() for a in config.args] or [REPO / "tests"]
@@ -207,25 +209,74 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=rank)  # stable: the order within each file and among the rest is kept
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--cpu-time", action="store_true",
+                     help="each file's CPU seconds beside its time: every process its tests ran "
+                          "or started, counted by a cgroup per pytest worker (cpu_time.py; "
+                          "needs root)")
+
+
+# With --cpu-time: this process's cgroup (made at its first test) and its CPU at the end of
+# the last test phase reported.
+_cpu: dict[str, object] = {}
+
+
+def pytest_runtest_logstart(nodeid: str, location: tuple) -> None:
+    if _cpu.get("wanted") and "group" not in _cpu:  # a process that runs tests: xdist's
+        _cpu["group"] = cpu_time.start(f"pytest-{os.getpid()}")  # workers, or pytest -n 0
+    group = _cpu.get("group")
+    if group is not None:
+        _cpu["mark"] = group.seconds()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _cpu.get("group") is not None:
+        _cpu["group"].leave()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call):
+    """With --cpu-time, each phase's report (setup, call, teardown) carries its CPU seconds,
+    which xdist hands the main process with the report (user_properties)."""
+    outcome = yield
+    group = _cpu.get("group")
+    if group is not None:
+        now = group.seconds()
+        outcome.get_result().user_properties.append(("cpu_s", now - _cpu["mark"]))
+        _cpu["mark"] = now
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     """Each file's test time (setup, call and teardown of its tests, summed; under xdist the
     files overlap in wall time) beside its budget (BUDGETS), longest first: growth shows the
-    day it happens, as a report, not as a test that fails on a loaded machine."""
+    day it happens, as a report, not as a test that fails on a loaded machine. With
+    --cpu-time, its CPU too: what the 10 minutes on 2 cores are spent on (cpu_time.py)."""
     seconds: dict[str, float] = {}
+    cpu: dict[str, float] = {}
     for reports in terminalreporter.stats.values():
         for report in reports:
             if isinstance(report, pytest.TestReport):
                 name = Path(report.nodeid.split("::")[0]).name
                 seconds[name] = seconds.get(name, 0.0) + report.duration
+                for key, value in report.user_properties:
+                    if key == "cpu_s":
+                        cpu[name] = cpu.get(name, 0.0) + value
     if not seconds:
         return
     terminalreporter.section("time per test file (budget: tests/conftest.py BUDGETS)")
     for name, spent in sorted(seconds.items(), key=lambda item: -item[1]):
         budget = BUDGETS.get(name, DEFAULT_BUDGET)
         over = "  OVER" if spent > budget else ""
-        terminalreporter.write_line(f"{spent:7.1f} s  (budget {budget:4d} s)  {name}{over}")
+        used = f"  {cpu.get(name, 0.0):7.1f} s CPU" if cpu else ""
+        terminalreporter.write_line(f"{spent:7.1f} s  (budget {budget:4d} s){used}  {name}{over}")
     terminalreporter.write_line(f"{sum(seconds.values()):7.1f} s in all, over {len(seconds)} "
                                 f"files (the aim: {AIM_S} s, 10 minutes on 2 workers)")
+    if cpu:
+        terminalreporter.write_line(f"{sum(cpu.values()):7.1f} s of CPU in all (10 minutes on 2 "
+                                    f"cores hold {AIM_S})")
+    elif config.getoption("cpu_time"):
+        terminalreporter.write_line("CPU: not counted (cpu_time.py could not make a cgroup: "
+                                    "moving a process into one needs root)")
 
 
 def child_env(**extra: str) -> dict[str, str]:
