@@ -35,10 +35,14 @@ class Group:
         """Every process of the group back to the cgroup this one came from (this one, and any
         it started that still runs: the fork server exits after pytest), the group removed."""
         try:
-            for pid in [os.getpid(), *(self.mine / "cgroup.procs").read_text().split()]:
-                (self.home / "cgroup.procs").write_text(str(pid))
+            others = (self.mine / "cgroup.procs").read_text().split()
         except OSError:
-            pass  # a process that ended meanwhile
+            others = []
+        for pid in [str(os.getpid()), *others]:
+            try:
+                (self.home / "cgroup.procs").write_text(pid)
+            except OSError:
+                pass  # a process that ended meanwhile
         try:
             self.mine.rmdir()
         except OSError:
@@ -46,9 +50,10 @@ class Group:
 
 
 def start(name: str) -> Group | None:
-    """A cgroup `name` beside this process's own (v1's cpuacct, else v2's), with this process
+    """A cgroup `name` inside this process's own (v1's cpuacct, else v2's), with this process
     moved into it; None where that is not allowed or there is none."""
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
+    own = Path("/proc/self/cgroup")
+    for line in own.read_text().splitlines() if own.exists() else []:
         _, controllers, path = line.split(":", 2)
         if "cpuacct" in controllers.split(","):
             root, usage, scale = MOUNTS / "cpuacct", "cpuacct.usage", 1e-9
